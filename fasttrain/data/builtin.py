@@ -1,0 +1,52 @@
+"""Built-in data sets that need no download: scikit-learn's bundled handwritten digits and 2-D toys."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+TOYS = ("moons", "8gaussians", "checkerboard")
+
+
+def digits(image_size: int = 8, split: str = "train", holdout: int = 400, seed: int = 0):
+    """sklearn's 1797 real 8×8 digits (values 0..16) scaled to [-1, 1] as [N, 1, S, S] float32.
+    The last `holdout` images of a fixed permutation form the test split."""
+    from sklearn.datasets import load_digits
+
+    if split not in ("train", "test", "all"):
+        raise ValueError(f"split must be train, test or all, got {split!r}")
+    d = load_digits()
+    x = torch.from_numpy(d.images.astype(np.float32) / 8.0 - 1.0)[:, None]
+    y = torch.from_numpy(d.target.astype(np.int64))
+    perm = torch.from_numpy(np.random.default_rng(seed).permutation(len(x)))
+    x, y = x[perm], y[perm]
+    if split == "train":
+        x, y = x[:-holdout], y[:-holdout]
+    elif split == "test":
+        x, y = x[-holdout:], y[-holdout:]
+    if image_size != 8:
+        x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False).clamp(-1, 1)
+    return x.contiguous(), y
+
+
+def toy(name: str, n: int = 20000, seed: int = 0) -> torch.Tensor:
+    """[n, 2] float32 samples of a 2-D toy distribution, scaled to roughly unit variance."""
+    rng = np.random.default_rng(seed)
+    if name == "moons":
+        from sklearn.datasets import make_moons
+
+        x, _ = make_moons(n_samples=n, noise=0.05, random_state=seed)
+        x = (x - np.array([0.5, 0.25])) / np.array([0.87, 0.5])
+    elif name == "8gaussians":
+        centers = np.array([(math.cos(a), math.sin(a)) for a in np.arange(8) * math.pi / 4]) * 1.5
+        x = centers[rng.integers(0, 8, n)] + 0.1 * rng.standard_normal((n, 2))
+    elif name == "checkerboard":
+        # 4×4 board on [-2, 2]², every other square filled (FFJORD's toy).
+        x1 = rng.uniform(-2, 2, n)
+        x2 = rng.uniform(0, 1, n) + rng.integers(0, 2, n) * 2 - 2 + (np.floor(x1) % 2)
+        x = np.stack([x1, x2], 1) / 1.15
+    else:
+        raise ValueError(f"unknown toy data set {name!r}; choose from {', '.join(TOYS)}")
+    return torch.from_numpy(x.astype(np.float32))

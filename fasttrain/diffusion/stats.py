@@ -1,0 +1,170 @@
+"""Per-timestep loss statistics that never leave the device.
+
+Each training step adds its per-sample losses to *pending* per-timestep bins (count, Σ, Σ² in fp64,
+the contract of the fused loss kernel's scatter) and, when a history ring is kept, to a pending list
+of (t, loss). Every K steps `all_reduce()` sums the pending bins over ranks (one collective), merges
+them into the running totals with Chan et al.'s parallel update (count, mean, M2: no Σ²-(Σ)²
+cancellation across the run), updates the EMA view and the ring, and clears the pending state. All
+ranks therefore see identical statistics, and samplers read them in `update(stats)`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fasttrain.kernels import reference as ref
+
+KINDS = ("raw", "weighted")
+
+
+def chan_merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
+    """Merge two sets of (count, mean, M2) elementwise (Chan, Golub & LeVeque 1979)."""
+    n = n_a + n_b
+    safe = torch.where(n > 0, n, torch.ones_like(n))
+    delta = mean_b - mean_a
+    mean = torch.where(n > 0, mean_a + delta * n_b / safe, mean_a)
+    m2 = m2_a + m2_b + delta**2 * n_a * n_b / safe
+    return n, mean, m2
+
+
+def bins_to_moments(count, total, total_sq):
+    """(count, Σ, Σ²) → (count, mean, M2), with M2 clamped at 0 against rounding."""
+    safe = torch.where(count > 0, count, torch.ones_like(count))
+    mean = torch.where(count > 0, total / safe, torch.zeros_like(total))
+    m2 = torch.clamp(total_sq - total * mean, min=0.0)
+    return count, mean, m2
+
+
+class TimestepStats:
+    def __init__(self, T: int, device="cpu", ema_decay: float = 0.9, history: int = 0):
+        if not 0 <= ema_decay < 1:
+            raise ValueError(f"ema_decay must lie in [0, 1), got {ema_decay!r}")
+        self.T, self.device, self.ema_decay, self.history = T, torch.device(device), ema_decay, history
+        z = lambda: torch.zeros(T, dtype=torch.float64, device=self.device)  # noqa: E731
+        self.count = z()
+        self.mean = {k: z() for k in KINDS}
+        self.m2 = {k: z() for k in KINDS}
+        self.ema = {k: z() for k in KINDS}
+        self.ema_seen = torch.zeros(T, dtype=torch.bool, device=self.device)
+        self.pending = torch.zeros(5, T, dtype=torch.float64, device=self.device)  # n, Σr, Σr², Σw, Σw²
+        self._pending_samples: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.ring = torch.zeros(T, max(history, 1), dtype=torch.float32, device=self.device)
+        self.ring_count = torch.zeros(T, dtype=torch.long, device=self.device)
+        self.syncs = 0
+
+    # -- per step (no host sync) -----------------------------------------------------------------
+    def update(self, t: torch.Tensor, raw: torch.Tensor, weighted: torch.Tensor, bins: torch.Tensor | None = None):
+        """Add one batch: t Long[B], per-sample raw and weighted losses. `bins` ([5, T] as produced
+        by the fused loss kernel) skips the scatter when the kernel already did it."""
+        t = t.to(self.device)
+        if bins is None:
+            bins = ref.scatter_stats(t, torch.stack([raw.detach(), weighted.detach()]), self.T)
+        self.pending += bins
+        if self.history > 0:
+            self._pending_samples.append((t.detach(), weighted.detach().float()))
+
+    # -- every K steps ---------------------------------------------------------------------------
+    def all_reduce(self, group=None) -> None:
+        """Merge the pending window of every rank into the totals (identical on all ranks)."""
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+        pending = self.pending
+        if distributed:
+            dist.all_reduce(pending, group=group)
+        samples = None
+        if self._pending_samples:
+            t = torch.cat([s[0] for s in self._pending_samples])
+            v = torch.cat([s[1] for s in self._pending_samples])
+            if distributed:  # every rank holds K·B samples, so the gather has equal sizes
+                ws = dist.get_world_size(group)
+                tg, vg = [torch.empty_like(t) for _ in range(ws)], [torch.empty_like(v) for _ in range(ws)]
+                dist.all_gather(tg, t, group=group)
+                dist.all_gather(vg, v, group=group)
+                t, v = torch.cat(tg), torch.cat(vg)
+            samples = (t, v)
+        n = pending[0]
+        for i, k in enumerate(KINDS):
+            _, mean_b, m2_b = bins_to_moments(n, pending[1 + 2 * i], pending[2 + 2 * i])
+            new_n, self.mean[k], self.m2[k] = chan_merge(self.count, self.mean[k], self.m2[k], n, mean_b, m2_b)
+            seen = n > 0
+            blended = self.ema_decay * self.ema[k] + (1 - self.ema_decay) * mean_b
+            self.ema[k] = torch.where(seen, torch.where(self.ema_seen, blended, mean_b), self.ema[k])
+        self.ema_seen |= n > 0
+        self.count = new_n
+        if samples is not None:
+            self._push_ring(*samples)
+        self.pending = torch.zeros_like(self.pending)
+        self._pending_samples = []
+        self.syncs += 1
+
+    def _push_ring(self, t: torch.Tensor, v: torch.Tensor) -> None:
+        """Write each loss into slot (count[t] + rank) % H of its timestep's ring, in arrival order,
+        keeping only the last H per timestep (iDDPM's per-term deque) without a host sync."""
+        order = torch.argsort(t, stable=True)  # arrival order kept within each timestep
+        ts, vs = t[order], v[order]
+        idx = torch.arange(ts.numel(), device=ts.device)
+        is_start = torch.ones_like(ts, dtype=torch.bool)
+        is_start[1:] = ts[1:] != ts[:-1]
+        before = idx - torch.where(is_start, idx, 0).cummax(0).values  # earlier samples with this t
+        size = torch.zeros_like(self.ring_count).index_add_(0, ts, torch.ones_like(ts))
+        # Writes with `after >= H` would be overwritten anyway: masking them (instead of boolean
+        # indexing, which syncs) sends them to slot H, a scratch column that is dropped.
+        keep = (size[ts] - 1 - before) < self.history
+        slot = torch.where(keep, (self.ring_count[ts] + before) % self.history, self.history)
+        ring = torch.cat([self.ring, self.ring.new_zeros(self.T, 1)], dim=1)
+        ring.index_put_((ts, slot), vs)
+        self.ring = ring[:, : self.history].contiguous()
+        self.ring_count += size
+
+    # -- views -----------------------------------------------------------------------------------
+    def variance(self, kind: str = "raw") -> torch.Tensor:
+        """Unbiased per-timestep variance (NaN where fewer than 2 samples)."""
+        return torch.where(self.count > 1, self.m2[kind] / (self.count - 1).clamp_min(1), torch.nan)
+
+    def means(self, kind: str = "raw") -> torch.Tensor:
+        return torch.where(self.count > 0, self.mean[kind], torch.nan)
+
+    def ema_view(self, kind: str = "raw") -> torch.Tensor:
+        return torch.where(self.ema_seen, self.ema[kind], torch.nan)
+
+    def bucketed(self, n_buckets: int = 10, kind: str = "raw") -> dict:
+        """Merge timesteps into `n_buckets` equal-width buckets: count, mean, unbiased variance."""
+        edges = torch.linspace(0, self.T, n_buckets + 1).round().long()
+        out = {"edges": edges.tolist(), "count": [], "mean": [], "var": []}
+        for lo, hi in zip(edges[:-1].tolist(), edges[1:].tolist()):
+            n, mean, m2 = self.count[lo:hi], self.mean[kind][lo:hi], self.m2[kind][lo:hi]
+            tot = n.sum()
+            mu = (n * mean).sum() / tot.clamp_min(1)
+            m2_all = (m2 + n * (mean - mu) ** 2).sum()  # Chan merge over the bucket's timesteps
+            out["count"].append(tot)
+            out["mean"].append(torch.where(tot > 0, mu, torch.nan))
+            out["var"].append(torch.where(tot > 1, m2_all / (tot - 1).clamp_min(1), torch.nan))
+        for k in ("count", "mean", "var"):
+            out[k] = torch.stack(out[k])
+        return out
+
+    def history_ring(self, history: int):
+        if history != self.history:
+            raise ValueError(f"the stats keep a history of {self.history} losses per timestep, "
+                             f"the sampler wants {history}")
+        return self.ring, self.ring_count
+
+    # -- persistence -----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        samples = self._pending_samples
+        return {
+            "count": self.count, "mean": dict(self.mean), "m2": dict(self.m2), "ema": dict(self.ema),
+            "ema_seen": self.ema_seen, "pending": self.pending, "ring": self.ring,
+            "ring_count": self.ring_count, "syncs": self.syncs,
+            "pending_t": torch.cat([s[0] for s in samples]) if samples else None,
+            "pending_v": torch.cat([s[1] for s in samples]) if samples else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        d = self.device
+        self.count, self.ema_seen = state["count"].to(d), state["ema_seen"].to(d)
+        self.mean = {k: v.to(d) for k, v in state["mean"].items()}
+        self.m2 = {k: v.to(d) for k, v in state["m2"].items()}
+        self.ema = {k: v.to(d) for k, v in state["ema"].items()}
+        self.pending, self.ring, self.ring_count = state["pending"].to(d), state["ring"].to(d), state["ring_count"].to(d)
+        self.syncs = int(state["syncs"])
+        self._pending_samples = [] if state["pending_t"] is None else [(state["pending_t"].to(d), state["pending_v"].to(d))]

@@ -1,0 +1,92 @@
+"""DiT (Peebles & Xie 2023): patchify → transformer blocks with adaLN-zero → unpatchify.
+Attention goes through `scaled_dot_product_attention`."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import TimeLabelEmbedding
+
+
+def _modulate(x, shift, scale):
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+def sincos_pos_embed(dim: int, grid: int) -> torch.Tensor:
+    """Fixed 2-D sine-cosine position embedding [grid², dim] (MAE / DiT)."""
+    def one_d(d, pos):
+        omega = 1.0 / 10000 ** (torch.arange(d // 2, dtype=torch.float64) / (d / 2))
+        out = pos.reshape(-1)[:, None] * omega[None]
+        return torch.cat([torch.sin(out), torch.cos(out)], dim=1)
+
+    gy, gx = torch.meshgrid(torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64), indexing="ij")
+    return torch.cat([one_d(dim // 2, gy), one_d(dim // 2, gx)], dim=1).float()
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, hidden: int, heads: int, mlp_ratio: float = 4.0):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.norm2 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(hidden, int(hidden * mlp_ratio)), nn.GELU(approximate="tanh"),
+                                 nn.Linear(int(hidden * mlp_ratio), hidden))
+        self.ada = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 6 * hidden))
+        nn.init.zeros_(self.ada[-1].weight)  # adaLN-zero: every block starts as the identity
+        nn.init.zeros_(self.ada[-1].bias)
+
+    def forward(self, x, c):
+        s1, sc1, g1, s2, sc2, g2 = self.ada(c).chunk(6, dim=1)
+        B, N, D = x.shape
+        q, k, v = self.qkv(_modulate(self.norm1(x), s1, sc1)).view(B, N, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        h = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, D)
+        x = x + g1[:, None] * self.proj(h)
+        return x + g2[:, None] * self.mlp(_modulate(self.norm2(x), s2, sc2))
+
+
+class DiT(nn.Module):
+    def __init__(self, in_channels: int = 4, image_size: int = 32, patch: int = 2, hidden: int = 384,
+                 depth: int = 12, heads: int = 6, mlp_ratio: float = 4.0, num_classes: int = 0,
+                 out_channels: int | None = None):
+        super().__init__()
+        if image_size % patch:
+            raise ValueError(f"image_size {image_size} is not divisible by patch {patch}")
+        if hidden % heads:
+            raise ValueError(f"hidden {hidden} is not divisible by heads {heads}")
+        self.in_channels, self.image_size, self.patch = in_channels, image_size, patch
+        self.out_channels = out_channels or in_channels
+        self.grid = image_size // patch
+        self.x_embed = nn.Conv2d(in_channels, hidden, patch, stride=patch)
+        self.register_buffer("pos", sincos_pos_embed(hidden, self.grid)[None], persistent=False)
+        self.embed = TimeLabelEmbedding(256, hidden, num_classes)
+        self.blocks = nn.ModuleList(DiTBlock(hidden, heads, mlp_ratio) for _ in range(depth))
+        self.final_norm = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+        self.final_ada = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 2 * hidden))
+        self.final = nn.Linear(hidden, patch * patch * self.out_channels)
+        for m in (self.final_ada[-1], self.final):
+            nn.init.zeros_(m.weight)
+            nn.init.zeros_(m.bias)
+        w = self.x_embed.weight
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.normal_(self.embed.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.embed.mlp[2].weight, std=0.02)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        B = x.shape[0]
+        h = self.x_embed(x).flatten(2).transpose(1, 2) + self.pos
+        c = self.embed(t, y)
+        for blk in self.blocks:
+            h = blk(h, c)
+        shift, scale = self.final_ada(c).chunk(2, dim=1)
+        h = self.final(_modulate(self.final_norm(h), shift, scale))
+        p, g, C = self.patch, self.grid, self.out_channels
+        return h.view(B, g, g, p, p, C).permute(0, 5, 1, 3, 2, 4).reshape(B, C, g * p, g * p)
+
+
+def dit_flops_per_token(hidden: int, depth: int, tokens: int) -> float:
+    """Forward multiply-accumulates per token (research notes §1.2): 12·d²·L + 2·T·d·L."""
+    return 12 * hidden**2 * depth + 2 * tokens * hidden * depth
+

@@ -1,0 +1,103 @@
+"""ADM-style UNet (Dhariwal & Nichol 2021): residual blocks with scale-shift norm, self-attention at
+chosen resolutions, channel multipliers per level. Small presets for CPU live in the registry."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import TimeLabelEmbedding, zero_module
+
+
+def _norm(ch: int) -> nn.GroupNorm:
+    return nn.GroupNorm(min(32, ch // 4) if ch >= 8 else 1, ch)
+
+
+class ResBlock(nn.Module):
+    """GN → SiLU → conv → GN·(1 + scale) + shift (ADM "use_scale_shift_norm") → SiLU → dropout → conv."""
+
+    def __init__(self, cin: int, cout: int, emb_dim: int, dropout: float = 0.0):
+        super().__init__()
+        self.in_layers = nn.Sequential(_norm(cin), nn.SiLU(), nn.Conv2d(cin, cout, 3, padding=1))
+        self.emb = nn.Sequential(nn.SiLU(), nn.Linear(emb_dim, 2 * cout))
+        self.out_norm = _norm(cout)
+        self.out_layers = nn.Sequential(nn.SiLU(), nn.Dropout(dropout), zero_module(nn.Conv2d(cout, cout, 3, padding=1)))
+        self.skip = nn.Identity() if cin == cout else nn.Conv2d(cin, cout, 1)
+
+    def forward(self, x, emb):
+        h = self.in_layers(x)
+        scale, shift = self.emb(emb)[:, :, None, None].chunk(2, dim=1)
+        h = self.out_layers(self.out_norm(h) * (1 + scale) + shift)
+        return self.skip(x) + h
+
+
+class AttnBlock(nn.Module):
+    def __init__(self, ch: int, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.norm = _norm(ch)
+        self.qkv = nn.Conv1d(ch, 3 * ch, 1)
+        self.proj = zero_module(nn.Conv1d(ch, ch, 1))
+
+    def forward(self, x, emb=None):
+        B, C, H, W = x.shape
+        q, k, v = self.qkv(self.norm(x).view(B, C, H * W)).view(B, 3, self.heads, C // self.heads, H * W).unbind(1)
+        h = F.scaled_dot_product_attention(q.transpose(-1, -2), k.transpose(-1, -2), v.transpose(-1, -2))
+        return x + self.proj(h.transpose(-1, -2).reshape(B, C, H * W)).view(B, C, H, W)
+
+
+class UNet(nn.Module):
+    def __init__(self, in_channels: int = 3, image_size: int = 32, ch: int = 64, ch_mult=(1, 2, 2),
+                 num_res_blocks: int = 2, attn_resolutions=(16,), heads: int = 4, dropout: float = 0.0,
+                 num_classes: int = 0, out_channels: int | None = None):
+        super().__init__()
+        self.in_channels, self.image_size = in_channels, image_size
+        emb_dim = 4 * ch
+        self.embed = TimeLabelEmbedding(ch, emb_dim, num_classes)
+        self.inp = nn.Conv2d(in_channels, ch, 3, padding=1)
+        self.down, skips, cur, res = nn.ModuleList(), [ch], ch, image_size
+        for level, mult in enumerate(ch_mult):
+            for _ in range(num_res_blocks):
+                blocks = [ResBlock(cur, ch * mult, emb_dim, dropout)]
+                cur = ch * mult
+                if res in attn_resolutions:
+                    blocks.append(AttnBlock(cur, heads))
+                self.down.append(nn.ModuleList(blocks))
+                skips.append(cur)
+            if level != len(ch_mult) - 1:
+                self.down.append(nn.ModuleList([nn.Conv2d(cur, cur, 3, stride=2, padding=1)]))
+                skips.append(cur)
+                res //= 2
+        self.mid = nn.ModuleList([ResBlock(cur, cur, emb_dim, dropout), AttnBlock(cur, heads),
+                                  ResBlock(cur, cur, emb_dim, dropout)])
+        self.up = nn.ModuleList()
+        for level, mult in reversed(list(enumerate(ch_mult))):
+            for i in range(num_res_blocks + 1):
+                blocks = [ResBlock(cur + skips.pop(), ch * mult, emb_dim, dropout)]
+                cur = ch * mult
+                if res in attn_resolutions:
+                    blocks.append(AttnBlock(cur, heads))
+                if level and i == num_res_blocks:
+                    blocks.append(nn.Upsample(scale_factor=2, mode="nearest"))
+                    blocks.append(nn.Conv2d(cur, cur, 3, padding=1))
+                    res *= 2
+                self.up.append(nn.ModuleList(blocks))
+        self.out = nn.Sequential(_norm(cur), nn.SiLU(), zero_module(nn.Conv2d(cur, out_channels or in_channels, 3, padding=1)))
+
+    @staticmethod
+    def _run(blocks, h, emb):
+        for b in blocks:
+            h = b(h, emb) if isinstance(b, (ResBlock, AttnBlock)) else b(h)
+        return h
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        emb = self.embed(t, y)
+        h = self.inp(x)
+        hs = [h]
+        for blocks in self.down:
+            h = self._run(blocks, h, emb)
+            hs.append(h)
+        h = self._run(self.mid, h, emb)
+        for blocks in self.up:
+            h = self._run(blocks, torch.cat([h, hs.pop()], dim=1), emb)
+        return self.out(h)
