@@ -185,8 +185,8 @@ class Trainer:
             log.close()
             raise
         bar.close()
+        self.save("last.pt")  # before the final sync, so that a resumed run continues exactly
         self.objective.sync_stats()
-        self.save("last.pt")
         summary = self.finish(log)
         log.close()
         return summary
@@ -198,7 +198,7 @@ class Trainer:
         g = torch.Generator(self.device).manual_seed(seed)
         net = self.ema.module.eval()
         shape = (n, self.info.channels) + ((self.info.image_size,) * 2 if self.info.image_size else ())
-        return sample(net, self.schedule, self.cfg.diffusion.prediction, shape, steps=sc.steps, method=sc.method,
+        return sample(net, self.schedule, self.cfg.diffusion.prediction, shape, steps=min(sc.steps, self.schedule.T), method=sc.method,
                       eta=sc.eta, labels=labels, guidance=sc.guidance, null_label=self.num_classes,
                       clip_x0=1.0 if self.info.image_size else None, generator=g, device=self.device,
                       progress=self.cfg.train.progress)

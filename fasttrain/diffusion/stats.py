@@ -1,11 +1,13 @@
 """Per-timestep loss statistics that never leave the device.
 
-Each training step adds its per-sample losses to *pending* per-timestep bins (count, Σ, Σ² in fp64,
-the contract of the fused loss kernel's scatter) and, when a history ring is kept, to a pending list
-of (t, loss). Every K steps `all_reduce()` sums the pending bins over ranks (one collective), merges
-them into the running totals with Chan et al.'s parallel update (count, mean, M2: no Σ²-(Σ)²
-cancellation across the run), updates the EMA view and the ring, and clears the pending state. All
-ranks therefore see identical statistics, and samplers read them in `update(stats)`.
+Each training step scatters its per-sample losses into per-timestep bins (count, Σ, Σ² in fp64, the
+contract of the fused loss kernel), turns them into (count, mean, M2) with a second pass around the
+batch means, and merges that into a *pending* window with Chan et al.'s parallel update; when a
+history ring is kept, (t, loss) pairs are queued too. Every K steps `all_reduce()` gathers the pending
+windows of all ranks, merges them (Chan again: never Σ² - (Σ)², which loses everything when the mean
+is large against the spread), merges the result into the running totals, updates the EMA view and
+the ring, and clears the window. All ranks therefore see identical statistics, and samplers read
+them in `update(stats)`.
 """
 from __future__ import annotations
 
@@ -27,12 +29,11 @@ def chan_merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
     return n, mean, m2
 
 
-def bins_to_moments(count, total, total_sq):
-    """(count, Σ, Σ²) → (count, mean, M2), with M2 clamped at 0 against rounding."""
-    safe = torch.where(count > 0, count, torch.ones_like(count))
-    mean = torch.where(count > 0, total / safe, torch.zeros_like(total))
-    m2 = torch.clamp(total_sq - total * mean, min=0.0)
-    return count, mean, m2
+def merge_windows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Chan-merge two [1 + 2K, T] windows laid out as (count, then mean and M2 of each kind)."""
+    parts = [chan_merge(a[0], a[1 + 2 * i], a[2 + 2 * i], b[0], b[1 + 2 * i], b[2 + 2 * i])
+             for i in range((a.shape[0] - 1) // 2)]
+    return torch.stack([parts[0][0]] + [x for n_mean_m2 in parts for x in n_mean_m2[1:]])
 
 
 class TimestepStats:
@@ -46,7 +47,7 @@ class TimestepStats:
         self.m2 = {k: z() for k in KINDS}
         self.ema = {k: z() for k in KINDS}
         self.ema_seen = torch.zeros(T, dtype=torch.bool, device=self.device)
-        self.pending = torch.zeros(5, T, dtype=torch.float64, device=self.device)  # n, Σr, Σr², Σw, Σw²
+        self.pending = torch.zeros(5, T, dtype=torch.float64, device=self.device)  # n, mean_r, M2_r, mean_w, M2_w
         self._pending_samples: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.ring = torch.zeros(T, max(history, 1), dtype=torch.float32, device=self.device)
         self.ring_count = torch.zeros(T, dtype=torch.long, device=self.device)
@@ -54,28 +55,37 @@ class TimestepStats:
 
     # -- per step (no host sync) -----------------------------------------------------------------
     def update(self, t: torch.Tensor, raw: torch.Tensor, weighted: torch.Tensor, bins: torch.Tensor | None = None):
-        """Add one batch: t Long[B], per-sample raw and weighted losses. `bins` ([5, T] as produced
-        by the fused loss kernel) skips the scatter when the kernel already did it."""
+        """Add one batch: t Long[B], per-sample raw and weighted losses. `bins` ([5, T] count, Σ, Σ²
+        per kind, as produced by the fused loss kernel) replaces the first scatter pass."""
         t = t.to(self.device)
+        values = torch.stack([raw.detach(), weighted.detach()]).to(self.device, torch.float64)
         if bins is None:
-            bins = ref.scatter_stats(t, torch.stack([raw.detach(), weighted.detach()]), self.T)
-        self.pending += bins
+            bins = ref.scatter_stats(t, values, self.T)
+        # Second pass around the batch means: M2 = Σ(v - mean_t)², stable when mean ≫ std.
+        means = bins[1::2] / bins[0].clamp_min(1)
+        m2 = torch.zeros_like(means).index_add_(1, t, (values - means[:, t]) ** 2)
+        batch = torch.stack([bins[0], means[0], m2[0], means[1], m2[1]])
+        self.pending = merge_windows(self.pending, batch)
         if self.history > 0:
-            self._pending_samples.append((t.detach(), weighted.detach().float()))
+            self._pending_samples.append((t, weighted.detach().float().to(self.device)))
 
     # -- every K steps ---------------------------------------------------------------------------
     def all_reduce(self, group=None) -> None:
         """Merge the pending window of every rank into the totals (identical on all ranks)."""
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
         pending = self.pending
-        if distributed:
-            dist.all_reduce(pending, group=group)
+        if distributed:  # gather every rank's window and merge them in rank order (Chan), not Σ/Σ²
+            ws = dist.get_world_size(group)
+            parts = [torch.empty_like(pending) for _ in range(ws)]
+            dist.all_gather(parts, pending, group=group)
+            pending = parts[0]
+            for q in parts[1:]:
+                pending = merge_windows(pending, q)
         samples = None
         if self._pending_samples:
             t = torch.cat([s[0] for s in self._pending_samples])
             v = torch.cat([s[1] for s in self._pending_samples])
             if distributed:  # every rank holds K·B samples, so the gather has equal sizes
-                ws = dist.get_world_size(group)
                 tg, vg = [torch.empty_like(t) for _ in range(ws)], [torch.empty_like(v) for _ in range(ws)]
                 dist.all_gather(tg, t, group=group)
                 dist.all_gather(vg, v, group=group)
@@ -83,7 +93,7 @@ class TimestepStats:
             samples = (t, v)
         n = pending[0]
         for i, k in enumerate(KINDS):
-            _, mean_b, m2_b = bins_to_moments(n, pending[1 + 2 * i], pending[2 + 2 * i])
+            mean_b, m2_b = pending[1 + 2 * i], pending[2 + 2 * i]
             new_n, self.mean[k], self.m2[k] = chan_merge(self.count, self.mean[k], self.m2[k], n, mean_b, m2_b)
             seen = n > 0
             blended = self.ema_decay * self.ema[k] + (1 - self.ema_decay) * mean_b
@@ -160,11 +170,13 @@ class TimestepStats:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        d = self.device
-        self.count, self.ema_seen = state["count"].to(d), state["ema_seen"].to(d)
-        self.mean = {k: v.to(d) for k, v in state["mean"].items()}
-        self.m2 = {k: v.to(d) for k, v in state["m2"].items()}
-        self.ema = {k: v.to(d) for k, v in state["ema"].items()}
-        self.pending, self.ring, self.ring_count = state["pending"].to(d), state["ring"].to(d), state["ring_count"].to(d)
+        def own(x):  # copies: a loaded state must not alias the tensors of the object it came from
+            return x.to(self.device, copy=True)
+
+        self.count, self.ema_seen = own(state["count"]), own(state["ema_seen"])
+        self.mean = {k: own(v) for k, v in state["mean"].items()}
+        self.m2 = {k: own(v) for k, v in state["m2"].items()}
+        self.ema = {k: own(v) for k, v in state["ema"].items()}
+        self.pending, self.ring, self.ring_count = own(state["pending"]), own(state["ring"]), own(state["ring_count"])
         self.syncs = int(state["syncs"])
-        self._pending_samples = [] if state["pending_t"] is None else [(state["pending_t"].to(d), state["pending_v"].to(d))]
+        self._pending_samples = [] if state["pending_t"] is None else [(own(state["pending_t"]), own(state["pending_v"]))]

@@ -1,6 +1,7 @@
 """Model registry: name → factory. Models take (x_t, t, y=None) and return the prediction."""
 from __future__ import annotations
 
+import inspect
 from functools import partial
 
 from torch import nn
@@ -18,10 +19,22 @@ MODELS = {
 }
 
 
+def model_args(name: str) -> tuple[str, ...]:
+    """Keyword arguments a registry entry accepts (for config validation)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+    fn = MODELS[name]
+    target = fn.func if isinstance(fn, partial) else fn
+    return tuple(p for p in inspect.signature(target).parameters if p != "self")
+
+
 def build_model(name: str, *, in_channels: int, image_size: int | None = None, num_classes: int = 0,
                 **overrides) -> nn.Module:
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+    unknown = sorted(set(overrides) - set(model_args(name)))
+    if unknown:
+        raise ValueError(f"model {name!r} got unknown argument {unknown[0]!r} (it takes: {', '.join(model_args(name))})")
     kwargs = dict(in_channels=in_channels, num_classes=num_classes, **overrides)
     if name != "mlp":
         kwargs["image_size"] = image_size
