@@ -1,13 +1,17 @@
 """Per-timestep loss statistics that never leave the device.
 
-Each training step scatters its per-sample losses into per-timestep bins (count, Σ, Σ² in fp64, the
-contract of the fused loss kernel), turns them into (count, mean, M2) with a second pass around the
-batch means, and merges that into a *pending* window with Chan et al.'s parallel update; when a
-history ring is kept, (t, loss) pairs are queued too. Every K steps `all_reduce()` gathers the pending
-windows of all ranks, merges them (Chan again: never Σ² - (Σ)², which loses everything when the mean
-is large against the spread), merges the result into the running totals, updates the EMA view and
-the ring, and clears the window. All ranks therefore see identical statistics, and samplers read
-them in `update(stats)`.
+Each step scatters its per-sample losses into a *pending* window of per-timestep bins: count, Σ(v - c)
+and Σ(v - c)² in fp64 for the raw and the weighted loss, shifted by a per-timestep pivot c = the
+running mean so far (the "shifted data" algorithm: Σ² - (Σ)²/n then cancels only what the spread
+around the running mean is worth, not the mean itself). This is the contract of the fused loss
+kernel, which writes the same bins. Every K steps `all_reduce()` sums the windows of all ranks (one
+collective; every rank holds the same pivots), turns the window into (count, mean, M2), merges it
+into the running totals with Chan et al.'s parallel update, moves the pivots to the new means,
+updates the EMA view and the ring of recent losses, and clears the window. All ranks therefore see
+identical statistics, and samplers read them in `update(stats)`.
+
+Precision: a timestep's first window has pivot 0, so its variance carries a relative error of about
+1e-16·(mean/std)²; later windows are centred on the running mean.
 """
 from __future__ import annotations
 
@@ -29,13 +33,6 @@ def chan_merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
     return n, mean, m2
 
 
-def merge_windows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Chan-merge two [1 + 2K, T] windows laid out as (count, then mean and M2 of each kind)."""
-    parts = [chan_merge(a[0], a[1 + 2 * i], a[2 + 2 * i], b[0], b[1 + 2 * i], b[2 + 2 * i])
-             for i in range((a.shape[0] - 1) // 2)]
-    return torch.stack([parts[0][0]] + [x for n_mean_m2 in parts for x in n_mean_m2[1:]])
-
-
 class TimestepStats:
     def __init__(self, T: int, device="cpu", ema_decay: float = 0.9, history: int = 0):
         if not 0 <= ema_decay < 1:
@@ -47,25 +44,25 @@ class TimestepStats:
         self.m2 = {k: z() for k in KINDS}
         self.ema = {k: z() for k in KINDS}
         self.ema_seen = torch.zeros(T, dtype=torch.bool, device=self.device)
-        self.pending = torch.zeros(5, T, dtype=torch.float64, device=self.device)  # n, mean_r, M2_r, mean_w, M2_w
+        self.pending = torch.zeros(5, T, dtype=torch.float64, device=self.device)  # n, Σr, Σr², Σw, Σw² (shifted)
         self._pending_samples: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.ring = torch.zeros(T, max(history, 1), dtype=torch.float32, device=self.device)
         self.ring_count = torch.zeros(T, dtype=torch.long, device=self.device)
         self.syncs = 0
 
     # -- per step (no host sync) -----------------------------------------------------------------
+    def pivots(self) -> torch.Tensor:
+        """[2, T] shift of the pending bins: the running mean of each kind (0 where unseen)."""
+        return torch.stack([self.mean[k] for k in KINDS])
+
     def update(self, t: torch.Tensor, raw: torch.Tensor, weighted: torch.Tensor, bins: torch.Tensor | None = None):
-        """Add one batch: t Long[B], per-sample raw and weighted losses. `bins` ([5, T] count, Σ, Σ²
-        per kind, as produced by the fused loss kernel) replaces the first scatter pass."""
+        """Add one batch: t Long[B], per-sample raw and weighted losses. `bins` ([5, T], already
+        shifted by `pivots()`) comes from the fused loss kernel, which scattered them itself."""
         t = t.to(self.device)
-        values = torch.stack([raw.detach(), weighted.detach()]).to(self.device, torch.float64)
         if bins is None:
-            bins = ref.scatter_stats(t, values, self.T)
-        # Second pass around the batch means: M2 = Σ(v - mean_t)², stable when mean ≫ std.
-        means = bins[1::2] / bins[0].clamp_min(1)
-        m2 = torch.zeros_like(means).index_add_(1, t, (values - means[:, t]) ** 2)
-        batch = torch.stack([bins[0], means[0], m2[0], means[1], m2[1]])
-        self.pending = merge_windows(self.pending, batch)
+            values = torch.stack([raw.detach(), weighted.detach()]).to(self.device, torch.float64)
+            bins = ref.scatter_stats(t, values - self.pivots()[:, t], self.T)
+        self.pending += bins
         if self.history > 0:
             self._pending_samples.append((t, weighted.detach().float().to(self.device)))
 
@@ -74,13 +71,9 @@ class TimestepStats:
         """Merge the pending window of every rank into the totals (identical on all ranks)."""
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
         pending = self.pending
-        if distributed:  # gather every rank's window and merge them in rank order (Chan), not Σ/Σ²
+        if distributed:
             ws = dist.get_world_size(group)
-            parts = [torch.empty_like(pending) for _ in range(ws)]
-            dist.all_gather(parts, pending, group=group)
-            pending = parts[0]
-            for q in parts[1:]:
-                pending = merge_windows(pending, q)
+            dist.all_reduce(pending, group=group)
         samples = None
         if self._pending_samples:
             t = torch.cat([s[0] for s in self._pending_samples])
@@ -92,8 +85,11 @@ class TimestepStats:
                 t, v = torch.cat(tg), torch.cat(vg)
             samples = (t, v)
         n = pending[0]
+        safe = n.clamp_min(1)
         for i, k in enumerate(KINDS):
-            mean_b, m2_b = pending[1 + 2 * i], pending[2 + 2 * i]
+            s1, s2 = pending[1 + 2 * i], pending[2 + 2 * i]
+            mean_b = torch.where(n > 0, self.mean[k] + s1 / safe, 0.0)  # pivot + mean of the shifted values
+            m2_b = torch.clamp(s2 - s1 * s1 / safe, min=0.0)
             new_n, self.mean[k], self.m2[k] = chan_merge(self.count, self.mean[k], self.m2[k], n, mean_b, m2_b)
             seen = n > 0
             blended = self.ema_decay * self.ema[k] + (1 - self.ema_decay) * mean_b
