@@ -54,7 +54,7 @@ class DiffusionConfig:
     sampler_args: Dict[str, Any] = _f({}, "arguments of the sampler, e.g. diffusion.sampler_args.k=5")
     learned_weighting: bool = _f(False, "add an EDM2-style learned per-timestep log-variance")
     stats_every: int = _f(10, "steps between statistics syncs and sampler updates (K)")
-    backend: str = _f("auto", "kernel backend: auto | torch")
+    backend: str = _f("auto", "kernel backend: auto (triton on CUDA, torch on CPU) | triton | interpret | torch")
 
 
 @dataclass

@@ -2,16 +2,20 @@
 
     loss, info = objective(model, x0, cond)
 
-One step (DESIGN.md, "One training step"): t, iw ~ sampler; eps from the counter-based stream
-(seed, offset); x_t = alpha[t]·x0 + sigma[t]·eps; pred = model(x_t, t, cond); per-sample
-ℓ_b = w[t_b]·iw_b·mean((pred - target)²); the raw and weighted losses go into TimestepStats bins.
-Nothing here syncs with the host.
+One step (DESIGN.md, "One training step"): t, iw ~ sampler; kernel A: x_t = alpha[t]·x0 +
+sigma[t]·eps with eps from the counter-based stream (seed, offset); pred = model(x_t, t, cond);
+kernel B: per-sample ℓ_b = w[t_b]·iw_b·mean((pred - target)²) with the same eps, the gradient written
+in the forward pass, and the raw and weighted losses scattered into the TimestepStats window.
+Nothing here syncs with the host. The kernels come from `fasttrain.kernels.ops` (Triton on CUDA, the
+PyTorch reference on CPU, the Triton interpreter on request); the semantics are the same, only the
+noise stream differs (Philox in Triton, torch's generator in the reference).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from fasttrain.kernels import ops
 from fasttrain.kernels import reference as ref
 
 from . import prediction as P
@@ -20,15 +24,7 @@ from .schedule import NoiseSchedule
 from .stats import TimestepStats
 from .weighting import LearnedLogVarWeight, effective_x0_weight, loss_weight
 
-BACKENDS = ("auto", "torch")
-
-
-def _mix(seed: int, offset: int) -> int:
-    """One 63-bit generator seed per (seed, offset) pair (splitmix64 finaliser)."""
-    z = (seed * 0x9E3779B97F4A7C15 + offset) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+BACKENDS = ops.BACKENDS
 
 
 class DiffusionObjective(nn.Module):
@@ -41,15 +37,17 @@ class DiffusionObjective(nn.Module):
         self.prediction = P.check(prediction)
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
-        self.backend = "torch" if backend == "auto" else backend
+        self.backend = backend  # resolved per call against the data's device
         if isinstance(weighting, str):
             self.weighting_name = weighting
             weighting = loss_weight(weighting, schedule, prediction, **(weighting_args or {}))
         else:
             self.weighting_name = "custom"
-        self.register_buffer("weight", weighting.to(torch.float64), persistent=False)
-        self.register_buffer("alpha", schedule.alpha.clone(), persistent=False)
-        self.register_buffer("sigma", schedule.sigma.clone(), persistent=False)
+        # fp32 copies of the tables: what the kernels gather by t
+        self.register_buffer("weight", weighting.to(torch.float32), persistent=False)
+        self.register_buffer("weight64", weighting.to(torch.float64), persistent=False)  # for plots
+        self.register_buffer("alpha", schedule.alpha.float(), persistent=False)
+        self.register_buffer("sigma", schedule.sigma.float(), persistent=False)
         self.sampler: TimestepSampler = (timestep_sampler(sampler, schedule, **(sampler_args or {}))
                                          if isinstance(sampler, str) else sampler)
         if stats is True:
@@ -76,10 +74,10 @@ class DiffusionObjective(nn.Module):
         return self.schedule.T
 
     def noise(self, like: torch.Tensor) -> torch.Tensor:
-        """eps for this step from the (seed, offset) stream; the offset advances by numel."""
-        g = torch.Generator(device=like.device).manual_seed(_mix(self.seed, self.offset))
+        """The torch backend's eps for the next (seed, offset); the offset advances by numel."""
+        eps = ref.stream_noise(like.shape, self.seed, self.offset, like.device)
         self.offset += like.numel()
-        return torch.randn(like.shape, generator=g, device=like.device, dtype=torch.float32)
+        return eps
 
     def forward(self, model, x0: torch.Tensor, cond=None, generator: torch.Generator | None = None,
                 t: torch.Tensor | None = None):
@@ -88,18 +86,26 @@ class DiffusionObjective(nn.Module):
             t, iw = self.sampler.sample(B, generator)
         else:
             iw = torch.ones(B, device=x0.device)
-        eps = self.noise(x0)
-        x_t = ref.noise(x0, t, self.alpha, self.sigma, eps)
+        backend = ops.resolve_backend(self.backend, x0.device)
+        seed, offset = self.seed, self.offset
+        self.offset += x0.numel()
+        ws = ops.new_workspace(B, x0.device)  # zeroed by kernel A, used by kernel B
+        x_t = ops.noise(x0, t, self.alpha, self.sigma, seed=seed, offset=offset, workspace=ws, backend=backend)
         pred = model(x_t, t) if cond is None else model(x_t, t, cond)
-        per_sample, raw = ref.loss(pred, x0, eps, t, self.alpha, self.sigma, self.weight, iw, self.prediction)
-        weighted = self.weight.to(torch.float32)[t] * raw  # w·mse without the importance weight
+        st = self.stats
+        loss, per_sample, raw = ops.loss(pred, x0, t, self.alpha, self.sigma, self.weight, iw, self.prediction,
+                                         seed=seed, offset=offset, workspace=ws, backend=backend,
+                                         bins=st.pending if st is not None else None,
+                                         pivots=st.pivots() if st is not None else None)
+        weighted = self.weight[t] * raw  # w·mse without the importance weight
+        if st is not None:
+            st.record(t, weighted)
         if self.learned is not None:
             per_sample = self.learned(t, per_sample)
-        if self.stats is not None:
-            self.stats.update(t, raw.detach(), weighted.detach())
+            loss = per_sample.mean()
         info = {"t": t, "iw": iw, "raw": raw.detach(), "weighted": weighted.detach(),
                 "loss_per_sample": per_sample.detach()}
-        return per_sample.mean(), info
+        return loss, info
 
     # -- views for plots and logs ----------------------------------------------------------------
     def probs(self) -> torch.Tensor:
@@ -109,7 +115,7 @@ class DiffusionObjective(nn.Module):
         """T·p(t)·iw(t)·w(t)·c(t): the x0-space weight of each timestep in this objective."""
         p = self.probs() if probs is None else probs
         iw = None if self.sampler.biased else 1.0 / (self.T * p)
-        return effective_x0_weight(self.weight, self.schedule, self.prediction, p, iw)
+        return effective_x0_weight(self.weight64, self.schedule, self.prediction, p, iw)
 
     def sync_stats(self) -> None:
         """All-reduce the statistics and let the sampler learn from them (every K steps)."""

@@ -49,11 +49,13 @@ class TimestepStats:
         self.ring = torch.zeros(T, max(history, 1), dtype=torch.float32, device=self.device)
         self.ring_count = torch.zeros(T, dtype=torch.long, device=self.device)
         self.syncs = 0
+        self._pivots = torch.zeros(len(KINDS), T, dtype=torch.float64, device=self.device)
 
     # -- per step (no host sync) -----------------------------------------------------------------
     def pivots(self) -> torch.Tensor:
-        """[2, T] shift of the pending bins: the running mean of each kind (0 where unseen)."""
-        return torch.stack([self.mean[k] for k in KINDS])
+        """[2, T] shift of the pending bins: the running mean of each kind (0 where unseen). It only
+        changes in `all_reduce`, so it is cached there and kernels read it every step for free."""
+        return self._pivots
 
     def update(self, t: torch.Tensor, raw: torch.Tensor, weighted: torch.Tensor, bins: torch.Tensor | None = None):
         """Add one batch: t Long[B], per-sample raw and weighted losses. `bins` ([5, T], already
@@ -63,8 +65,13 @@ class TimestepStats:
             values = torch.stack([raw.detach(), weighted.detach()]).to(self.device, torch.float64)
             bins = ref.scatter_stats(t, values - self.pivots()[:, t], self.T)
         self.pending += bins
+        self.record(t, weighted)
+
+    def record(self, t: torch.Tensor, weighted: torch.Tensor) -> None:
+        """Queue (t, weighted loss) for the ring of recent losses (when one is kept). Callers whose
+        kernel scattered into `pending` itself call only this."""
         if self.history > 0:
-            self._pending_samples.append((t, weighted.detach().float().to(self.device)))
+            self._pending_samples.append((t.to(self.device), weighted.detach().float().to(self.device)))
 
     # -- every K steps ---------------------------------------------------------------------------
     def all_reduce(self, group=None) -> None:
@@ -96,6 +103,7 @@ class TimestepStats:
             self.ema[k] = torch.where(seen, torch.where(self.ema_seen, blended, mean_b), self.ema[k])
         self.ema_seen |= n > 0
         self.count = new_n
+        self._pivots = torch.stack([self.mean[k] for k in KINDS])
         if samples is not None:
             self._push_ring(*samples)
         self.pending = torch.zeros_like(self.pending)
@@ -175,4 +183,5 @@ class TimestepStats:
         self.ema = {k: own(v) for k, v in state["ema"].items()}
         self.pending, self.ring, self.ring_count = own(state["pending"]), own(state["ring"]), own(state["ring_count"])
         self.syncs = int(state["syncs"])
+        self._pivots = torch.stack([self.mean[k] for k in KINDS])
         self._pending_samples = [] if state["pending_t"] is None else [(own(state["pending_t"]), own(state["pending_v"]))]

@@ -1,0 +1,80 @@
+"""The ops inside torch.compile(fullgraph=True), and DiffusionObjective on the fused kernels."""
+import pytest
+import torch
+
+from fasttrain import diffusion as fd
+from fasttrain.kernels import ops, reference as ref
+from fasttrain.models import build_model
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKEND = "triton" if torch.cuda.is_available() else "interpret"
+
+
+def _step(model, x0, t, iw, a, s, w, bins, pivots):
+    ws = ops.new_workspace(x0.shape[0], x0.device)
+    x_t = ops.noise(x0, t, a, s, seed=3, offset=99, workspace=ws, backend=BACKEND)
+    pred = model(x_t, t)
+    loss, per, raw = ops.loss(pred, x0, t, a, s, w, iw, "v", seed=3, offset=99, workspace=ws, bins=bins,
+                              pivots=pivots, backend=BACKEND)
+    return loss, raw
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_ops_inside_fullgraph_compile(compiler):
+    torch._dynamo.reset()
+    s = fd.schedule("cosine", T=100)
+    a, sg = s.alpha.float().to(DEVICE), s.sigma.float().to(DEVICE)
+    w = fd.loss_weight("min_snr", s, prediction="v").float().to(DEVICE)
+    model = build_model("dit_tiny", in_channels=2, image_size=4, hidden=32, depth=1, heads=2).to(DEVICE)
+    x0 = torch.rand(3, 2, 4, 4, device=DEVICE) - 0.5
+    t = torch.tensor([5, 50, 99], device=DEVICE)
+    iw = torch.ones(3, device=DEVICE)
+    piv = torch.zeros(2, 100, dtype=torch.float64, device=DEVICE)
+    bins_e, bins_c = torch.zeros(5, 100, dtype=torch.float64, device=DEVICE), torch.zeros(5, 100, dtype=torch.float64, device=DEVICE)
+    loss_e, raw_e = _step(model, x0, t, iw, a, sg, w, bins_e, piv)
+    loss_e.backward()
+    g_e = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    compiled = torch.compile(_step, fullgraph=True, backend=compiler)
+    loss_c, raw_c = compiled(model, x0, t, iw, a, sg, w, bins_c, piv)
+    loss_c.backward()
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(raw_c, raw_e, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bins_c, bins_e, rtol=1e-5, atol=1e-8)  # the in-place scatter survives compile
+    for p, g in zip(model.parameters(), g_e):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("pred", fd.PREDICTIONS)
+def test_objective_on_fused_kernels_matches_reference(pred):
+    s = fd.schedule("flow" if pred == "flow" else "linear", T=1000)
+    obj = fd.DiffusionObjective(s, pred, "min_snr", "speed", backend=BACKEND, seed=4).to(DEVICE)
+    lin = torch.nn.Linear(6, 6).to(DEVICE)
+    model = lambda x, t: lin(x)  # noqa: E731
+    x0 = torch.rand(5, 6, device=DEVICE) * 2 - 1
+    offset = obj.offset
+    loss, info = obj(model, x0, generator=torch.Generator(DEVICE).manual_seed(0))
+    t = info["t"]
+    # the eps the kernels used, from kernel A's optional output
+    _, eps = ops.noise(x0, t, obj.alpha, obj.sigma, seed=4, offset=offset, return_eps=True, backend=BACKEND)
+    x_t = ref.noise(x0, t, obj.alpha, obj.sigma, eps)
+    per, raw = ref.loss(lin(x_t), x0, eps, t, obj.alpha, obj.sigma, obj.weight, info["iw"], pred)
+    torch.testing.assert_close(loss, per.mean(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(info["raw"], raw.detach(), rtol=1e-5, atol=1e-7)
+    obj.sync_stats()
+    assert obj.stats.count.sum().item() == 5
+    torch.testing.assert_close(obj.stats.means("raw")[t], raw.detach().double(), rtol=1e-5, atol=1e-7)
+
+
+def test_trainer_runs_on_the_interpreter(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter backend is for CPU tensors")
+    from fasttrain.config import load_config
+    from fasttrain.train import train
+
+    cfg = load_config("default", [f"run_dir={tmp_path}", "diffusion.backend=interpret", "train.steps=4",
+                                  "model.args.ch=8", "sample.num=0", "train.progress=false", "diffusion.stats_every=2"])
+    summary = train(cfg)
+    assert summary["steps"] == 4
+    st = torch.load(tmp_path / "last.pt", weights_only=True)["objective_extra"]["stats"]
+    assert st["count"].sum().item() + st["pending"][0].sum().item() == 4 * 16
