@@ -12,7 +12,7 @@ compiled with `fullgraph=True` can call them (a raw Triton launch, or
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -118,55 +118,60 @@ def _loss_op(pred: torch.Tensor, x0: torch.Tensor, t: torch.Tensor, alpha: torch
              weight: torch.Tensor, iw: torch.Tensor, pivots: torch.Tensor, bins: torch.Tensor,
              eps: Optional[torch.Tensor], seed: int, offset: int, prediction: int, workspace: torch.Tensor,
              counter: torch.Tensor, backend: str, block: int
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     B, D, T = pred.shape[0], pred[0].numel(), alpha.numel()
     if backend == "torch":
         e = eps if eps is not None else ref.stream_noise(x0.shape, seed, offset, x0.device)
         per, raw, grad = ref.loss_and_grad(pred, x0, e, t, alpha, sigma, weight, iw, PREDICTIONS[prediction])
+        wl = weight.float()[t] * raw
         if bins.numel():
-            wl = weight.float()[t] * raw
             bins += ref.scatter_stats(t, torch.stack([raw, wl]).double() - pivots[:, t], T)
-        return per.mean(), per, raw, grad
+        return per.mean(), per, raw, wl, grad
     BLOCK = _block(D, backend, block)
     nch = triton.cdiv(D, BLOCK)
     grad = torch.empty_like(pred, memory_format=torch.contiguous_format)
     raw = torch.empty(B, dtype=torch.float32, device=pred.device)
+    wl = torch.empty(B, dtype=torch.float32, device=pred.device)
     per = torch.empty(B, dtype=torch.float32, device=pred.device)
     mean = torch.empty((), dtype=torch.float32, device=pred.device)
     x0c = x0.contiguous()
     tk.loss_kernel[(B, nch)](pred.contiguous(), x0c, eps.contiguous() if eps is not None else x0c, t, alpha, sigma,
-                             weight, iw, pivots, grad, workspace, counter, raw, per, mean, bins, D, B, T, nch, seed, offset,
+                             weight, iw, pivots, grad, workspace, counter, raw, wl, per, mean, bins, D, B, T, nch, seed, offset,
                              2.0 / (B * D), PRED=prediction, HAS_EPS=eps is not None, BINS=bins.numel() > 0, BLOCK=BLOCK)
-    return mean, per, raw, grad
+    return mean, per, raw, wl, grad
 
 
 @_loss_op.register_fake
 def _(pred, x0, t, alpha, sigma, weight, iw, pivots, bins, eps, seed, offset, prediction, workspace, counter, backend, block):
     B = pred.shape[0]
     f = dict(dtype=torch.float32, device=pred.device)
-    return torch.empty((), **f), torch.empty(B, **f), torch.empty(B, **f), torch.empty_like(pred)
+    return torch.empty((), **f), torch.empty(B, **f), torch.empty(B, **f), torch.empty(B, **f), torch.empty_like(pred)
 
 
 class _Loss(torch.autograd.Function):
-    """Autograd rule of kernel B. The kernel already wrote ∂(mean_b ℓ_b)/∂pred; ∂ℓ_b/∂pred_b is B
-    times that, so a per-sample upstream gradient g_b (e.g. a learned weighting that rescales each ℓ_b)
-    contributes B·g_b. The raw MSE is a statistic and carries no gradient."""
+    """Autograd rule of kernel B. The kernel already wrote ∂(mean_b ℓ_b)/∂pred, so backward is one
+    scale by the upstream gradient (one launch). ∂ℓ_b/∂pred_b is B times that, so a per-sample
+    upstream gradient g_b (e.g. a learned weighting that rescales each ℓ_b) contributes B·g_b. The
+    raw and weighted MSEs are statistics and carry no gradient."""
 
     @staticmethod
     def forward(ctx, pred, *args):
-        mean, per, raw, grad = _loss_op(pred, *args)
+        mean, per, raw, wl, grad = _loss_op(pred, *args)
         ctx.save_for_backward(grad)
-        ctx.pred_dtype = pred.dtype
-        ctx.mark_non_differentiable(raw)
-        return mean, per, raw
+        ctx.mark_non_differentiable(raw, wl)
+        ctx.set_materialize_grads(False)  # unused outputs give None, not zero-filled tensors
+        return mean, per, raw, wl
 
     @staticmethod
-    def backward(ctx, g_mean, g_per, g_raw):
+    def backward(ctx, g_mean, g_per, g_raw, g_wl):
         (grad,) = ctx.saved_tensors
+        if g_per is None:
+            # bf16 grad × fp32 0-d tensor stays bf16 and runs as a single kernel
+            return (None if g_mean is None else grad * g_mean,) + (None,) * 16
         B = grad.shape[0]
-        scale = g_mean.float().expand(B) + B * g_per.float()
+        scale = B * g_per.float() if g_mean is None else g_mean.float() + B * g_per.float()
         g = grad.float() * scale.view(-1, *([1] * (grad.ndim - 1)))
-        return (g.to(ctx.pred_dtype),) + (None,) * 16
+        return (g.to(grad.dtype),) + (None,) * 16
 
 
 # -- standalone scatter --------------------------------------------------------------------------
@@ -199,10 +204,17 @@ def noise(x0, t, alpha, sigma, *, seed: int = 0, offset: int = 0, eps=None, out_
     return (xt, e) if return_eps else xt
 
 
+class LossOut(NamedTuple):
+    loss: torch.Tensor         # 0-d: mean_b ℓ_b (differentiable)
+    per_sample: torch.Tensor   # [B]: ℓ_b = w[t_b]·iw_b·mean(d²) (differentiable)
+    raw: torch.Tensor          # [B]: mean(d²) in the prediction's space (statistic)
+    weighted: torch.Tensor     # [B]: w[t_b]·mean(d²), without the importance weight (statistic)
+
+
 def loss(pred, x0, t, alpha, sigma, weight, iw, prediction: str, *, seed: int = 0, offset: int = 0, eps=None,
-         bins=None, pivots=None, workspace=None, backend: str = "auto", block: int = 0):
-    """Kernel B: (batch loss, per-sample loss ℓ_b = w[t_b]·iw_b·mean(d²), raw mean(d²)). With `bins`
-    ([5, T] fp64) and `pivots` ([2, T] fp64) the raw and weighted (w·raw) losses are scattered in.
+         bins=None, pivots=None, workspace=None, backend: str = "auto", block: int = 0) -> LossOut:
+    """Kernel B. With `bins` ([5, T] fp64) and `pivots` ([2, T] fp64) the raw and weighted losses are
+    also scattered into the bins.
     `workspace` must come zeroed from `noise` (or pass None to allocate a zeroed one)."""
     if prediction not in CODE:
         raise ValueError(f"unknown prediction {prediction!r}; choose from {', '.join(PREDICTIONS)}")
@@ -213,8 +225,8 @@ def loss(pred, x0, t, alpha, sigma, weight, iw, prediction: str, *, seed: int = 
                      torch.zeros(B + 1, dtype=torch.int32, device=pred.device))
     if bins is None:
         bins, pivots = pred.new_empty((0, 0), dtype=torch.float64), pred.new_empty((0, 0), dtype=torch.float64)
-    return _Loss.apply(pred, x0, t, alpha, sigma, weight, iw, pivots, bins, eps, int(seed), int(offset),
-                       CODE[prediction], workspace[0], workspace[1], backend, block)
+    return LossOut(*_Loss.apply(pred, x0, t, alpha, sigma, weight, iw, pivots, bins, eps, int(seed), int(offset),
+                                CODE[prediction], workspace[0], workspace[1], backend, block))
 
 
 def scatter_stats(t, raw, weighted, pivots, bins, backend: str = "auto") -> None:

@@ -63,7 +63,7 @@ def _scatter_one(bins_ptr, pivot_ptr, tb, raw, wl, T, mask):
 
 @triton.jit
 def loss_kernel(pred_ptr, x0_ptr, eps_ptr, t_ptr, alpha_ptr, sigma_ptr, w_ptr, iw_ptr, pivot_ptr,
-                grad_ptr, acc_ptr, cnt_ptr, raw_ptr, ps_ptr, loss_ptr, bins_ptr,
+                grad_ptr, acc_ptr, cnt_ptr, raw_ptr, wl_ptr, ps_ptr, loss_ptr, bins_ptr,
                 D, B, T, NCH, seed, offset, grad_scale,
                 PRED: tl.constexpr, HAS_EPS: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
@@ -102,6 +102,7 @@ def loss_kernel(pred_ptr, x0_ptr, eps_ptr, t_ptr, alpha_ptr, sigma_ptr, w_ptr, i
     raw = tl.atomic_add(acc_ptr + b, 0.0, mask=last) / D
     wl = wb * raw
     tl.store(raw_ptr + b, raw, mask=last)
+    tl.store(wl_ptr + b, wl, mask=last)
     tl.store(ps_ptr + b, wl * ib, mask=last)
     tl.atomic_add(acc_ptr + B, wl * ib / B, mask=last)
     if BINS:

@@ -17,7 +17,7 @@ def pytest_collection_modifyitems(config, items):
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device (runs in bench/gpu_check.sh on a GPU machine)")
+    skip = pytest.mark.skip(reason="needs a CUDA device (bench/gpu_check.sh runs these on a GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -93,11 +93,10 @@ class DiffusionObjective(nn.Module):
         x_t = ops.noise(x0, t, self.alpha, self.sigma, seed=seed, offset=offset, workspace=ws, backend=backend)
         pred = model(x_t, t) if cond is None else model(x_t, t, cond)
         st = self.stats
-        loss, per_sample, raw = ops.loss(pred, x0, t, self.alpha, self.sigma, self.weight, iw, self.prediction,
+        loss, per_sample, raw, weighted = ops.loss(pred, x0, t, self.alpha, self.sigma, self.weight, iw, self.prediction,
                                          seed=seed, offset=offset, workspace=ws, backend=backend,
                                          bins=st.pending if st is not None else None,
                                          pivots=st.pivots() if st is not None else None)
-        weighted = self.weight[t] * raw  # w·mse without the importance weight
         if st is not None:
             st.record(t, weighted)
         if self.learned is not None:

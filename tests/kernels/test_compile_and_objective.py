@@ -14,7 +14,7 @@ def _step(model, x0, t, iw, a, s, w, bins, pivots):
     ws = ops.new_workspace(x0.shape[0], x0.device)
     x_t = ops.noise(x0, t, a, s, seed=3, offset=99, workspace=ws, backend=BACKEND)
     pred = model(x_t, t)
-    loss, per, raw = ops.loss(pred, x0, t, a, s, w, iw, "v", seed=3, offset=99, workspace=ws, bins=bins,
+    loss, per, raw, _ = ops.loss(pred, x0, t, a, s, w, iw, "v", seed=3, offset=99, workspace=ws, bins=bins,
                               pivots=pivots, backend=BACKEND)
     return loss, raw
 

@@ -66,7 +66,7 @@ def test_loss_with_explicit_eps_matches_reference(pred, weighting, shape):
     bins0 = bins.clone()
     ws = poisoned_workspace(shape[0])
     ops.noise(x0, t, a, s, eps=eps, workspace=ws, backend=BACKEND)  # zeroes the workspace, as in a step
-    mean, per, raw = ops.loss(p, x0, t, a, s, w, iw, pred, eps=eps, bins=bins, pivots=pivots, workspace=ws,
+    mean, per, raw, weighted = ops.loss(p, x0, t, a, s, w, iw, pred, eps=eps, bins=bins, pivots=pivots, workspace=ws,
                               backend=BACKEND)
     rp = p.detach().clone().requires_grad_()
     r_per, r_raw = ref.loss(rp, x0, eps, t, a, s, w, iw, pred)
@@ -76,6 +76,7 @@ def test_loss_with_explicit_eps_matches_reference(pred, weighting, shape):
     torch.testing.assert_close(mean, r_per.mean(), **TOL[torch.float32])
     mean.backward()
     torch.testing.assert_close(p.grad, rp.grad, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(weighted, w[t] * r_raw, **TOL[torch.float32])
     expect = bins0 + ref.scatter_stats(t, torch.stack([r_raw, w[t] * r_raw]).double() - pivots[:, t], 1000)
     torch.testing.assert_close(bins, expect, rtol=1e-5, atol=1e-7)  # fp32 per-sample losses, fp64 bins
 
@@ -86,7 +87,7 @@ def test_loss_low_precision_inputs(dtype, pred):
     st, a, s, w = tables("linear", pred)
     x0, eps, t, iw = inputs((3, 4, 5, 5), dtype)
     p = torch.randn(3, 4, 5, 5, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE).requires_grad_()
-    mean, per, raw = ops.loss(p, x0, t, a, s, w, iw, pred, eps=eps, backend=BACKEND)
+    mean, per, raw, _ = ops.loss(p, x0, t, a, s, w, iw, pred, eps=eps, backend=BACKEND)
     r_per, r_raw = ref.loss(p.detach(), x0, eps, t, a, s, w, iw, pred)  # fp32 math on the same inputs
     torch.testing.assert_close(per, r_per, rtol=1e-5, atol=1e-6)
     mean.backward()
@@ -101,7 +102,7 @@ def test_per_sample_upstream_gradient():
     x0, eps, t, iw = inputs((5, 6))
     p = torch.randn(5, 6).to(DEVICE).requires_grad_()
     c = torch.rand(5).to(DEVICE) + 0.5
-    _, per, _ = ops.loss(p, x0, t, a, s, w, iw, "v", eps=eps, backend=BACKEND)
+    _, per, _, _ = ops.loss(p, x0, t, a, s, w, iw, "v", eps=eps, backend=BACKEND)
     (per * c).sum().backward()
     rp = p.detach().clone().requires_grad_()
     r_per, _ = ref.loss(rp, x0, eps, t, a, s, w, iw, "v")
@@ -119,7 +120,7 @@ def test_in_kernel_noise_is_shared_by_both_kernels(pred):
     recovered = (xt - a[t].view(-1, 1, 1, 1) * x0) / s[t].view(-1, 1, 1, 1)
     torch.testing.assert_close(recovered, e, rtol=1e-4, atol=1e-4)
     p = torch.randn_like(x0).requires_grad_()
-    mean, per, _ = ops.loss(p, x0, t, a, s, w, iw, pred, seed=11, offset=12345, workspace=ws, backend=BACKEND)
+    mean, per, _, _ = ops.loss(p, x0, t, a, s, w, iw, pred, seed=11, offset=12345, workspace=ws, backend=BACKEND)
     mean.backward()
     rp = p.detach().clone().requires_grad_()
     r_per, _ = ref.loss(rp, x0, e, t, a, s, w, iw, pred)

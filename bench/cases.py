@@ -1,0 +1,105 @@
+"""Benchmark cases for the per-step diffusion math, shared by the pytest-benchmark module and the
+smoke test: eager reference, torch.compile(reference) and the fused ops, forward + backward.
+
+One "step" of diffusion math: x_t from x0 (noise), then, for a model output `pred` that requires
+grad, the loss and dL/dpred. The model itself is left out: these benchmarks time what fasttrain fuses.
+Byte floor (performance notes §1.5): x0 read twice, x_t written, pred read, grad written:
+2·s_x + 3·s_m bytes per element (14 with fp32 x0 and a bf16 model).
+"""
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from fasttrain import diffusion as fd
+from fasttrain.kernels import ops, reference as ref
+
+SHAPES = {"latent-dit": (256, 4, 32, 32), "pixel": (64, 3, 256, 256)}
+
+
+class Case:
+    def __init__(self, shape, device, pred_type="v", model_dtype=torch.bfloat16, seed=0):
+        self.device = torch.device(device)
+        s = fd.schedule("linear", T=1000)
+        self.a = s.alpha.float().to(device)
+        self.s = s.sigma.float().to(device)
+        self.w = fd.loss_weight("min_snr", s, prediction=pred_type).float().to(device)
+        g = torch.Generator(device).manual_seed(seed)
+        self.x0 = torch.rand(shape, generator=g, device=device) * 2 - 1
+        self.t = torch.randint(0, 1000, (shape[0],), generator=g, device=device)
+        self.iw = torch.ones(shape[0], device=device)
+        self.pred = (torch.randn(shape, generator=g, device=device) * 0.5).to(model_dtype).requires_grad_()
+        self.pred_type, self.model_dtype = pred_type, model_dtype
+        self.bins = torch.zeros(5, 1000, dtype=torch.float64, device=device)
+        self.pivots = torch.zeros(2, 1000, dtype=torch.float64, device=device)
+        self.compiled = None
+
+    @property
+    def floor_bytes(self) -> int:
+        n = self.x0.numel()
+        return n * (2 * self.x0.element_size() + 3 * self.pred.element_size())
+
+    # -- the three implementations ---------------------------------------------------------------
+    def _reference(self, x0, t, iw, pred):
+        eps = torch.randn_like(x0)
+        x_t = ref.noise(x0, t, self.a, self.s, eps, self.model_dtype)
+        per, raw = ref.loss(pred, x0, eps, t, self.a, self.s, self.w, iw, self.pred_type)
+        return x_t, per.mean(), raw
+
+    def eager(self):
+        self.pred.grad = None
+        x_t, loss, raw = self._reference(self.x0, self.t, self.iw, self.pred)
+        loss.backward()
+        self.bins += ref.scatter_stats(self.t, torch.stack([raw.detach(), raw.detach()]).double(), 1000)
+        return loss
+
+    def compile_ref(self):
+        if self.compiled is None:
+            self.compiled = torch.compile(self._reference)
+        self.pred.grad = None
+        x_t, loss, raw = self.compiled(self.x0, self.t, self.iw, self.pred)
+        loss.backward()
+        self.bins += ref.scatter_stats(self.t, torch.stack([raw.detach(), raw.detach()]).double(), 1000)
+        return loss
+
+    def fused(self, backend="auto"):
+        self.pred.grad = None
+        ws = ops.new_workspace(self.x0.shape[0], self.device)
+        ops.noise(self.x0, self.t, self.a, self.s, seed=1, offset=0, workspace=ws, out_dtype=self.model_dtype,
+                  backend=backend)
+        loss, _, _, _ = ops.loss(self.pred, self.x0, self.t, self.a, self.s, self.w, self.iw, self.pred_type, seed=1,
+                              offset=0, workspace=ws, bins=self.bins, pivots=self.pivots, backend=backend)
+        loss.backward()
+        return loss
+
+
+def count_launches(fn) -> int:
+    """CUDA kernels launched by one call (profiler), or on CPU the number of aten ops dispatched."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # warm (compile, autotune)
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.events()
+    if cuda:
+        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return sum(1 for e in events if e.name.startswith("aten::") and e.cpu_parent is None)
+
+
+def machine() -> dict:
+    info = {"torch": torch.__version__, "python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
+            "cores": torch.get_num_threads()}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
