@@ -16,9 +16,11 @@ INSTALL_REQUIRES = [
     "pyyaml>=6",
     "tqdm>=4.60",          # progress bars
     "matplotlib>=3.7",     # per-timestep plots
-    "scikit-learn>=1.3",   # bundled digits data set, toy distributions, digit classifier
+    "scikit-learn>=1.3",   # bundled digits data set, toy distributions
     "tensorboard>=2.14",   # metrics (JSONL is always written as well)
     "pillow>=9",
+    "torch-fidelity>=0.3",  # FID / KID / precision-recall (with the project's own offline extractor)
+    "jinja2>=3",           # the HTML run report
 ]
 
 EXTRAS = {
@@ -38,7 +40,7 @@ setup(
         "fasttrain.kernels",
     ],
     package_dir={"fasttrain.kernels": "kernels"},
-    package_data={"fasttrain": ["presets/*.yaml"]},
+    package_data={"fasttrain": ["presets/*.yaml", "assets/*.pt"]},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["fasttrain=fasttrain.cli:main"]},

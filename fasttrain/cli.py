@@ -1,4 +1,10 @@
-"""`fasttrain` command line: `fasttrain train [PRESET] [key=value ...] [--resume]`."""
+"""`fasttrain` command line:
+
+    fasttrain train [PRESET] [key=value ...] [--resume]
+    fasttrain sample --ckpt RUN --n 64 --steps 50 --out DIR
+    fasttrain eval --ckpt RUN [--n 500]
+    fasttrain report RUN
+"""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +32,30 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="key=value overrides")
     t.add_argument("--resume", action="store_true", help="continue from RUN_DIR/last.pt")
     t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+
+    sm = sub.add_parser("sample", help="generate images from a checkpoint (EMA weights by default)")
+    sm.add_argument("--ckpt", required=True, help="run directory or checkpoint file")
+    sm.add_argument("--n", type=int, default=64, help="number of samples")
+    sm.add_argument("--steps", type=int, default=None, help="sampling steps (default: the run's sample.steps)")
+    sm.add_argument("--method", default=None, help="ddim | ddpm | heun | flow_euler | flow_heun")
+    sm.add_argument("--eta", type=float, default=None, help="DDIM eta")
+    sm.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale")
+    sm.add_argument("--label", type=int, default=None, help="generate only this class (conditional runs)")
+    sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--raw", action="store_true", help="use the raw weights instead of the EMA")
+    sm.add_argument("--out", required=True, help="output directory: grid.png and one PNG per sample")
+
+    ev = sub.add_parser("eval", help="FID/KID/precision/recall and bits/dim of a checkpoint")
+    ev.add_argument("--ckpt", required=True, help="run directory or checkpoint file")
+    ev.add_argument("--n", type=int, default=None, help="generated samples (default: the run's eval.num_samples)")
+    ev.add_argument("--steps", type=int, default=None, help="sampling steps")
+    ev.add_argument("--extractor", default=None, help="fasttrain-digits | inception-v3-compat | none")
+    ev.add_argument("--weights", default=None, help="local Inception weights (offline machines)")
+    ev.add_argument("--no-bpd", action="store_true", help="skip the bits/dim estimate")
+    ev.add_argument("--out", default=None, help="JSON file (default: RUN/eval.json)")
+
+    rp = sub.add_parser("report", help="write RUN/report.html")
+    rp.add_argument("run", help="run directory")
     return p
 
 
@@ -34,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         argv = ["train"]  # `fasttrain` alone trains the default preset
     args = _parser().parse_args(argv)
+    if args.command in ("sample", "eval", "report"):
+        try:
+            return {"sample": _sample, "eval": _eval, "report": _report}[args.command](args)
+        except (ValueError, FileNotFoundError, RuntimeError, KeyError) as e:
+            print(f"fasttrain: error: {str(e).splitlines()[0]}", file=sys.stderr)
+            return 1
     if args.command != "train":
         _parser().print_help()
         return 2
@@ -66,6 +102,73 @@ def main(argv: list[str] | None = None) -> int:
         print(f"digit classifier on samples: confidence {s['confidence']:.3f}, "
               f"{100 * s['confident_frac']:.0f}% confident, classes {s['classes_present']}/10"
               + (f", label agreement {100 * s['label_agreement']:.0f}%" if "label_agreement" in s else ""))
+    return 0
+
+
+def _sample(args) -> int:
+    from pathlib import Path
+
+    import torch
+    from torchvision.utils import save_image
+
+    from .train import Trainer
+
+    if args.n < 1:
+        raise ValueError(f"--n must be >= 1, got {args.n}")
+    tr = Trainer.from_run(args.ckpt)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    labels = None
+    if tr.num_classes:
+        labels = (torch.full((args.n,), args.label) if args.label is not None else torch.arange(args.n) % tr.num_classes)
+        if args.label is not None and not 0 <= args.label < tr.num_classes:
+            raise ValueError(f"--label must lie in [0, {tr.num_classes}), got {args.label}")
+        labels = labels.to(tr.device)
+    x = tr.generate(args.n, labels, seed=args.seed, steps=args.steps, method=args.method, guidance=args.guidance,
+                    ema=not args.raw, progress=True, eta=args.eta)
+    if tr.info.image_size:
+        save_image(x * 0.5 + 0.5, out / "grid.png", nrow=tr.num_classes or int(args.n**0.5), padding=1, pad_value=1.0)
+        for i, img in enumerate(x):
+            save_image(img * 0.5 + 0.5, out / f"{i:05d}.png")
+    else:
+        from . import plots
+
+        torch.save(x.cpu(), out / "samples.pt")
+        plots.plot_points(out / "grid.png", x, tr.data.x[:2000])
+    print(f"wrote {args.n} samples to {out}")
+    return 0
+
+
+def _eval(args) -> int:
+    import json
+    from pathlib import Path
+
+    from .evaluate import run_evaluation
+    from .train import Trainer
+
+    tr = Trainer.from_run(args.ckpt)
+    ec = tr.cfg.eval
+    if args.n is not None:
+        ec.num_samples = args.n
+    if args.steps is not None:
+        ec.steps = args.steps
+    if args.extractor is not None:
+        ec.extractor = args.extractor
+    if args.weights is not None:
+        ec.weights_path = args.weights
+    if args.no_bpd:
+        ec.bpd = False
+    metrics = {"step": tr.step, **run_evaluation(tr)}
+    path = Path(args.out) if args.out else tr.run_dir / "eval.json"
+    path.write_text(json.dumps(metrics, indent=2))
+    print(json.dumps(metrics, indent=2))
+    return 0
+
+
+def _report(args) -> int:
+    from .report import write_report
+
+    print(f"wrote {write_report(args.run)}")
     return 0
 
 

@@ -90,6 +90,18 @@ class SampleConfig:
 
 
 @dataclass
+class EvalConfig:
+    every: int = _f(1000, "steps between evaluations during training (0 = only at the end)")
+    num_samples: int = _f(500, "generated images for FID/KID/precision/recall (0 = no sample metrics)")
+    steps: int = _f(50, "sampling steps for evaluation")
+    extractor: str = _f("auto", "auto (digits: fasttrain-digits, images: inception-v3-compat) | fasttrain-digits | inception-v3-compat | none")
+    weights_path: Optional[str] = _f(None, "local Inception weights for machines that cannot download them")
+    bpd: bool = _f(True, "negative ELBO in bits/dim on held-out data")
+    bpd_samples: int = _f(400, "held-out samples for bits/dim")
+    bpd_timesteps: int = _f(50, "timesteps per sample in the bits/dim estimate (stratified)")
+
+
+@dataclass
 class Config:
     preset: str = _f("default", "the preset this run started from")
     run_dir: str = _f("runs/${preset}", "where checkpoints, metrics, samples and plots go")
@@ -99,6 +111,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def presets() -> dict[str, str]:
@@ -169,6 +182,7 @@ def _check(cond: bool, key: str, cfg, need: str) -> None:
 def validate(cfg: DictConfig) -> None:
     from .data import DATASETS
     from .diffusion import PREDICTIONS, SAMPLERS, SCHEDULES, WEIGHTINGS
+    from .evaluate import EXTRACTORS
     from .diffusion.objective import BACKENDS
     from .models import MODELS, model_args
     from .sample import METHODS
@@ -176,7 +190,8 @@ def validate(cfg: DictConfig) -> None:
     for key, choices in [("data.name", DATASETS), ("model.name", MODELS), ("diffusion.schedule", SCHEDULES),
                          ("diffusion.prediction", PREDICTIONS), ("diffusion.weighting", WEIGHTINGS),
                          ("diffusion.sampler", SAMPLERS), ("diffusion.backend", BACKENDS),
-                         ("sample.method", METHODS), ("train.device", ("auto", "cpu", "cuda"))]:
+                         ("sample.method", METHODS), ("train.device", ("auto", "cpu", "cuda")),
+                         ("eval.extractor", EXTRACTORS)]:
         _choice(cfg, key, choices)
     d = cfg.diffusion
     for group, allowed in [("weighting", WEIGHTINGS[d.weighting]), ("sampler", SAMPLERS[d.sampler].ARGS)]:
@@ -204,5 +219,10 @@ def validate(cfg: DictConfig) -> None:
     _check(cfg.train.ckpt_every >= 0, "train.ckpt_every", cfg, "must be >= 0")
     _check(cfg.sample.num >= 0, "sample.num", cfg, "must be >= 0")
     _check(cfg.sample.steps >= 1, "sample.steps", cfg, "must be >= 1 (more than diffusion.T means T)")
+    _check(cfg.eval.every >= 0, "eval.every", cfg, "must be >= 0")
+    _check(cfg.eval.num_samples >= 0, "eval.num_samples", cfg, "must be >= 0")
+    _check(cfg.eval.steps >= 1, "eval.steps", cfg, "must be >= 1")
+    _check(cfg.eval.bpd_timesteps >= 1, "eval.bpd_timesteps", cfg, "must be >= 1")
+    _check(cfg.eval.bpd_samples >= 1, "eval.bpd_samples", cfg, "must be >= 1")
     if cfg.data.name == "folder":
         _check(bool(cfg.data.root), "data.root", cfg, "an image folder is needed for data.name=folder")

@@ -59,6 +59,22 @@ def plot_loss_curve(path, rows: list[dict]) -> Path:
     return Path(path)
 
 
+def plot_eval_curves(path, rows: list[dict]) -> Path | None:
+    """FID, KID and bits/dim against images seen, from the eval rows of metrics.jsonl."""
+    keys = [k for k in ("eval/fid", "eval/kid", "eval/bpd") if any(r.get(k) is not None for r in rows)]
+    if not keys:
+        return None
+    fig, ax = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
+    for a, k in zip(ax[0], keys):
+        pts = [(r["images"], r[k]) for r in rows if r.get(k) is not None]
+        a.plot([p[0] for p in pts], [p[1] for p in pts], marker="o")
+        a.set(xlabel="training images seen", ylabel=k.split("/")[1], title=k.split("/")[1].upper() + " over training")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
 def plot_points(path, samples: torch.Tensor, data: torch.Tensor, title: str = "") -> Path:
     """Scatter of 2-D samples next to the data they should match."""
     fig, ax = plt.subplots(1, 2, figsize=(8, 4), sharex=True, sharey=True)

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
 from . import plots
+from .config import Config
 from .data import build_data
 from .diffusion import DiffusionObjective, schedule as make_schedule
 from .logger import MetricLogger, read_jsonl
@@ -177,6 +178,8 @@ class Trainer:
                     n_acc, t0 = 0, time.time()
                 if tc.ckpt_every and self.step % tc.ckpt_every == 0:
                     self.save()
+                if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.step < tc.steps:
+                    self.evaluate(log)
         except BaseException as e:
             bar.close()
             # Nothing lost: Ctrl-C saves a resumable last.pt; an error (say a NaN loss) saves crash.pt
@@ -193,46 +196,76 @@ class Trainer:
 
     # -- end of run: samples and plots -----------------------------------------------------------
     @torch.no_grad()
-    def generate(self, n: int, labels: torch.Tensor | None = None, seed: int = 0) -> torch.Tensor:
+    def generate(self, n: int, labels: torch.Tensor | None = None, seed: int = 0, steps: int | None = None,
+                 method: str | None = None, guidance: float | None = None, ema: bool = True,
+                 progress: bool | None = None, eta: float | None = None) -> torch.Tensor:
+        """n samples from the EMA weights (or the raw ones), settings from cfg.sample unless given."""
         sc = self.cfg.sample
         g = torch.Generator(self.device).manual_seed(seed)
-        net = self.ema.module.eval()
+        net = (self.ema.module if ema else self.model).eval()
         shape = (n, self.info.channels) + ((self.info.image_size,) * 2 if self.info.image_size else ())
-        return sample(net, self.schedule, self.cfg.diffusion.prediction, shape, steps=min(sc.steps, self.schedule.T), method=sc.method,
-                      eta=sc.eta, labels=labels, guidance=sc.guidance, null_label=self.num_classes,
-                      clip_x0=1.0 if self.info.image_size else None, generator=g, device=self.device,
-                      progress=self.cfg.train.progress)
+        try:
+            return sample(net, self.schedule, self.cfg.diffusion.prediction, shape,
+                          steps=min(steps or sc.steps, self.schedule.T), method=method or sc.method,
+                          eta=sc.eta if eta is None else eta, labels=labels,
+                          guidance=sc.guidance if guidance is None else guidance, null_label=self.num_classes,
+                          clip_x0=1.0 if self.info.image_size else None, generator=g, device=self.device,
+                          progress=self.cfg.train.progress if progress is None else progress)
+        finally:
+            self.model.train()
+
+    def evaluate(self, log: MetricLogger) -> dict:
+        from .evaluate import run_evaluation
+
+        metrics = run_evaluation(self)
+        log.log(self.step, images=self.step * self.images_per_step, **{f"eval/{k}": v for k, v in metrics.items()})
+        return metrics
+
+    def save_samples(self, path: Path, n: int) -> torch.Tensor:
+        """A grid of n samples (one column per class when conditional), or a scatter for 2-D data."""
+        if self.info.image_size:
+            labels = torch.arange(n, device=self.device) % self.num_classes if self.num_classes else None
+            x = self.generate(n, labels)
+            nrow = self.num_classes or int(math.sqrt(n))
+            big = F.interpolate(x, scale_factor=max(1, 64 // self.info.image_size), mode="nearest")
+            save_image(big * 0.5 + 0.5, path, nrow=nrow, padding=2, pad_value=1.0)
+        else:
+            x = self.generate(max(n, 2000))
+            plots.plot_points(path, x, self.data.x[:2000], title=self.cfg.data.name)
+        return x
 
     def finish(self, log: MetricLogger) -> dict:
         cfg, out = self.cfg, {"steps": self.step, "images": self.step * self.images_per_step}
-        n = cfg.sample.num
-        if n:
-            if self.info.image_size:
-                labels = torch.arange(n, device=self.device) % self.num_classes if self.num_classes else None
-                x = self.generate(n, labels)
-                nrow = self.num_classes or int(math.sqrt(n))
-                big = F.interpolate(x, scale_factor=max(1, 64 // self.info.image_size), mode="nearest")
-                save_image(big * 0.5 + 0.5, self.run_dir / "samples.png", nrow=nrow, padding=2, pad_value=1.0)
-                if cfg.data.name == "digits":
-                    from .evaluate import DigitJudge
-
-                    judge = DigitJudge(cfg.data.holdout)
-                    out["digits"] = {"samples": judge.judge(x, labels), "real_heldout": judge.real,
-                                     "classifier_test_accuracy": judge.test_accuracy}
-            else:
-                x = self.generate(max(n, 2000))
+        if cfg.sample.num:
+            x = self.save_samples(self.run_dir / "samples.png", cfg.sample.num)
+            if not self.info.image_size:
                 data = self.data.x[:2000]
-                plots.plot_points(self.run_dir / "samples.png", x, data, title=cfg.data.name)
                 out["sample_mean"], out["sample_std"] = x.mean(0).tolist(), x.std(0).tolist()
                 out["data_mean"], out["data_std"] = data.mean(0).tolist(), data.std(0).tolist()
+        if cfg.eval.num_samples or cfg.eval.bpd:
+            out["eval"] = self.evaluate(log)
         obj = self.objective
         if obj.stats is not None:
             plots.plot_timesteps(self.run_dir / "timesteps.png", obj.stats, obj.probs(), obj.effective_weight(),
                                  title=f"{cfg.diffusion.prediction} · {cfg.diffusion.weighting} · {cfg.diffusion.sampler}")
-        plots.plot_loss_curve(self.run_dir / "loss.png", read_jsonl(self.run_dir / "metrics.jsonl"))
-        log.log(self.step, **{k: v for k, v in out.items() if k == "digits"})
+        rows = read_jsonl(self.run_dir / "metrics.jsonl")
+        plots.plot_loss_curve(self.run_dir / "loss.png", rows)
+        plots.plot_eval_curves(self.run_dir / "eval.png", rows)
         (self.run_dir / "summary.json").write_text(json.dumps(out, indent=2))
         return out
+
+    @classmethod
+    def from_run(cls, path: str | Path) -> "Trainer":
+        """A trainer restored from a run directory or a checkpoint file (for sample/eval/report)."""
+        path = Path(path)
+        ckpt_path = path / "last.pt" if path.is_dir() else path
+        state = ckpt.load(ckpt_path)
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), state["config"])
+        cfg.run_dir = str(ckpt_path.parent)
+        cfg.train.progress = False
+        tr = cls(cfg)
+        tr.load(ckpt_path)
+        return tr
 
 
 def train(cfg: DictConfig, resume: bool = False) -> dict:

@@ -42,7 +42,8 @@ def test_print_config_applies_overrides(capsys):
 
 
 def test_tiny_run_and_resume_errors(tmp_path, capsys):
-    base = ["train", f"run_dir={tmp_path}", "model.args.ch=8", "train.steps=3", "sample.num=0", "train.progress=false"]
+    base = ["train", f"run_dir={tmp_path}", "model.args.ch=8", "train.steps=3", "sample.num=0", "train.progress=false",
+            "eval.num_samples=0", "eval.bpd=false"]
     assert main(base + ["--resume"]) == 1
     assert "no checkpoint" in capsys.readouterr().err
     assert main(base) == 0

@@ -8,7 +8,8 @@ from fasttrain.config import load_config
 from fasttrain.logger import read_jsonl
 from fasttrain.train import Trainer, train
 
-TINY = ["model.args.ch=16", "train.progress=false", "sample.num=0", "optim.warmup_steps=10", "train.threads=1"]
+TINY = ["model.args.ch=16", "train.progress=false", "sample.num=0", "optim.warmup_steps=10", "train.threads=1",
+        "eval.num_samples=0", "eval.bpd=false"]
 
 
 def _cfg(tmp_path, *over, preset="default", tiny=TINY):
@@ -16,7 +17,8 @@ def _cfg(tmp_path, *over, preset="default", tiny=TINY):
 
 
 def test_short_run_loss_falls_and_writes_artifacts(tmp_path):
-    cfg = _cfg(tmp_path, "train.steps=200", "train.log_every=20", "optim.lr=2e-3", "sample.num=20", "sample.steps=10")
+    cfg = _cfg(tmp_path, "train.steps=200", "train.log_every=20", "optim.lr=2e-3", "sample.num=20", "sample.steps=10",
+               "eval.num_samples=100", "eval.steps=10", "eval.every=0")
     summary = train(cfg)
     rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
     assert rows[-1]["loss"] < 0.7 * rows[0]["loss"], [r["loss"] for r in rows]
@@ -24,7 +26,7 @@ def test_short_run_loss_falls_and_writes_artifacts(tmp_path):
     for f in ("last.pt", "samples.png", "timesteps.png", "loss.png", "config.yaml", "summary.json"):
         assert (tmp_path / f).is_file(), f
     assert any((tmp_path / "tb").iterdir())
-    assert 0 <= summary["digits"]["samples"]["confidence"] <= 1
+    assert 0 <= summary["eval"]["digits_confidence"] <= 1 and summary["eval"]["fid"] > 0
 
 
 @pytest.mark.parametrize("over", [
@@ -55,7 +57,7 @@ def test_resume_refuses_a_different_model(tmp_path):
     train(_cfg(tmp_path, "train.steps=2"))
     with pytest.raises(ValueError, match="config key 'model.args.ch' differs"):
         train(load_config("default", [f"run_dir={tmp_path}", "model.args.ch=8", "train.steps=4", "sample.num=0",
-                                      "train.progress=false"]), resume=True)
+                                      "train.progress=false", "eval.num_samples=0"]), resume=True)
 
 
 def test_crash_keeps_last_good_checkpoint(tmp_path, monkeypatch):

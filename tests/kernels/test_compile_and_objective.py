@@ -73,7 +73,8 @@ def test_trainer_runs_on_the_interpreter(tmp_path):
     from fasttrain.train import train
 
     cfg = load_config("default", [f"run_dir={tmp_path}", "diffusion.backend=interpret", "train.steps=4",
-                                  "model.args.ch=8", "sample.num=0", "train.progress=false", "diffusion.stats_every=2"])
+                                  "model.args.ch=8", "sample.num=0", "train.progress=false", "diffusion.stats_every=2",
+                                  "eval.num_samples=0", "eval.bpd=false"])
     summary = train(cfg)
     assert summary["steps"] == 4
     st = torch.load(tmp_path / "last.pt", weights_only=True)["objective_extra"]["stats"]

@@ -1,0 +1,70 @@
+"""`fasttrain report RUN_DIR`: one self-contained HTML page per run (images inlined as base64): the
+loss curve, FID/KID/bits-per-dim over training, the per-timestep curves, a sample grid, the final
+metrics and the config."""
+from __future__ import annotations
+
+import base64
+import html
+from pathlib import Path
+
+from jinja2 import Template
+
+from . import plots
+from .logger import read_jsonl
+
+PAGE = Template("""<!doctype html>
+<html><head><meta charset="utf-8"><title>fasttrain · {{ name }}</title>
+<style>
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1250px; color: #222; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.15em; margin-top: 1.8em; border-bottom: 1px solid #ddd; }
+img { max-width: 100%; } table { border-collapse: collapse; } td, th { padding: 2px 12px; text-align: left; }
+tr:nth-child(even) { background: #f6f6f6; } pre { background: #f6f6f6; padding: 1em; font-size: 0.85em; }
+</style></head><body>
+<h1>{{ name }}</h1>
+<p>{{ summary }}</p>
+{% for title, img in figures %}<h2>{{ title }}</h2><img src="data:image/png;base64,{{ img }}">
+{% endfor %}
+{% if metrics %}<h2>Final evaluation</h2><table>{% for k, v in metrics %}<tr><th>{{ k }}</th><td>{{ v }}</td></tr>{% endfor %}</table>{% endif %}
+<h2>Config</h2><pre>{{ config }}</pre>
+</body></html>
+""", autoescape=True)
+
+
+def _b64(path: Path) -> str:
+    return base64.b64encode(path.read_bytes()).decode()
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
+
+
+def write_report(run_dir: str | Path) -> Path:
+    run = Path(run_dir)
+    metrics_file = run / "metrics.jsonl"
+    if not metrics_file.is_file():
+        raise FileNotFoundError(f"{run} is not a fasttrain run directory (no metrics.jsonl)")
+    rows = read_jsonl(metrics_file)
+    plots.plot_loss_curve(run / "loss.png", rows)
+    plots.plot_eval_curves(run / "eval.png", rows)
+    if not (run / "timesteps.png").is_file() and (run / "last.pt").is_file():
+        from .train import Trainer
+
+        tr = Trainer.from_run(run)
+        obj = tr.objective
+        obj.sync_stats()
+        plots.plot_timesteps(run / "timesteps.png", obj.stats, obj.probs(), obj.effective_weight())
+    figures = [(title, _b64(run / f)) for title, f in (
+        ("Training loss", "loss.png"), ("Evaluation over training", "eval.png"),
+        ("Per-timestep statistics", "timesteps.png"), ("Samples (EMA)", "samples.png")) if (run / f).is_file()]
+    last_eval = {}
+    for r in rows:
+        last_eval.update({k[5:]: v for k, v in r.items() if k.startswith("eval/") and v is not None})
+    steps = max((r.get("step", 0) for r in rows), default=0)
+    images = max((r.get("images", 0) or 0 for r in rows), default=0)
+    summary = f"{steps} steps, {images} training images; {len(figures)} figures"
+    config = (run / "config.yaml").read_text() if (run / "config.yaml").is_file() else "(no config.yaml)"
+    out = run / "report.html"
+    out.write_text(PAGE.render(name=run.name, summary=summary, figures=figures,
+                               metrics=[(k, _fmt(v)) for k, v in last_eval.items()], config=config))
+    return out
+
