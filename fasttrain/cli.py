@@ -97,11 +97,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fasttrain: interrupted; resume with: fasttrain train {preset} ... --resume", file=sys.stderr)
         return 130
     print(f"done: {summary['steps']} steps, {summary['images']} images -> {cfg.run_dir}")
-    if "digits" in summary:
-        s = summary["digits"]["samples"]
-        print(f"digit classifier on samples: confidence {s['confidence']:.3f}, "
-              f"{100 * s['confident_frac']:.0f}% confident, classes {s['classes_present']}/10"
-              + (f", label agreement {100 * s['label_agreement']:.0f}%" if "label_agreement" in s else ""))
+    ev = summary.get("eval", {})
+    if "fid" in ev or "bpd" in ev:
+        parts = [f"{k} {ev[k]:.3g}" for k in ("fid", "kid", "precision", "recall", "bpd") if k in ev]
+        print("eval: " + ", ".join(parts))
+    if "digits_confidence" in ev:
+        print(f"digit classifier on samples: confidence {ev['digits_confidence']:.3f}, "
+              f"{100 * ev['digits_confident_frac']:.0f}% confident, classes {ev['digits_classes_present']}/10"
+              + (f", label agreement {100 * ev['digits_label_agreement']:.0f}%" if "digits_label_agreement" in ev else ""))
     return 0
 
 

@@ -201,16 +201,21 @@ class Trainer:
                  progress: bool | None = None, eta: float | None = None) -> torch.Tensor:
         """n samples from the EMA weights (or the raw ones), settings from cfg.sample unless given."""
         sc = self.cfg.sample
-        g = torch.Generator(self.device).manual_seed(seed)
         net = (self.ema.module if ema else self.model).eval()
         shape = (n, self.info.channels) + ((self.info.image_size,) * 2 if self.info.image_size else ())
+        chunk = 1024  # bounded memory for large n; chunk i uses seed + i, so results do not depend on n
         try:
-            return sample(net, self.schedule, self.cfg.diffusion.prediction, shape,
-                          steps=min(steps or sc.steps, self.schedule.T), method=method or sc.method,
-                          eta=sc.eta if eta is None else eta, labels=labels,
-                          guidance=sc.guidance if guidance is None else guidance, null_label=self.num_classes,
-                          clip_x0=1.0 if self.info.image_size else None, generator=g, device=self.device,
-                          progress=self.cfg.train.progress if progress is None else progress)
+            outs = []
+            for i, lo in enumerate(range(0, n, chunk)):
+                g = torch.Generator(self.device).manual_seed(seed + i)
+                m = min(chunk, n - lo)
+                outs.append(sample(net, self.schedule, self.cfg.diffusion.prediction, (m,) + shape[1:],
+                                   steps=min(steps or sc.steps, self.schedule.T), method=method or sc.method,
+                                   eta=sc.eta if eta is None else eta, labels=None if labels is None else labels[lo:lo + m],
+                                   guidance=sc.guidance if guidance is None else guidance, null_label=self.num_classes,
+                                   clip_x0=1.0 if self.info.image_size else None, generator=g, device=self.device,
+                                   progress=self.cfg.train.progress if progress is None else progress))
+            return torch.cat(outs)
         finally:
             self.model.train()
 
