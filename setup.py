@@ -23,8 +23,10 @@ INSTALL_REQUIRES = [
     "jinja2>=3",           # the HTML run report
 ]
 
+DALI = ["nvidia-dali-cuda130>=2.0"]  # CPU pipelines work without a GPU (device_id=None)
 EXTRAS = {
-    "dev": ["pytest>=8", "pytest-benchmark>=4", "scipy>=1.10"],
+    "dali": DALI,
+    "dev": ["pytest>=8", "pytest-benchmark>=4", "scipy>=1.10"] + DALI,
 }
 
 setup(

@@ -4,6 +4,7 @@
     fasttrain sample --ckpt RUN --n 64 --steps 50 --out DIR
     fasttrain eval --ckpt RUN [--n 500]
     fasttrain report RUN
+    fasttrain data prepare ROOT [--encoder module:function --latents-out DIR]
 """
 from __future__ import annotations
 
@@ -56,6 +57,16 @@ def _parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser("report", help="write RUN/report.html")
     rp.add_argument("run", help="run directory")
+
+    da = sub.add_parser("data", help="data-set tools")
+    dsub = da.add_subparsers(dest="data_command")
+    pr = dsub.add_parser("prepare", help="check a folder, list corrupt files, write its manifest (optionally encode to .npy latents)")
+    pr.add_argument("root", help="image folder (class subfolders give labels) or .npy latent folder")
+    pr.add_argument("--out", default=None, help="manifest path (default ROOT/fasttrain-manifest.json)")
+    pr.add_argument("--encoder", default=None, help="module:function mapping images [N,3,S,S] in [-1,1] to latents")
+    pr.add_argument("--latents-out", default=None, help="folder for the encoded .npy latents")
+    pr.add_argument("--image-size", type=int, default=256, help="image side fed to the encoder")
+    pr.add_argument("--batch-size", type=int, default=64, help="encoder batch size")
     return p
 
 
@@ -64,10 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         argv = ["train"]  # `fasttrain` alone trains the default preset
     args = _parser().parse_args(argv)
-    if args.command in ("sample", "eval", "report"):
+    if args.command in ("sample", "eval", "report", "data"):
         try:
-            return {"sample": _sample, "eval": _eval, "report": _report}[args.command](args)
-        except (ValueError, FileNotFoundError, RuntimeError, KeyError) as e:
+            return {"sample": _sample, "eval": _eval, "report": _report, "data": _data}[args.command](args)
+        except (ValueError, FileNotFoundError, RuntimeError, KeyError, ImportError, AttributeError) as e:
             print(f"fasttrain: error: {str(e).splitlines()[0]}", file=sys.stderr)
             return 1
     if args.command != "train":
@@ -172,6 +183,20 @@ def _report(args) -> int:
     from .report import write_report
 
     print(f"wrote {write_report(args.run)}")
+    return 0
+
+
+def _data(args) -> int:
+    if args.data_command != "prepare":
+        _parser().parse_args(["data", "--help"])
+        return 2
+    from .data.manifest import prepare
+
+    res = prepare(args.root, args.out, args.encoder, args.latents_out, args.image_size, args.batch_size)
+    print(f"{res['num_files']} readable files, {len(res['classes'])} classes, sizes {res['sizes']}")
+    for rel, reason in res["bad"]:
+        print(f"skipped {rel}: {reason}")
+    print(f"wrote {res['manifest']}" + (f" and {res['latents_manifest']}" if "latents_manifest" in res else ""))
     return 0
 
 

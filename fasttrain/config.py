@@ -25,13 +25,17 @@ def _f(default, help: str, **kw):
 
 @dataclass
 class DataConfig:
-    name: str = _f("digits", "digits | moons | 8gaussians | checkerboard | folder")
-    root: Optional[str] = _f(None, "image folder (class subfolders give labels) for name=folder")
+    name: str = _f("digits", "digits | moons | 8gaussians | checkerboard | folder | latents")
+    root: Optional[str] = _f(None, "image folder or .npy latent folder (class subfolders give labels)")
+    backend: str = _f("auto", "loader for folders: auto (DALI where installed) | dali | torch")
+    manifest: Optional[str] = _f(None, "manifest from `fasttrain data prepare` (default ROOT/fasttrain-manifest.json)")
+    crop: str = _f("center", "center | random crop after resizing the shorter side (image folders)")
+    flip: bool = _f(True, "random horizontal flips (image folders)")
     image_size: int = _f(8, "side of the square training images (digits are 8×8 natively)")
     channels: int = _f(3, "image channels for name=folder (1 = grey)")
     batch_size: int = _f(16, "micro-batch per process")
     holdout: int = _f(400, "digits held out from training (for evaluation)")
-    num_workers: int = _f(0, "DataLoader workers for name=folder")
+    num_workers: int = _f(0, "loader workers: DataLoader processes or DALI threads (0 = main process / 1 thread)")
 
 
 @dataclass
@@ -180,6 +184,7 @@ def _check(cond: bool, key: str, cfg, need: str) -> None:
 
 
 def validate(cfg: DictConfig) -> None:
+    from .data import BACKENDS as DATA_BACKENDS
     from .data import DATASETS
     from .diffusion import PREDICTIONS, SAMPLERS, SCHEDULES, WEIGHTINGS
     from .evaluate import EXTRACTORS
@@ -187,7 +192,7 @@ def validate(cfg: DictConfig) -> None:
     from .models import MODELS, model_args
     from .sample import METHODS
 
-    for key, choices in [("data.name", DATASETS), ("model.name", MODELS), ("diffusion.schedule", SCHEDULES),
+    for key, choices in [("data.name", DATASETS), ("data.backend", DATA_BACKENDS), ("data.crop", ("center", "random")), ("model.name", MODELS), ("diffusion.schedule", SCHEDULES),
                          ("diffusion.prediction", PREDICTIONS), ("diffusion.weighting", WEIGHTINGS),
                          ("diffusion.sampler", SAMPLERS), ("diffusion.backend", BACKENDS),
                          ("sample.method", METHODS), ("train.device", ("auto", "cpu", "cuda")),
@@ -224,5 +229,5 @@ def validate(cfg: DictConfig) -> None:
     _check(cfg.eval.steps >= 1, "eval.steps", cfg, "must be >= 1")
     _check(cfg.eval.bpd_timesteps >= 1, "eval.bpd_timesteps", cfg, "must be >= 1")
     _check(cfg.eval.bpd_samples >= 1, "eval.bpd_samples", cfg, "must be >= 1")
-    if cfg.data.name == "folder":
-        _check(bool(cfg.data.root), "data.root", cfg, "an image folder is needed for data.name=folder")
+    if cfg.data.name in ("folder", "latents"):
+        _check(bool(cfg.data.root), "data.root", cfg, f"a folder is needed for data.name={cfg.data.name}")

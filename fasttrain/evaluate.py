@@ -139,15 +139,18 @@ def resolve_extractor(cfg) -> str:
 def _images(cfg, trainer, n: int, split: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Real data for a run: `train` for FID references, `test` (held out where there is one) for bpd."""
     from .data import TOYS, digits, toy
-    from .data.folder import ImageFolderDataset
+    from .data.folder import ImageFolderDataset, LatentFolderDataset
+    from .data.manifest import load_manifest
 
     d = cfg.data
     if d.name == "digits":
         x, y = digits(d.image_size, split, holdout=d.holdout)
     elif d.name in TOYS:
         x, y = toy(d.name, n=n, seed=0 if split == "train" else 1), None
-    else:  # image folder: no held-out split of its own, the first n images (unflipped)
-        ds = ImageFolderDataset(d.root, d.image_size, d.channels, flip=False)
+    else:  # folders: no held-out split of their own, the first n items (images unflipped)
+        m = load_manifest(d.root, d.manifest)
+        ds = (LatentFolderDataset(d.root, m) if d.name == "latents"
+              else ImageFolderDataset(d.root, d.image_size, d.channels, flip=False, manifest=m))
         items = [ds[i] for i in range(min(n, len(ds)))]
         x, y = torch.stack([a for a, _ in items]), torch.stack([b for _, b in items])
     return x[:n], None if y is None else y[:n]
@@ -181,7 +184,8 @@ def run_evaluation(trainer, seed: int = 1234) -> dict:
         g = torch.Generator(trainer.device).manual_seed(seed)
         res = nelbo_bits_per_dim(model, trainer.schedule, cfg.diffusion.prediction, x0.to(trainer.device),
                                  labels=None if y is None else y.to(trainer.device), n_t=ec.bpd_timesteps,
-                                 discrete=trainer.info.image_size is not None, generator=g)
+                                 discrete=trainer.info.image_size is not None and cfg.data.name != "latents",
+                                 generator=g)
         out.update({"bpd": res["bpd"], "bpd_prior": res["prior"], "bpd_diffusion": res["diffusion"],
                     "bpd_decoder": res["decoder"]})
     return out

@@ -69,8 +69,9 @@ class Trainer:
 
         d = cfg.data
         self.data, self.info = build_data(d.name, batch_size=d.batch_size, seed=tc.seed, image_size=d.image_size,
-                                          root=d.root, channels=d.channels, holdout=d.holdout,
-                                          device=self.device, num_workers=d.num_workers)
+                                          root=d.root, channels=d.channels, holdout=d.holdout, device=self.device,
+                                          num_workers=d.num_workers, backend=d.backend, manifest=d.manifest,
+                                          crop=d.crop, flip=d.flip)
         self.num_classes = self.info.num_classes if cfg.model.class_conditional else 0
         self.model = build_model(cfg.model.name, in_channels=self.info.channels, image_size=self.info.image_size,
                                  num_classes=self.num_classes, **cfg.model.args).to(self.device)
@@ -232,7 +233,12 @@ class Trainer:
             labels = torch.arange(n, device=self.device) % self.num_classes if self.num_classes else None
             x = self.generate(n, labels)
             nrow = self.num_classes or int(math.sqrt(n))
-            big = F.interpolate(x, scale_factor=max(1, 64 // self.info.image_size), mode="nearest")
+            if self.cfg.data.name == "latents":  # decode elsewhere; the grid shows channel 0
+                torch.save(x.cpu(), path.with_suffix(".pt"))
+                shown = x[:, :1] / x[:, :1].abs().amax().clamp_min(1e-8)
+            else:
+                shown = x
+            big = F.interpolate(shown, scale_factor=max(1, 64 // self.info.image_size), mode="nearest")
             save_image(big * 0.5 + 0.5, path, nrow=nrow, padding=2, pad_value=1.0)
         else:
             x = self.generate(max(n, 2000))

@@ -1,37 +1,38 @@
-"""A plain image-folder data set read through a torch DataLoader (DALI comes in its own module).
-
-Class subfolders give labels (torchvision's ImageFolder layout); a flat folder gets label 0.
-Images are resized on the shorter side, centre-cropped, randomly flipped and scaled to [-1, 1].
+"""Image folders and .npy latent folders read through a torch DataLoader (the `torch` data backend;
+`dali.py` is the other one). Class subfolders give labels (torchvision's ImageFolder layout); a flat
+folder gets label 0. Images are resized on the shorter side, centre- or randomly cropped, randomly
+flipped and scaled to [-1, 1]; latents are returned as stored.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
 from torchvision import transforms
 
-EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+from .manifest import IMAGE_EXTENSIONS, LATENT_EXTENSIONS, scan
+
+
+def _files(root, manifest, extensions):
+    if manifest is not None:
+        return [tuple(f) for f in manifest["files"]], manifest["classes"]
+    return scan(root, extensions)
 
 
 class ImageFolderDataset(Dataset):
-    def __init__(self, root: str, image_size: int, channels: int = 3, flip: bool = True):
-        root_p = Path(root)
-        if not root_p.is_dir():
-            raise ValueError(f"data.root {root!r} is not a directory")
-        subdirs = sorted(d for d in root_p.iterdir() if d.is_dir())
-        if subdirs:
-            self.classes = [d.name for d in subdirs]
-            files = [(f, i) for i, d in enumerate(subdirs) for f in sorted(d.rglob("*")) if f.suffix.lower() in EXTENSIONS]
+    def __init__(self, root: str, image_size: int, channels: int = 3, flip: bool = True, crop: str = "center",
+                 files: list[tuple[str, int]] | None = None, manifest: dict | None = None):
+        self.root = Path(root)
+        if files is not None:
+            self.files, self.classes = files, sorted({label for _, label in files})
         else:
-            self.classes = []
-            files = [(f, 0) for f in sorted(root_p.iterdir()) if f.suffix.lower() in EXTENSIONS]
-        if not files:
-            raise ValueError(f"data.root {root!r} holds no images ({', '.join(EXTENSIONS)})")
-        self.files = files
+            self.files, self.classes = _files(root, manifest, IMAGE_EXTENSIONS)
         self.mode = "L" if channels == 1 else "RGB"
-        ops = [transforms.Resize(image_size), transforms.CenterCrop(image_size)]
+        crop_op = transforms.CenterCrop(image_size) if crop == "center" else transforms.RandomCrop(image_size)
+        ops = [transforms.Resize(image_size), crop_op]
         if flip:
             ops.append(transforms.RandomHorizontalFlip())
         ops += [transforms.ToTensor(), transforms.Normalize([0.5] * channels, [0.5] * channels)]
@@ -46,5 +47,27 @@ class ImageFolderDataset(Dataset):
 
     def __getitem__(self, i: int):
         path, label = self.files[i]
-        with Image.open(path) as im:
+        with Image.open(self.root / path) as im:
             return self.transform(im.convert(self.mode)), torch.tensor(label)
+
+
+class LatentFolderDataset(Dataset):
+    """Precomputed latents, one .npy per sample (e.g. VAE latents from `fasttrain data prepare --encoder`)."""
+
+    def __init__(self, root: str, manifest: dict | None = None):
+        self.root = Path(root)
+        self.files, self.classes = _files(root, manifest, LATENT_EXTENSIONS)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def shape(self) -> tuple[int, ...]:
+        return tuple(np.load(self.root / self.files[0][0], mmap_mode="r").shape)
+
+    def __getitem__(self, i: int):
+        path, label = self.files[i]
+        return torch.from_numpy(np.load(self.root / path).astype(np.float32)), torch.tensor(label)

@@ -52,7 +52,7 @@ def _write_folder(root, with_classes=True):
 
 def test_image_folder(tmp_path):
     _write_folder(tmp_path)
-    s, info = build_data("folder", batch_size=4, root=str(tmp_path), image_size=16)
+    s, info = build_data("folder", batch_size=4, root=str(tmp_path), image_size=16, backend="torch")
     assert info.num_classes == 2 and info.size == 6 and info.channels == 3
     x, y = next(s)
     assert x.shape == (4, 3, 16, 16) and x.min() >= -1 and x.max() <= 1
@@ -61,15 +61,31 @@ def test_image_folder(tmp_path):
 
 def test_flat_folder_and_errors(tmp_path):
     _write_folder(tmp_path, with_classes=False)
-    s, info = build_data("folder", batch_size=2, root=str(tmp_path), image_size=8, channels=1)
+    s, info = build_data("folder", batch_size=2, root=str(tmp_path), image_size=8, channels=1, backend="torch")
     x, y = next(s)
     assert x.shape == (2, 1, 8, 8) and info.num_classes == 0 and (y == 0).all()
     with pytest.raises(ValueError, match="is not a directory"):
         build_data("folder", batch_size=2, root=str(tmp_path / "nope"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="holds no images"):
-        build_data("folder", batch_size=2, root=str(tmp_path / "empty" ))
+    with pytest.raises(ValueError, match="holds no"):
+        build_data("folder", batch_size=2, root=str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="data.backend=dali reads image or latent folders"):
+        build_data("digits", batch_size=2, backend="dali")
     with pytest.raises(ValueError, match="larger than the data set"):
         build_data("digits", batch_size=5000)
     with pytest.raises(ValueError, match="unknown data set 'mnist'"):
         build_data("mnist", batch_size=2)
+
+
+def test_falls_back_to_the_dataloader_without_dali(tmp_path, monkeypatch):
+    from fasttrain.cli import main
+    from fasttrain.data import dali
+
+    _write_folder(tmp_path / "f")
+    monkeypatch.setattr(dali, "available", lambda: False)
+    s, _ = build_data("folder", batch_size=2, root=str(tmp_path / "f"), image_size=8, backend="auto")
+    assert not isinstance(s, dali.DaliStream) and next(s)[0].shape == (2, 3, 8, 8)
+    with pytest.raises(ValueError, match="DALI is not installed"):
+        build_data("folder", batch_size=2, root=str(tmp_path / "f"), image_size=8, backend="dali")
+    assert main(["train", "data.name=folder", f"data.root={tmp_path / 'f'}", "data.backend=dali",
+                 f"run_dir={tmp_path / 'run'}", "train.progress=false"]) == 1

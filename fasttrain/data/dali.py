@@ -1,0 +1,195 @@
+"""NVIDIA DALI pipelines (the `dali` data backend): image folders and .npy latent folders.
+
+Decoding runs in DALI's worker threads: on a GPU machine images are decoded by nvJPEG ("mixed") and
+batches arrive on the GPU; without one the pipeline is CPU-only (`device_id=None`, shared/research
+platform.md §4). Order and sharding are explicit, so that they are exact and resumable: each epoch
+is a permutation of the file list drawn from (seed, epoch); rank r of W takes every W-th file of it
+(all ranks get the same count, the remainder is dropped); pipelines read this rank's files in that
+order from the saved position, with `random_shuffle=False`; flips and random crop positions are
+drawn per sample from (seed, epoch) too and fed through fn.external_source, so a resumed run repeats
+them. The last batch of an epoch follows
+`last_batch`: drop (training default), partial, or pad (repeat the last sample).
+
+Images: fn.readers.file → fn.decoders.image → fn.resize (shorter side) → fn.crop_mirror_normalize
+(centre or random crop, random flip, [-1, 1], CHW). Latents: fn.readers.numpy, with the labels from
+the manifest fed in the same order through fn.external_source (readers.numpy has no labels).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+LAST_BATCH = ("drop", "partial", "pad")
+
+
+def available() -> bool:
+    try:
+        import nvidia.dali  # noqa: F401
+        import nvidia.dali.plugin.pytorch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def shard(n: int, seed: int, epoch: int, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's indices of epoch `epoch`: a seeded permutation, every world_size-th element,
+    truncated so that every rank gets n // world_size."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+    per_rank = n // world_size
+    return perm[rank::world_size][:per_rank]
+
+
+def _batches(values: np.ndarray, batch_size: int, dtype):
+    """Per-sample values as the batches an external_source feeds: padded like the reader pads its last
+    batch (repeating the last sample)."""
+    values = np.concatenate([values, np.repeat(values[-1:], -len(values) % batch_size, axis=0)])
+    for i in range(0, len(values), batch_size):
+        yield [np.asarray(v, dtype=dtype).reshape(-1) for v in values[i:i + batch_size]]
+
+
+def _image_pipeline(root, files, labels, aug, batch_size, image_size, channels, num_threads, device_id):
+    """aug: [n, 3] per-sample (mirror, crop_x, crop_y), drawn from (seed, epoch) by the caller so
+    that a resumed epoch repeats them exactly."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    gpu = device_id is not None
+
+    @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id, prefetch_queue_depth=2)
+    def pipe():
+        data, y = fn.readers.file(file_root=root, files=files, labels=labels, random_shuffle=False,
+                                  pad_last_batch=True, name="Reader")
+        mirror = fn.external_source(source=_batches(aug[:, 0].astype(np.int32), batch_size, np.int32), batch=True)
+        px = fn.external_source(source=_batches(aug[:, 1], batch_size, np.float32), batch=True)
+        py = fn.external_source(source=_batches(aug[:, 2], batch_size, np.float32), batch=True)
+        img = fn.decoders.image(data, device="mixed" if gpu else "cpu",
+                                output_type=types.RGB if channels == 3 else types.GRAY)
+        img = fn.resize(img, resize_shorter=image_size, antialias=True)
+        img = fn.crop_mirror_normalize(img, crop=(image_size, image_size), crop_pos_x=fn.squeeze(px, axes=0),
+                                       crop_pos_y=fn.squeeze(py, axes=0), mirror=fn.squeeze(mirror, axes=0),
+                                       dtype=types.FLOAT, output_layout="CHW", mean=[127.5] * channels,
+                                       std=[127.5] * channels)
+        return img, (y.gpu() if gpu else y)
+
+    return pipe()
+
+
+def _latent_pipeline(root, files, labels, batch_size, num_threads, device_id):
+    from nvidia.dali import fn, pipeline_def
+
+    @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id)
+    def pipe():
+        x = fn.readers.numpy(file_root=root, files=files, random_shuffle=False, pad_last_batch=True, name="Reader")
+        y = fn.external_source(source=_batches(np.asarray(labels), batch_size, np.int64), batch=True)
+        if device_id is not None:
+            x, y = x.gpu(), y.gpu()
+        return x, y
+
+    return pipe()
+
+
+class DaliStream:
+    """Infinite stream of (x, labels) batches with `state_dict()` = (epoch, position in this rank's
+    shard), the same interface and the same epoch-crossing semantics as the in-memory stream.
+
+    A pipeline is built over a chunk of consecutive epochs (at least `chunk` files, cut to whole
+    batches) so that pipeline construction stays off the hot path; `epoch_batches()` reads exactly one
+    epoch with the `last_batch` policy instead."""
+
+    def __init__(self, kind: str, root: str, files: list, batch_size: int, *, image_size: int = 0, channels: int = 3,
+                 seed: int = 0, rank: int = 0, world_size: int = 1, device="cpu", num_threads: int = 2,
+                 crop: str = "center", flip: bool = True, last_batch: str = "drop", chunk: int = 8192):
+        if not available():
+            raise RuntimeError("data.backend=dali needs NVIDIA DALI: pip install 'fasttrain[dali]'")
+        if last_batch not in LAST_BATCH:
+            raise ValueError(f"last_batch must be one of {', '.join(LAST_BATCH)}, got {last_batch!r}")
+        if kind not in ("images", "latents"):
+            raise ValueError(f"unknown DALI data kind {kind!r}")
+        self.kind, self.root, self.files = kind, str(root), [(str(f), int(y)) for f, y in files]
+        self.per_rank = len(self.files) // world_size
+        if self.per_rank < batch_size:
+            raise ValueError(f"data.batch_size {batch_size} is larger than one rank's shard "
+                             f"({len(self.files)} files over {world_size} ranks)")
+        self.batch_size, self.image_size, self.channels = batch_size, image_size, channels
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.device = torch.device(device)
+        self.num_threads, self.crop, self.flip, self.last_batch, self.chunk = num_threads, crop, flip, last_batch, chunk
+        self.epoch, self.pos, self._it = 0, 0, None
+
+    def epoch_files(self, epoch: int) -> list[tuple[str, int]]:
+        return [self.files[i] for i in shard(len(self.files), self.seed, epoch, self.rank, self.world_size).tolist()]
+
+    def _augment(self, epoch: int) -> np.ndarray:
+        """[per_rank, 3] (mirror, crop_x, crop_y) of every sample of this rank's epoch."""
+        g = torch.Generator().manual_seed((self.seed * 7919 + epoch * 104729 + self.rank) % (2**62))
+        aug = torch.rand(self.per_rank, 3, generator=g, dtype=torch.float64).numpy()
+        aug[:, 0] = (aug[:, 0] < 0.5) if self.flip else 0
+        if self.crop != "random":
+            aug[:, 1:] = 0.5
+        return aug
+
+    def _pipeline(self, items: list[tuple[str, int]], aug: np.ndarray, policy: str):
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+        names, labels = [f for f, _ in items], [y for _, y in items]
+        device_id = (self.device.index or 0) if self.device.type == "cuda" else None
+        if self.kind == "images":
+            pipe = _image_pipeline(self.root, names, labels, aug, self.batch_size, self.image_size, self.channels,
+                                   self.num_threads, device_id)
+        else:
+            pipe = _latent_pipeline(self.root, names, labels, self.batch_size, self.num_threads, device_id)
+        p = {"drop": LastBatchPolicy.DROP, "partial": LastBatchPolicy.PARTIAL, "pad": LastBatchPolicy.FILL}[policy]
+        return DALIGenericIterator(pipe, ["x", "y"], reader_name="Reader", last_batch_policy=p)
+
+    def _convert(self, out):
+        b = out[0]
+        return b["x"].to(self.device), b["y"].view(-1).long().to(self.device)
+
+    def _start_chunk(self):
+        items, augs, epoch, pos = [], [], self.epoch, self.pos
+        while len(items) < max(self.chunk, self.batch_size):
+            items += self.epoch_files(epoch)[pos:]
+            augs.append(self._augment(epoch)[pos:])
+            epoch, pos = epoch + 1, 0
+        keep = len(items) // self.batch_size * self.batch_size  # whole batches; the rest opens the next chunk
+        self._it = self._pipeline(items[:keep], np.concatenate(augs)[:keep], "drop")
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        for _ in range(2):
+            if self._it is None:
+                self._start_chunk()
+            try:
+                x, y = self._convert(next(self._it))
+            except StopIteration:
+                self._it = None
+                continue
+            self.pos += x.shape[0]
+            while self.pos >= self.per_rank:
+                self.epoch, self.pos = self.epoch + 1, self.pos - self.per_rank
+            return x, y
+        raise RuntimeError("the DALI pipeline produced no batch")
+
+    def epoch_batches(self):
+        """The rest of the current epoch with the `last_batch` policy; the stream then stands at the
+        start of the next epoch."""
+        it = self._pipeline(self.epoch_files(self.epoch)[self.pos:], self._augment(self.epoch)[self.pos:],
+                            self.last_batch)
+        for out in it:
+            yield self._convert(out)
+        self.epoch, self.pos, self._it = self.epoch + 1, 0, None
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+        self._it = None
+
+    def sample_shape(self) -> tuple[int, ...]:
+        if self.kind == "latents":
+            return tuple(np.load(Path(self.root) / self.files[0][0], mmap_mode="r").shape)
+        return (self.channels, self.image_size, self.image_size)

@@ -1,0 +1,128 @@
+"""Data-set manifests: which files a folder holds, their labels, and which files are unreadable.
+
+`fasttrain data prepare ROOT` checks every image once (PIL opens and fully decodes it), lists the
+corrupt ones instead of letting a loader crash on them mid-epoch, and writes ROOT/fasttrain-manifest.json
+with the counts, classes and image sizes. Loaders read their file list from the manifest; without
+one they scan the folder (and, for DALI, check the images first, since a corrupt JPEG stops its
+pipeline). Optionally the images are encoded to .npy latents by a user-supplied encoder.
+"""
+from __future__ import annotations
+
+import collections
+import importlib
+import json
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from tqdm.auto import tqdm
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+LATENT_EXTENSIONS = (".npy",)
+MANIFEST = "fasttrain-manifest.json"
+
+
+def scan(root: str | Path, extensions=IMAGE_EXTENSIONS) -> tuple[list[tuple[str, int]], list[str]]:
+    """(relative path, label) for every file with one of `extensions`; class subfolders give labels
+    (sorted names → 0, 1, ...), a flat folder gives label 0. Returns (files, class names)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ValueError(f"data.root {str(root)!r} is not a directory")
+    subdirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if subdirs:
+        files = [(str(f.relative_to(root)), i) for i, d in enumerate(subdirs) for f in sorted(d.rglob("*"))
+                 if f.suffix.lower() in extensions]
+        classes = [d.name for d in subdirs]
+    else:
+        files = [(f.name, 0) for f in sorted(root.iterdir()) if f.suffix.lower() in extensions]
+        classes = []
+    if not files:
+        raise ValueError(f"data.root {str(root)!r} holds no {'/'.join(extensions)} files")
+    return files, classes
+
+
+def check_image(path: Path) -> tuple[bool, str, tuple[int, int] | None]:
+    """Fully decode an image; (ok, reason, (width, height))."""
+    try:
+        with Image.open(path) as im:
+            im.load()
+            return True, "", im.size
+    except Exception as e:  # PIL raises many types for truncated or corrupt files
+        return False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", None
+
+
+def build_manifest(root: str | Path, progress: bool = True) -> dict:
+    root = Path(root)
+    latents = any(root.rglob("*.npy"))
+    files, classes = scan(root, LATENT_EXTENSIONS if latents else IMAGE_EXTENSIONS)
+    good, bad, sizes = [], [], collections.Counter()
+    for rel, label in tqdm(files, desc="checking", disable=not progress, unit="file"):
+        if latents:
+            try:
+                arr = np.load(root / rel, mmap_mode="r")
+                ok, reason, size = True, "", tuple(arr.shape)
+            except Exception as e:
+                ok, reason, size = False, f"{type(e).__name__}: {e}", None
+        else:
+            ok, reason, size = check_image(root / rel)
+        if ok:
+            good.append([rel, label])
+            sizes[str(list(size))] += 1
+        else:
+            bad.append([rel, reason])
+    counts = collections.Counter(label for _, label in good)
+    return {"root": str(root.resolve()), "kind": "latents" if latents else "images", "classes": classes,
+            "num_files": len(good), "counts": {str(k): v for k, v in sorted(counts.items())},
+            "sizes": dict(sizes.most_common()), "files": good, "bad": bad}
+
+
+def load_manifest(root: str | Path, path: str | Path | None = None) -> dict | None:
+    p = Path(path) if path else Path(root) / MANIFEST
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def load_encoder(spec: str):
+    """'package.module:function' → the function (images [N, 3, S, S] in [-1, 1] → latents [N, ...])."""
+    if ":" not in spec:
+        raise ValueError(f"--encoder must look like module:function, got {spec!r}")
+    mod, fn = spec.split(":", 1)
+    return getattr(importlib.import_module(mod), fn)
+
+
+def encode_folder(manifest: dict, encoder, out: str | Path, image_size: int, batch_size: int = 64,
+                  progress: bool = True) -> dict:
+    """Write one .npy latent per good image (class subfolders kept) and return the latents' manifest."""
+    import torch
+
+    from .folder import ImageFolderDataset
+
+    root, out = Path(manifest["root"]), Path(out)
+    ds = ImageFolderDataset(str(root), image_size, 3, flip=False, files=[tuple(f) for f in manifest["files"]])
+    for lo in tqdm(range(0, len(ds), batch_size), desc="encoding", disable=not progress, unit="batch"):
+        idx = range(lo, min(lo + batch_size, len(ds)))
+        x = torch.stack([ds[i][0] for i in idx])
+        with torch.no_grad():
+            z = encoder(x)
+        for i, zi in zip(idx, z):
+            rel = Path(ds.files[i][0]).with_suffix(".npy")
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            np.save(out / rel, zi.detach().float().cpu().numpy())
+    return build_manifest(out, progress=False)
+
+
+def prepare(root: str | Path, out: str | Path | None = None, encoder: str | None = None,
+            latents_out: str | Path | None = None, image_size: int = 256, batch_size: int = 64) -> dict:
+    """The `fasttrain data prepare` command: check, optionally encode, write the manifest(s)."""
+    m = build_manifest(root)
+    path = Path(out) if out else Path(root) / MANIFEST
+    path.write_text(json.dumps(m, indent=1))
+    result = {"manifest": str(path), "num_files": m["num_files"], "bad": m["bad"], "classes": m["classes"],
+              "sizes": m["sizes"]}
+    if encoder:
+        if not latents_out:
+            raise ValueError("--latents-out is needed with --encoder")
+        lm = encode_folder(m, load_encoder(encoder), latents_out, image_size, batch_size)
+        lpath = Path(latents_out) / MANIFEST
+        lpath.write_text(json.dumps(lm, indent=1))
+        result["latents_manifest"] = str(lpath)
+    return result
