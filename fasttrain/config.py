@@ -88,7 +88,7 @@ class TrainConfig:
 class SampleConfig:
     num: int = _f(100, "images generated at the end of training")
     steps: int = _f(50, "sampling steps (respaced; at most diffusion.T)")
-    method: str = _f("ddim", "ddim | ddpm")
+    method: str = _f("ddim", "ddim | ddpm | heun | flow_euler | flow_heun")
     eta: Optional[float] = _f(None, "DDIM eta (default 0 for ddim, 1 for ddpm)")
     guidance: float = _f(1.0, "classifier-free guidance scale (1 = off)")
 

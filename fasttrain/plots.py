@@ -12,6 +12,15 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 
+def _finish(fig, path, title: str = "") -> Path:
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
 def _np(x) -> np.ndarray:
     return x.detach().double().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=float)
 
@@ -39,12 +48,7 @@ def plot_timesteps(path, stats, probs, eff_weight, title: str = "", buckets: int
     ax[1, 0].legend(fontsize=8)
     ax[1, 1].plot(t, _np(eff_weight), color="C3")
     ax[1, 1].set(yscale="log", xlabel="timestep t", ylabel="T·p(t)·iw·w(t)·c(t)", title="effective x0-space weight")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return Path(path)
+    return _finish(fig, path, title)
 
 
 def plot_loss_curve(path, rows: list[dict]) -> Path:
@@ -53,10 +57,7 @@ def plot_loss_curve(path, rows: list[dict]) -> Path:
     if rows:
         ax.plot([r["images"] for r in rows], [r["loss"] for r in rows], lw=1)
     ax.set(xlabel="training images seen", ylabel="loss (mean over the log interval)", yscale="log", title="training loss")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _finish(fig, path)
 
 
 def plot_eval_curves(path, rows: list[dict]) -> Path | None:
@@ -69,10 +70,7 @@ def plot_eval_curves(path, rows: list[dict]) -> Path | None:
         pts = [(r["images"], r[k]) for r in rows if r.get(k) is not None]
         a.plot([p[0] for p in pts], [p[1] for p in pts], marker="o")
         a.set(xlabel="training images seen", ylabel=k.split("/")[1], title=k.split("/")[1].upper() + " over training")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return Path(path)
+    return _finish(fig, path)
 
 
 def plot_points(path, samples: torch.Tensor, data: torch.Tensor, title: str = "") -> Path:
@@ -82,9 +80,4 @@ def plot_points(path, samples: torch.Tensor, data: torch.Tensor, title: str = ""
         p = _np(pts)
         a.scatter(p[:, 0], p[:, 1], s=2, alpha=0.5)
         a.set(title=name, aspect="equal")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _finish(fig, path, title)
