@@ -24,6 +24,19 @@ def sincos_pos_embed(dim: int, grid: int) -> torch.Tensor:
     return torch.cat([one_d(dim // 2, gy), one_d(dim // 2, gx)], dim=1).float()
 
 
+def attention(q, k, v):
+    """SDPA, or xformers' memory-efficient kernel where it is installed and usable (CUDA, half precision)."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _xops is not None:
+        return _xops.memory_efficient_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+try:  # optional extra: its C++/CUDA build must match the installed torch (platform.md §5)
+    import xformers.ops as _xops
+except Exception:  # ImportError, or an extension built for another torch
+    _xops = None
+
+
 class DiTBlock(nn.Module):
     def __init__(self, hidden: int, heads: int, mlp_ratio: float = 4.0):
         super().__init__()
@@ -42,7 +55,7 @@ class DiTBlock(nn.Module):
         s1, sc1, g1, s2, sc2, g2 = self.ada(c).chunk(6, dim=1)
         B, N, D = x.shape
         q, k, v = self.qkv(_modulate(self.norm1(x), s1, sc1)).view(B, N, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        h = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, D)
+        h = attention(q, k, v).transpose(1, 2).reshape(B, N, D)
         x = x + g1[:, None] * self.proj(h)
         return x + g2[:, None] * self.mlp(_modulate(self.norm2(x), s2, sc2))
 
@@ -76,7 +89,8 @@ class DiT(nn.Module):
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
         B = x.shape[0]
-        h = self.x_embed(x).flatten(2).transpose(1, 2) + self.pos
+        h = self.x_embed(x).flatten(2).transpose(1, 2)
+        h = h + self.pos.to(h.dtype)
         c = self.embed(t, y)
         for blk in self.blocks:
             h = blk(h, c)
@@ -86,7 +100,5 @@ class DiT(nn.Module):
         return h.view(B, g, g, p, p, C).permute(0, 5, 1, 3, 2, 4).reshape(B, C, g * p, g * p)
 
 
-def dit_flops_per_token(hidden: int, depth: int, tokens: int) -> float:
-    """Forward multiply-accumulates per token (research notes §1.2): 12·d²·L + 2·T·d·L."""
-    return 12 * hidden**2 * depth + 2 * tokens * hidden * depth
+DIT_SIZES = {"s": (384, 12, 6), "b": (768, 12, 12), "l": (1024, 24, 16), "xl": (1152, 28, 16)}  # hidden, depth, heads
 

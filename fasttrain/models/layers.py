@@ -28,7 +28,7 @@ class TimeLabelEmbedding(nn.Module):
         self.label = nn.Embedding(num_classes + 1, dim) if num_classes > 0 else None
 
     def forward(self, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
-        emb = self.mlp(timestep_embedding(t, self.freq_dim))
+        emb = self.mlp(timestep_embedding(t, self.freq_dim).to(self.mlp[0].weight.dtype))  # bf16 under FSDP mp
         if self.label is not None:
             if y is None:
                 y = torch.full_like(t, self.num_classes)

@@ -46,13 +46,27 @@ class AttnBlock(nn.Module):
         return x + self.proj(h.transpose(-1, -2).reshape(B, C, H * W)).view(B, C, H, W)
 
 
+class EmbSequential(nn.ModuleList):
+    """Layers applied in turn, the residual blocks also receiving the embedding. Each one is a unit
+    that parallel.py may checkpoint, compile or shard (a plain ModuleList has no forward)."""
+
+    def forward(self, h, emb):
+        for b in self:
+            h = b(h, emb) if isinstance(b, (ResBlock, AttnBlock)) else b(h)
+        return h
+
+
 class UNet(nn.Module):
     def __init__(self, in_channels: int = 3, image_size: int = 32, ch: int = 64, ch_mult=(1, 2, 2),
-                 num_res_blocks: int = 2, attn_resolutions=(16,), heads: int = 4, dropout: float = 0.0,
-                 num_classes: int = 0, out_channels: int | None = None):
+                 num_res_blocks: int = 2, attn_resolutions=(16,), heads: int = 4, head_channels: int = 0,
+                 dropout: float = 0.0, num_classes: int = 0, out_channels: int | None = None):
         super().__init__()
         self.in_channels, self.image_size = in_channels, image_size
         emb_dim = 4 * ch
+
+        def attn(c):  # ADM: a fixed number of channels per head when head_channels is set
+            return AttnBlock(c, c // head_channels if head_channels else heads)
+
         self.embed = TimeLabelEmbedding(ch, emb_dim, num_classes)
         self.inp = nn.Conv2d(in_channels, ch, 3, padding=1)
         self.down, skips, cur, res = nn.ModuleList(), [ch], ch, image_size
@@ -61,43 +75,40 @@ class UNet(nn.Module):
                 blocks = [ResBlock(cur, ch * mult, emb_dim, dropout)]
                 cur = ch * mult
                 if res in attn_resolutions:
-                    blocks.append(AttnBlock(cur, heads))
-                self.down.append(nn.ModuleList(blocks))
+                    blocks.append(attn(cur))
+                self.down.append(EmbSequential(blocks))
                 skips.append(cur)
             if level != len(ch_mult) - 1:
-                self.down.append(nn.ModuleList([nn.Conv2d(cur, cur, 3, stride=2, padding=1)]))
+                self.down.append(EmbSequential([nn.Conv2d(cur, cur, 3, stride=2, padding=1)]))
                 skips.append(cur)
                 res //= 2
-        self.mid = nn.ModuleList([ResBlock(cur, cur, emb_dim, dropout), AttnBlock(cur, heads),
-                                  ResBlock(cur, cur, emb_dim, dropout)])
+        self.mid = EmbSequential([ResBlock(cur, cur, emb_dim, dropout), attn(cur), ResBlock(cur, cur, emb_dim, dropout)])
         self.up = nn.ModuleList()
         for level, mult in reversed(list(enumerate(ch_mult))):
             for i in range(num_res_blocks + 1):
                 blocks = [ResBlock(cur + skips.pop(), ch * mult, emb_dim, dropout)]
                 cur = ch * mult
                 if res in attn_resolutions:
-                    blocks.append(AttnBlock(cur, heads))
+                    blocks.append(attn(cur))
                 if level and i == num_res_blocks:
                     blocks.append(nn.Upsample(scale_factor=2, mode="nearest"))
                     blocks.append(nn.Conv2d(cur, cur, 3, padding=1))
                     res *= 2
-                self.up.append(nn.ModuleList(blocks))
+                self.up.append(EmbSequential(blocks))
         self.out = nn.Sequential(_norm(cur), nn.SiLU(), zero_module(nn.Conv2d(cur, out_channels or in_channels, 3, padding=1)))
-
-    @staticmethod
-    def _run(blocks, h, emb):
-        for b in blocks:
-            h = b(h, emb) if isinstance(b, (ResBlock, AttnBlock)) else b(h)
-        return h
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
         emb = self.embed(t, y)
         h = self.inp(x)
         hs = [h]
-        for blocks in self.down:
-            h = self._run(blocks, h, emb)
+        for stage in self.down:
+            h = stage(h, emb)
             hs.append(h)
-        h = self._run(self.mid, h, emb)
-        for blocks in self.up:
-            h = self._run(blocks, torch.cat([h, hs.pop()], dim=1), emb)
+        h = self.mid(h, emb)
+        for stage in self.up:
+            h = stage(torch.cat([h, hs.pop()], dim=1), emb)
         return self.out(h)
+
+
+def unet_blocks(model: UNet) -> list[nn.Module]:
+    return [*model.down, model.mid, *model.up]

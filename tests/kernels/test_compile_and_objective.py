@@ -19,13 +19,15 @@ def _step(model, x0, t, iw, a, s, w, bins, pivots):
     return loss, raw
 
 
+@pytest.mark.parametrize("arch", ["dit", "unet"])
 @pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_ops_inside_fullgraph_compile(compiler):
+def test_ops_inside_fullgraph_compile(compiler, arch):
     torch._dynamo.reset()
     s = fd.schedule("cosine", T=100)
     a, sg = s.alpha.float().to(DEVICE), s.sigma.float().to(DEVICE)
     w = fd.loss_weight("min_snr", s, prediction="v").float().to(DEVICE)
-    model = build_model("dit_tiny", in_channels=2, image_size=4, hidden=32, depth=1, heads=2).to(DEVICE)
+    model = (build_model("dit_tiny", in_channels=2, image_size=4, hidden=32, depth=1, heads=2) if arch == "dit"
+             else build_model("unet_tiny", in_channels=2, image_size=4, ch=8, attn_resolutions=())).to(DEVICE)
     x0 = torch.rand(3, 2, 4, 4, device=DEVICE) - 0.5
     t = torch.tensor([5, 50, 99], device=DEVICE)
     iw = torch.ones(3, device=DEVICE)

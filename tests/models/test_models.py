@@ -43,3 +43,31 @@ def test_registry_and_errors():
         build_model("vit", in_channels=1)
     with pytest.raises(ValueError, match="not divisible by patch"):
         build_model("dit_tiny", in_channels=1, image_size=9)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_preset_builds_on_meta_with_known_size(name):
+    """Output shapes on the meta device (no memory even for XL), parameters and FLOPs per image."""
+    from fasttrain.models import forward_flops, param_count
+
+    kw = (dict(in_channels=2) if name == "mlp" else
+          dict(in_channels=4, image_size=32) if name.startswith("dit_") and name != "dit_tiny" else
+          dict(in_channels=3, image_size=int(name.split("_")[1])) if name.startswith("adm_") else
+          dict(in_channels=1, image_size=8))
+    with torch.device("meta"):
+        m = build_model(name, num_classes=10, **kw)
+        shape = (2, kw["in_channels"]) + ((kw["image_size"],) * 2 if "image_size" in kw else ())
+        assert m(torch.empty(shape), torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long)).shape == shape
+    assert param_count(name, **kw) > 0 and forward_flops(name, **kw) > 0
+
+
+@pytest.mark.parametrize("name,params_m,gflops", [("dit_s2", 33.0, 12.1), ("dit_b2", 130.3, 46.0),
+                                                   ("dit_xl2", 675.1, 237.2)])
+def test_dit_family_matches_the_paper(name, params_m, gflops):
+    """DiT Table 4 (latent 32×32×4, class-conditional): parameters and Gflops (paper counts one
+    multiply-add as one flop: 6.06 / 23.01 / 118.64)."""
+    from fasttrain.models import forward_flops, param_count
+
+    kw = dict(in_channels=4, image_size=32, num_classes=1000, out_channels=8)  # learn_sigma doubles the output
+    assert param_count(name, **kw) / 1e6 == pytest.approx(params_m, rel=0.01)
+    assert forward_flops(name, **kw) / 1e9 == pytest.approx(gflops, rel=0.01)

@@ -1,0 +1,100 @@
+"""`parallelize(model, ...)`: activation checkpointing → per-block torch.compile → FSDP2 (or DDP).
+
+One pure function in torchtitan's order (performance notes §2.1): checkpoint each repeated block
+(`models.blocks`), compile each block with `fullgraph=True` (the repeated structure compiles once and
+stays free of graph breaks at FSDP's hooks), then `fully_shard` every block and finally the root with
+a mixed-precision policy (bf16 parameters, fp32 gradient reduction). Model files contain no
+distributed code; this module only rewraps their blocks.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .models import blocks as model_blocks
+
+STRATEGIES = ("none", "ddp", "fsdp")
+AC_MODES = ("none", "full", "selective")
+PRECISIONS = ("fp32", "bf16")
+
+
+def _replace(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    for name, parent in root.named_modules():
+        for key, child in parent.named_children():
+            if child is old:
+                parent.register_module(key, new)  # ModuleList keys are "0", "1", ...: setattr works for both
+                return
+    raise ValueError("block not found in the model")
+
+
+def _selective_policy():
+    """Save the outputs of matmuls and attention (recompute the cheap pointwise ops), as torchtitan's
+    default selective AC does."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    ops = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+           torch.ops.aten.convolution.default, torch.ops.aten._scaled_dot_product_flash_attention.default,
+           torch.ops.aten._scaled_dot_product_efficient_attention.default,
+           torch.ops.aten._scaled_dot_product_cudnn_attention.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return partial(create_selective_checkpoint_contexts, policy)
+
+
+def apply_ac(model: nn.Module, mode: str) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    if mode == "none":
+        return
+    for b in model_blocks(model):
+        kw = {"context_fn": _selective_policy()} if mode == "selective" else {}
+        _replace(model, b, checkpoint_wrapper(b, preserve_rng_state=True, **kw))
+
+
+def apply_compile(model: nn.Module) -> None:
+    for b in model_blocks(model):
+        b.compile(fullgraph=True)  # in place: parameter names stay the same for checkpoints
+
+
+def apply_fsdp(model: nn.Module, mesh, precision: str = "bf16") -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
+        else MixedPrecisionPolicy()
+    units = model_blocks(model)
+    for i, b in enumerate(units):
+        # the last block is needed again right away by backward: keep it gathered (torchtitan)
+        fully_shard(b, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(units) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def parallelize(model: nn.Module, strategy: str = "none", ac: str = "none", compile: bool = False,
+                precision: str = "fp32", device: torch.device | str = "cpu") -> nn.Module:
+    """Apply AC, per-block compile and data parallelism; returns the model to train."""
+    for value, allowed, key in ((strategy, STRATEGIES, "parallel.strategy"), (ac, AC_MODES, "parallel.ac"),
+                                (precision, PRECISIONS, "parallel.precision")):
+        if value not in allowed:
+            raise ValueError(f"bad value for '{key}': {value!r} (choose from {', '.join(allowed)})")
+    device = torch.device(device)
+    apply_ac(model, ac)
+    if compile:
+        apply_compile(model)
+    if strategy == "none":
+        return model
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"parallel.strategy={strategy} needs torch.distributed initialised (launch with torchrun)")
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # an explicit mesh on the data's device: with a default mesh gloo groups have segfaulted on GPU machines
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    apply_fsdp(model, mesh, precision)
+    return model
