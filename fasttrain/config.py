@@ -192,8 +192,8 @@ def validate(cfg: DictConfig) -> None:
     from .models import MODELS, model_args
     from .sample import METHODS
 
-    for key, choices in [("data.name", DATASETS), ("data.backend", DATA_BACKENDS), ("data.crop", ("center", "random")), ("model.name", MODELS), ("diffusion.schedule", SCHEDULES),
-                         ("diffusion.prediction", PREDICTIONS), ("diffusion.weighting", WEIGHTINGS),
+    for key, choices in [("data.name", DATASETS), ("data.backend", DATA_BACKENDS), ("data.crop", ("center", "random")),
+                         ("model.name", MODELS), ("diffusion.schedule", SCHEDULES), ("diffusion.prediction", PREDICTIONS), ("diffusion.weighting", WEIGHTINGS),
                          ("diffusion.sampler", SAMPLERS), ("diffusion.backend", BACKENDS),
                          ("sample.method", METHODS), ("train.device", ("auto", "cpu", "cuda")),
                          ("eval.extractor", EXTRACTORS)]:
@@ -204,10 +204,10 @@ def validate(cfg: DictConfig) -> None:
             if k not in allowed:
                 raise ConfigError(f"unknown config key 'diffusion.{group}_args.{k}' "
                                   f"({d[group]} takes: {', '.join(allowed) or 'no arguments'})")
+    settable = [a for a in model_args(cfg.model.name) if a not in ("in_channels", "image_size", "num_classes")]
     for k in cfg.model.args:
-        if k not in model_args(cfg.model.name) or k in ("in_channels", "image_size", "num_classes"):
-            raise ConfigError(f"unknown config key 'model.args.{k}' ({cfg.model.name} takes: "
-                              f"{', '.join(a for a in model_args(cfg.model.name) if a not in ('in_channels', 'image_size', 'num_classes'))})")
+        if k not in settable:  # the data decides channels, size and classes
+            raise ConfigError(f"unknown config key 'model.args.{k}' ({cfg.model.name} takes: {', '.join(settable)})")
     _check(cfg.data.batch_size >= 1, "data.batch_size", cfg, "must be >= 1")
     _check(cfg.data.image_size >= 1, "data.image_size", cfg, "must be >= 1")
     _check(d.T >= 2, "diffusion.T", cfg, "must be >= 2")

@@ -75,7 +75,8 @@ def _noise_op(x0: torch.Tensor, t: torch.Tensor, alpha: torch.Tensor, sigma: tor
         e = eps if eps is not None else ref.stream_noise(x0.shape, seed, offset, x0.device)
         workspace.zero_()
         counter.zero_()
-        return ref.noise(x0, t, alpha, sigma, e, out_dtype), (e.float().clone() if write_eps else x0.new_empty(0, dtype=torch.float32))
+        eps_out = e.float().clone() if write_eps else x0.new_empty(0, dtype=torch.float32)
+        return ref.noise(x0, t, alpha, sigma, e, out_dtype), eps_out
     x0c = x0.contiguous()
     xt = torch.empty(x0.shape, dtype=out_dtype, device=x0.device)
     eps_out = torch.empty(x0.shape if write_eps else (0,), dtype=torch.float32, device=x0.device)

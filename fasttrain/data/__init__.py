@@ -8,13 +8,11 @@ the file list of the folder's manifest (manifest.py), so corrupt files are skipp
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader, Sampler
-
-import sys
-from pathlib import Path
 
 from . import dali
 from .builtin import TOYS, digits, toy

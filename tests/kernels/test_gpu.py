@@ -36,14 +36,17 @@ def test_training_step_has_no_host_sync():
             torch.cuda.set_sync_debug_mode(0)
 
 
+def _cuda_case(sched, weighting, pred, shape):
+    s = fd.schedule(sched)
+    w = fd.loss_weight(weighting, s, prediction=pred).float().cuda()
+    x0 = torch.randn(shape, device="cuda")
+    return s.alpha.float().cuda(), s.sigma.float().cuda(), w, x0, torch.randint(0, 1000, (shape[0],), device="cuda")
+
+
 def test_diffusion_math_is_two_launches_plus_one_backward_scale():
     from torch.profiler import ProfilerActivity, profile
 
-    s = fd.schedule("linear")
-    a, sg = s.alpha.float().cuda(), s.sigma.float().cuda()
-    w = fd.loss_weight("min_snr", s, prediction="v").float().cuda()
-    x0 = torch.randn(64, 3, 64, 64, device="cuda")
-    t = torch.randint(0, 1000, (64,), device="cuda")
+    a, sg, w, x0, t = _cuda_case("linear", "min_snr", "v", (64, 3, 64, 64))
     iw = torch.ones(64, device="cuda")
     pred = torch.randn(64, 3, 64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     bins = torch.zeros(5, 1000, dtype=torch.float64, device="cuda")
@@ -67,11 +70,7 @@ def test_diffusion_math_is_two_launches_plus_one_backward_scale():
 
 
 def test_bf16_model_input_and_gradient_dtypes():
-    s = fd.schedule("cosine")
-    a, sg = s.alpha.float().cuda(), s.sigma.float().cuda()
-    w = fd.loss_weight("simple", s, prediction="eps").float().cuda()
-    x0 = torch.randn(8, 4, 16, 16, device="cuda")
-    t = torch.randint(0, 1000, (8,), device="cuda")
+    a, sg, w, x0, t = _cuda_case("cosine", "simple", "eps", (8, 4, 16, 16))
     xt = ops.noise(x0, t, a, sg, seed=0, offset=0, out_dtype=torch.bfloat16)
     assert xt.dtype == torch.bfloat16
     pred = xt.detach().clone().requires_grad_()
