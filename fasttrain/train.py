@@ -104,7 +104,7 @@ class Trainer:
         return ckpt.save(self.run_dir / name, self.state_dict())
 
     def load(self, path: str | Path) -> None:
-        state = ckpt.load(path, map_location=self.device)
+        state = ckpt.load(path, map_location="cpu")  # RNG states must stay CPU tensors; modules copy to device
         mine = OmegaConf.to_container(self.cfg)
         for section in RESUME_MUST_MATCH:
             diff = _config_diff(state["config"][section], mine[section], section + ".")
@@ -117,8 +117,8 @@ class Trainer:
         self.objective.load_state_dict(state["objective"])
         self.objective.load_extra_state(state["objective_extra"])
         self.data.load_state_dict(state["data"])
-        self.gen.set_state(state["gen"].cpu() if self.device.type == "cpu" else state["gen"])
-        ckpt.set_rng_state({k: v for k, v in state["rng"].items()})
+        self.gen.set_state(state["gen"])
+        ckpt.set_rng_state(state["rng"])
         self.step = int(state["step"])
 
     # -- one optimizer step ----------------------------------------------------------------------
