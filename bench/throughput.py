@@ -19,17 +19,10 @@ from pathlib import Path
 import torch
 
 from fasttrain import diffusion as fd
+from fasttrain.distributed import device_peak_flops
 from fasttrain.models import build_model, forward_flops
 
 RESULTS = Path(__file__).parent / "results"
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}  # dense bf16 FLOP/s
-
-
-def peak_flops() -> float | None:
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_BF16.items() if k in name), None)
 
 
 class Runner:
@@ -93,7 +86,7 @@ def main() -> None:
         rows.append({"variant": name, "ms_per_step": sec * 1e3, "images_per_s": args.batch / sec})
     base = rows[0]["ms_per_step"]
     flops = 3 * forward_flops(args.model, in_channels=args.channels, image_size=args.image_size) * args.batch
-    peak = peak_flops()
+    peak = device_peak_flops()
     for r in rows:
         r["overhead_vs_uniform"] = r["ms_per_step"] / base - 1
         r["mfu"] = flops / (r["ms_per_step"] / 1e3) / peak if peak else None

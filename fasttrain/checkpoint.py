@@ -3,6 +3,7 @@ mid-write never leaves a truncated `last.pt`. Loaded with `weights_only=True` (t
 strings and containers only)."""
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
@@ -23,6 +24,17 @@ def load(path: str | os.PathLike, map_location="cpu") -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
     return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def to_bytes(obj) -> bytes:
+    """Small non-tensor state (schedules, samplers, RNGs, positions) as one blob for DCP checkpoints."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def from_bytes(blob: bytes):
+    return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
 
 
 def rng_state() -> dict:

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .config import ConfigError, keys, load_config, presets
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         argv = ["train"]  # `fasttrain` alone trains the default preset
+    if argv[0] == "train":  # flags may sit between overrides: argparse wants them after the positionals
+        argv = ["train"] + [a for a in argv[1:] if not a.startswith("-")] + [a for a in argv[1:] if a.startswith("-")]
     args = _parser().parse_args(argv)
     if args.command in ("sample", "eval", "report", "data"):
         try:
@@ -99,14 +102,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from .train import train  # imports torch: keep --help and config errors fast
 
+    from .distributed import shutdown
+
     try:
         summary = train(cfg, resume=args.resume)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"fasttrain: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        shutdown(1)
         return 1
     except KeyboardInterrupt:
         print(f"fasttrain: interrupted; resume with: fasttrain train {preset} ... --resume", file=sys.stderr)
+        shutdown(130)
         return 130
+    if int(os.environ.get("RANK", "0")) != 0:
+        shutdown(0)
     print(f"done: {summary['steps']} steps, {summary['images']} images -> {cfg.run_dir}")
     ev = summary.get("eval", {})
     if "fid" in ev or "bpd" in ev:
@@ -116,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"digit classifier on samples: confidence {ev['digits_confidence']:.3f}, "
               f"{100 * ev['digits_confident_frac']:.0f}% confident, classes {ev['digits_classes_present']}/10"
               + (f", label agreement {100 * ev['digits_label_agreement']:.0f}%" if "digits_label_agreement" in ev else ""))
+    shutdown(0)
     return 0
 
 

@@ -70,6 +70,7 @@ class OptimConfig:
     grad_clip: float = _f(1.0, "clip the gradient norm at this value (0 = off)")
     ema_decay: float = _f(0.999, "EMA decay of the sampling weights")
     ema_warmup: bool = _f(True, "EMA decay min(decay, (1+n)/(10+n)) early in training")
+    impl: str = _f("auto", "AdamW implementation: auto (fused on CUDA, foreach on CPU) | apex (FusedAdam)")
 
 
 @dataclass
@@ -91,6 +92,14 @@ class SampleConfig:
     method: str = _f("ddim", "ddim | ddpm | heun | flow_euler | flow_heun")
     eta: Optional[float] = _f(None, "DDIM eta (default 0 for ddim, 1 for ddpm)")
     guidance: float = _f(1.0, "classifier-free guidance scale (1 = off)")
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = _f("auto", "auto (fsdp under torchrun, else none) | none | ddp | fsdp")
+    ac: str = _f("none", "activation checkpointing per block: none | full | selective")
+    compile: bool = _f(False, "torch.compile(fullgraph=True) each block")
+    precision: str = _f("fp32", "FSDP parameters: fp32 | bf16 (reductions stay fp32)")
 
 
 @dataclass
@@ -116,6 +125,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 def presets() -> dict[str, str]:
@@ -190,13 +200,15 @@ def validate(cfg: DictConfig) -> None:
     from .evaluate import EXTRACTORS
     from .diffusion.objective import BACKENDS
     from .models import MODELS, model_args
+    from .parallel import AC_MODES, PRECISIONS, STRATEGIES
     from .sample import METHODS
 
     for key, choices in [("data.name", DATASETS), ("data.backend", DATA_BACKENDS), ("data.crop", ("center", "random")),
                          ("model.name", MODELS), ("diffusion.schedule", SCHEDULES), ("diffusion.prediction", PREDICTIONS), ("diffusion.weighting", WEIGHTINGS),
                          ("diffusion.sampler", SAMPLERS), ("diffusion.backend", BACKENDS),
                          ("sample.method", METHODS), ("train.device", ("auto", "cpu", "cuda")),
-                         ("eval.extractor", EXTRACTORS)]:
+                         ("eval.extractor", EXTRACTORS), ("parallel.strategy", ("auto",) + STRATEGIES),
+                         ("parallel.ac", AC_MODES), ("parallel.precision", PRECISIONS), ("optim.impl", ("auto", "apex"))]:
         _choice(cfg, key, choices)
     d = cfg.diffusion
     for group, allowed in [("weighting", WEIGHTINGS[d.weighting]), ("sampler", SAMPLERS[d.sampler].ARGS)]:

@@ -176,16 +176,18 @@ def run_evaluation(trainer, seed: int = 1234) -> dict:
             out.update({f"digits_{k}": v for k, v in judge(x, labels).items()})
     if ec.bpd:
         x0, y = _images(cfg, trainer, ec.bpd_samples, "test")
-        model = trainer.ema.module.eval()
         if classes and cfg.model.label_dropout > 0:  # the unconditional model, p(x)
             y = torch.full((len(x0),), classes, dtype=torch.long)
         elif not classes:
             y = None
         g = torch.Generator(trainer.device).manual_seed(seed)
-        res = nelbo_bits_per_dim(model, trainer.schedule, cfg.diffusion.prediction, x0.to(trainer.device),
-                                 labels=None if y is None else y.to(trainer.device), n_t=ec.bpd_timesteps,
-                                 discrete=trainer.info.image_size is not None and cfg.data.name != "latents",
-                                 generator=g)
+        with trainer.ema.applied(trainer.model):
+            res = nelbo_bits_per_dim(trainer.net.eval(), trainer.schedule, cfg.diffusion.prediction,
+                                     x0.to(trainer.device), labels=None if y is None else y.to(trainer.device),
+                                     n_t=ec.bpd_timesteps,
+                                     discrete=trainer.info.image_size is not None and cfg.data.name != "latents",
+                                     generator=g)
+        trainer.model.train()
         out.update({"bpd": res["bpd"], "bpd_prior": res["prior"], "bpd_diffusion": res["diffusion"],
                     "bpd_decoder": res["decoder"]})
     return out

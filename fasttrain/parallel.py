@@ -57,7 +57,14 @@ def apply_ac(model: nn.Module, mode: str) -> None:
 
 
 def apply_compile(model: nn.Module) -> None:
-    for b in model_blocks(model):
+    units = model_blocks(model)
+    # Blocks of different structure (a UNet's stages), each in training and in sampling mode, are
+    # separate graphs of one code object: dynamo's default limit of 8 would turn into a hard error
+    # under fullgraph=True.
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, max(getattr(cfg, name), 4 * len(units) + 8))
+    for b in units:
         b.compile(fullgraph=True)  # in place: parameter names stay the same for checkpoints
 
 
