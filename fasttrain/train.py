@@ -217,7 +217,8 @@ class Trainer:
             ckpt.set_rng_state(ranks[self.dist.rank]["rng"])
         else:  # another world size: fresh per-rank streams, derived from the step
             self.gen.manual_seed(self.cfg.train.seed + 1 + 7919 * self.dist.rank + 104729 * int(extra["step"]))
-        self.step, self.images = int(extra["step"]), int(extra["images"])
+        self.step = int(extra["step"])
+        self.images = int(extra.get("images", self.step * self.images_per_step))
 
     # -- one optimizer step ----------------------------------------------------------------------
     def _labels(self, y: torch.Tensor) -> torch.Tensor | None:
