@@ -49,27 +49,30 @@ def _batches(values: np.ndarray, batch_size: int, dtype):
         yield [np.asarray(v, dtype=dtype).reshape(-1) for v in values[i:i + batch_size]]
 
 
-def _image_pipeline(root, files, labels, aug, batch_size, image_size, channels, num_threads, device_id):
+def _image_pipeline(root, files, labels, aug, batch_size, image_size, channels, num_threads, device_id,
+                    random_crop: bool, flip: bool):
     """aug: [n, 3] per-sample (mirror, crop_x, crop_y), drawn from (seed, epoch) by the caller so
-    that a resumed epoch repeats them exactly."""
+    that a resumed epoch repeats them exactly; sources that would be constant are left out."""
     from nvidia.dali import fn, pipeline_def, types
 
     gpu = device_id is not None
+
+    def source(col, dtype):
+        return fn.squeeze(fn.external_source(source=_batches(aug[:, col].astype(dtype), batch_size, dtype),
+                                             batch=True), axes=0)
 
     @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id, prefetch_queue_depth=2)
     def pipe():
         data, y = fn.readers.file(file_root=root, files=files, labels=labels, random_shuffle=False,
                                   pad_last_batch=True, name="Reader")
-        mirror = fn.external_source(source=_batches(aug[:, 0].astype(np.int32), batch_size, np.int32), batch=True)
-        px = fn.external_source(source=_batches(aug[:, 1], batch_size, np.float32), batch=True)
-        py = fn.external_source(source=_batches(aug[:, 2], batch_size, np.float32), batch=True)
+        mirror = source(0, np.int32) if flip else 0
+        px, py = (source(1, np.float32), source(2, np.float32)) if random_crop else (0.5, 0.5)
         img = fn.decoders.image(data, device="mixed" if gpu else "cpu",
                                 output_type=types.RGB if channels == 3 else types.GRAY)
         img = fn.resize(img, resize_shorter=image_size, antialias=True)
-        img = fn.crop_mirror_normalize(img, crop=(image_size, image_size), crop_pos_x=fn.squeeze(px, axes=0),
-                                       crop_pos_y=fn.squeeze(py, axes=0), mirror=fn.squeeze(mirror, axes=0),
-                                       dtype=types.FLOAT, output_layout="CHW", mean=[127.5] * channels,
-                                       std=[127.5] * channels)
+        img = fn.crop_mirror_normalize(img, crop=(image_size, image_size), crop_pos_x=px, crop_pos_y=py,
+                                       mirror=mirror, dtype=types.FLOAT, output_layout="CHW",
+                                       mean=[127.5] * channels, std=[127.5] * channels)
         return img, (y.gpu() if gpu else y)
 
     return pipe()
@@ -136,7 +139,7 @@ class DaliStream:
         device_id = (self.device.index or 0) if self.device.type == "cuda" else None
         if self.kind == "images":
             pipe = _image_pipeline(self.root, names, labels, aug, self.batch_size, self.image_size, self.channels,
-                                   self.num_threads, device_id)
+                                   self.num_threads, device_id, self.crop == "random", self.flip)
         else:
             pipe = _latent_pipeline(self.root, names, labels, self.batch_size, self.num_threads, device_id)
         p = {"drop": LastBatchPolicy.DROP, "partial": LastBatchPolicy.PARTIAL, "pad": LastBatchPolicy.FILL}[policy]
