@@ -70,7 +70,7 @@ class OptimConfig:
     grad_clip: float = _f(1.0, "clip the gradient norm at this value (0 = off)")
     ema_decay: float = _f(0.999, "EMA decay of the sampling weights")
     ema_warmup: bool = _f(True, "EMA decay min(decay, (1+n)/(10+n)) early in training")
-    impl: str = _f("auto", "AdamW implementation: auto (fused on CUDA, foreach on CPU) | apex (FusedAdam)")
+    impl: str = _f("auto", "AdamW: auto (apex FusedAdam on CUDA if installed, else torch fused; foreach on CPU) | torch | apex")
 
 
 @dataclass
@@ -208,7 +208,7 @@ def validate(cfg: DictConfig) -> None:
                          ("diffusion.sampler", SAMPLERS), ("diffusion.backend", BACKENDS),
                          ("sample.method", METHODS), ("train.device", ("auto", "cpu", "cuda")),
                          ("eval.extractor", EXTRACTORS), ("parallel.strategy", ("auto",) + STRATEGIES),
-                         ("parallel.ac", AC_MODES), ("parallel.precision", PRECISIONS), ("optim.impl", ("auto", "apex"))]:
+                         ("parallel.ac", AC_MODES), ("parallel.precision", PRECISIONS), ("optim.impl", ("auto", "torch", "apex"))]:
         _choice(cfg, key, choices)
     d = cfg.diffusion
     for group, allowed in [("weighting", WEIGHTINGS[d.weighting]), ("sampler", SAMPLERS[d.sampler].ARGS)]:

@@ -58,15 +58,20 @@ class _NoLog:
 
 
 def _optimizer(params, o, device: torch.device):
-    """AdamW: apex's FusedAdam when asked for and installed, torch's fused kernel on CUDA, foreach on CPU."""
+    """AdamW: apex's FusedAdam on CUDA where apex is installed (or asked for), else torch's fused
+    kernel on CUDA and its foreach path on CPU."""
     kw = dict(lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
-    if o.impl == "apex":
+    if o.impl == "apex" or (o.impl == "auto" and device.type == "cuda"):
         try:
             from apex.optimizers import FusedAdam
+
+            return FusedAdam(params, adam_w_mode=True, **kw)
         except ImportError:
-            raise ValueError("optim.impl=apex but apex is not installed") from None
-        return FusedAdam(params, adam_w_mode=True, **kw)
-    return torch.optim.AdamW(params, fused=device.type == "cuda", foreach=device.type != "cuda", **kw)
+            if o.impl == "apex":
+                raise ValueError("optim.impl=apex but apex is not installed") from None
+    if o.impl == "torch" or o.impl == "auto":
+        return torch.optim.AdamW(params, fused=device.type == "cuda", foreach=device.type != "cuda", **kw)
+    raise ValueError(f"bad value for 'optim.impl': {o.impl!r}")
 
 
 class Trainer:

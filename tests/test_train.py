@@ -98,3 +98,13 @@ def test_toy_run_with_mlp(tmp_path):
     assert (tmp_path / "samples.png").is_file()
     assert len(summary["sample_mean"]) == 2 and all(v == v for v in summary["sample_std"])
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 60
+
+
+def test_apex_optimizer_is_a_clear_error_when_missing(tmp_path):
+    pytest.importorskip("torch")
+    try:
+        import apex  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="optim.impl=apex but apex is not installed"):
+            Trainer(_cfg(tmp_path, "optim.impl=apex"))
+    assert isinstance(Trainer(_cfg(tmp_path, "optim.impl=torch")).opt, torch.optim.AdamW)
