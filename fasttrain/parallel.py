@@ -1,10 +1,13 @@
 """`parallelize(model, ...)`: activation checkpointing → per-block torch.compile → FSDP2 (or DDP).
 
-One pure function in torchtitan's order (performance notes §2.1): checkpoint each repeated block
-(`models.blocks`), compile each block with `fullgraph=True` (the repeated structure compiles once and
+One pure function in torchtitan's order: checkpoint each repeated block (the model's
+`repeated_blocks()`; a model that declares none cannot be checkpointed, compiled per block or
+sharded per block, and says so), compile each block with `fullgraph=True` (the repeated structure compiles once and
 stays free of graph breaks at FSDP's hooks), then `fully_shard` every block and finally the root with
 a mixed-precision policy (bf16 parameters, fp32 gradient reduction). Model files contain no
-distributed code; this module only rewraps their blocks.
+distributed code; this module only rewraps their blocks. Data parallelism without sharding uses the
+composable `replicate` (DDP's engine without a wrapper), so the model object never changes type and
+parameter names carry no `module.` prefix.
 """
 from __future__ import annotations
 
@@ -14,11 +17,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .models import blocks as model_blocks
 
 STRATEGIES = ("none", "ddp", "fsdp")
 AC_MODES = ("none", "full", "selective")
 PRECISIONS = ("fp32", "bf16")
+
+
+def model_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated units; a loud error for a model that does not declare them."""
+    fn = getattr(model, "repeated_blocks", None)
+    if fn is None:
+        raise ValueError(f"{type(model).__name__} declares no repeated_blocks(): per-block activation "
+                         f"checkpointing, compile and sharding need them")
+    units = list(fn())
+    if not units:
+        raise ValueError(f"{type(model).__name__}.repeated_blocks() is empty")
+    return units
 
 
 def _replace(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
@@ -96,9 +110,10 @@ def parallelize(model: nn.Module, strategy: str = "none", ac: str = "none", comp
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"parallel.strategy={strategy} needs torch.distributed initialised (launch with torchrun)")
     if strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
+        from torch.distributed._composable.replicate import replicate
 
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        replicate(model, device_ids=[device.index] if device.type == "cuda" else None)
+        return model
     from torch.distributed.device_mesh import init_device_mesh
 
     # an explicit mesh on the data's device: with a default mesh gloo groups have segfaulted on GPU machines

@@ -1,8 +1,11 @@
-"""fasttrain.kernels: the per-step diffusion math.
+"""fasttrain.kernels: the per-step diffusion math, independent of the rest of fasttrain.
 
-`reference` holds the contracts in plain PyTorch: the test oracle and the CPU backend. The fused
-Triton kernels (noise injection, loss + gradient + per-timestep scatter) implement the same contracts.
+`reference` holds the contracts in plain PyTorch (the test oracle and the CPU fallback), `philox` the
+one noise stream every backend draws, `bins` the per-timestep statistics bins the loss kernels
+scatter into, `ops` the custom ops and backend selection (Triton, native C++/CUDA, interpreter,
+reference). Nothing here imports `fasttrain.diffusion`.
 """
-from . import reference
+from . import bins, philox, reference
+from .bins import TimestepBins
 
-__all__ = ["reference"]
+__all__ = ["bins", "philox", "reference", "TimestepBins"]

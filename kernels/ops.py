@@ -1,35 +1,45 @@
 """torch.library custom ops around the diffusion kernels, and backend selection.
 
-Backends: "triton" (compiled kernels on CUDA tensors), "interpret" (the same kernels in the Triton
-interpreter on CPU tensors: tests; TRITON_INTERPRET=1 must be set before triton is imported, which
-`fasttrain/__init__.py` does on machines without CUDA), "torch" (the reference), "auto" (triton on
-CUDA, torch otherwise). Every launch sits inside an opaque `custom_op` with `register_fake`; the
-ops mutate their workspace and the statistics bins, so their autograd rules are
-`torch.autograd.Function`s around them (`register_autograd` accepts functional ops only). A model
-compiled with `fullgraph=True` can call them (a raw Triton launch, or
-`triton_op`, cannot be traced under the interpreter: research notes §4).
+Backends: "triton" (compiled kernels on CUDA tensors), "native" (the C++/CUDA ops of `fasttrain._C`,
+see native.py), "interpret" (the Triton kernels in the Triton interpreter on CPU tensors: tests),
+"torch" (the reference), "auto" (triton on CUDA, native on CPU where it is built, else torch).
+Triton is imported only when a Triton backend is first used, so choosing the interpreter is
+explicit: `interpret` (or TRITON_INTERPRET=1 in the environment) before anything imports triton.
+
+Every launch sits inside an opaque `custom_op` with `register_fake`; the loss op mutates the
+statistics bins, so the autograd rules are `torch.autograd.Function`s around the ops
+(`register_autograd` accepts functional ops only). A model compiled with `fullgraph=True` can call
+them (a raw Triton launch, or `triton_op`, cannot be traced under the interpreter).
 """
 from __future__ import annotations
 
 import os
+import sys
 from typing import NamedTuple, Optional
 
 import torch
 
-from fasttrain.diffusion.prediction import CODE, PREDICTIONS
-
+from . import native, philox
 from . import reference as ref
+from .bins import TimestepBins
 
-try:
+BACKENDS = ("auto", "triton", "native", "interpret", "torch")
+NEEDS_EPS, NEEDS_X0 = 1, 2  # bits of `needs`: which inputs the target reads
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton():
+    """(triton, the kernel module), imported on first use."""
     import triton
 
-    from . import triton_kernels as tk
+    from . import triton_kernels
 
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - triton is a dependency of CUDA torch builds on Linux
-    HAS_TRITON = False
-
-BACKENDS = ("auto", "triton", "interpret", "torch")
+    return triton, triton_kernels
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -38,69 +48,83 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     device = torch.device(device)
     if backend == "auto":
-        return "triton" if device.type == "cuda" and HAS_TRITON else "torch"
-    if backend == "triton" and (device.type != "cuda" or not HAS_TRITON):
+        if device.type == "cuda" and _has_triton():
+            return "triton"
+        return "native" if native.available(device) else "torch"
+    if backend == "triton" and (device.type != "cuda" or not _has_triton()):
         raise ValueError("backend 'triton' needs CUDA tensors and triton; use 'interpret' on CPU")
+    if backend == "native" and not native.available(device):
+        raise ValueError(f"backend 'native' is not available for {device.type} tensors: {native.why_not(device)}")
     if backend == "interpret":
-        if not HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("backend 'interpret' needs triton with TRITON_INTERPRET=1 set before triton is imported")
+        if not _has_triton():
+            raise ValueError("backend 'interpret' needs triton installed")
         if device.type != "cpu":
             raise ValueError("backend 'interpret' runs on CPU tensors")
+        if "triton" not in sys.modules:
+            os.environ["TRITON_INTERPRET"] = "1"  # must precede the import (triton jits tl.rand at import)
+        elif os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("backend 'interpret' must be chosen before triton is imported "
+                             "(set TRITON_INTERPRET=1 in the environment)")
     return backend
 
 
 def _block(D: int, backend: str, block: int) -> int:
     if block:
         return block
+    triton, _ = _triton()
     # Interpreter: few large programs (each costs ~0.5 ms of Python); GPU: 2048-element tiles.
     return min(16384 if backend == "interpret" else 2048, max(16, triton.next_power_of_2(D)))
 
 
-def new_workspace(B: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kernel B's accumulators: fp32 [B + 1] (Σd² per sample, then the batch loss) and int32 [B + 1]
-    (finished tiles per sample, then finished samples). Kernel A zeroes them."""
-    return (torch.empty(B + 1, dtype=torch.float32, device=device),
-            torch.empty(B + 1, dtype=torch.int32, device=device))
+_WORKSPACES: dict = {}
+
+
+def _workspace(B: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel B's accumulators, [B + 1] fp32 sums and int32 tile counters, per (device, stream, B).
+    Zeroed once here; every launch of kernel B leaves them zeroed again (triton_kernels.py)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream, B)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = (torch.zeros(B + 1, dtype=torch.float32, device=device),
+                            torch.zeros(B + 1, dtype=torch.int32, device=device))
+    return _WORKSPACES[key]
 
 
 # -- kernel A ------------------------------------------------------------------------------------
-@torch.library.custom_op("fasttrain::noise", mutates_args=("workspace", "counter"))
+@torch.library.custom_op("fasttrain::noise", mutates_args=())
 def _noise_op(x0: torch.Tensor, t: torch.Tensor, alpha: torch.Tensor, sigma: torch.Tensor,
-              eps: Optional[torch.Tensor], seed: int, offset: int, out_dtype: torch.dtype,
-              workspace: torch.Tensor, counter: torch.Tensor, write_eps: bool, backend: str,
-              block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    B = x0.shape[0]
-    D = x0[0].numel()
+              eps: Optional[torch.Tensor], seed: int, offset: torch.Tensor, out_dtype: torch.dtype,
+              write_eps: bool, backend: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if backend == "native":
+        return native.noise(x0, t, alpha, sigma, eps, seed, offset, out_dtype, write_eps)
     if backend == "torch":
-        e = eps if eps is not None else ref.stream_noise(x0.shape, seed, offset, x0.device)
-        workspace.zero_()
-        counter.zero_()
-        eps_out = e.float().clone() if write_eps else x0.new_empty(0, dtype=torch.float32)
+        e = eps.float() if eps is not None else philox.noise(x0.shape, seed, offset, x0.device)
+        eps_out = e.clone() if write_eps else x0.new_empty(0, dtype=torch.float32)
         return ref.noise(x0, t, alpha, sigma, e, out_dtype), eps_out
+    triton, tk = _triton()
+    B, D = x0.shape[0], x0[0].numel()
     x0c = x0.contiguous()
     xt = torch.empty(x0.shape, dtype=out_dtype, device=x0.device)
     eps_out = torch.empty(x0.shape if write_eps else (0,), dtype=torch.float32, device=x0.device)
     BLOCK = _block(D, backend, block)
-    grid = (B, triton.cdiv(D, BLOCK))
-    tk.noise_kernel[grid](x0c, t, alpha, sigma, eps.contiguous() if eps is not None else x0c, xt, eps_out,
-                          workspace, counter, D, B, seed, offset, HAS_EPS=eps is not None, WRITE_EPS=write_eps,
-                          ZERO_WS=workspace.numel() > 0, BLOCK=BLOCK)
+    tk.noise_kernel[(B, triton.cdiv(D, BLOCK))](x0c, t, alpha, sigma, eps.contiguous() if eps is not None else x0c,
+                                                xt, eps_out, D, seed, offset, HAS_EPS=eps is not None,
+                                                WRITE_EPS=write_eps, BLOCK=BLOCK)
     return xt, eps_out
 
 
 @_noise_op.register_fake
-def _(x0, t, alpha, sigma, eps, seed, offset, out_dtype, workspace, counter, write_eps, backend, block):
+def _(x0, t, alpha, sigma, eps, seed, offset, out_dtype, write_eps, backend, block):
     return (torch.empty(x0.shape, dtype=out_dtype, device=x0.device),
             torch.empty(x0.shape if write_eps else (0,), dtype=torch.float32, device=x0.device))
 
 
 class _Noise(torch.autograd.Function):
-    """Autograd rule of kernel A (the op mutates its workspace, so it cannot carry `register_autograd`):
-    ∂x_t/∂x0 = alpha[t]."""
+    """Autograd rule of kernel A: ∂x_t/∂x0 = alpha[t]."""
 
     @staticmethod
-    def forward(ctx, x0, t, alpha, sigma, eps, seed, offset, out_dtype, ws, cnt, write_eps, backend, block):
-        xt, e = _noise_op(x0, t, alpha, sigma, eps, seed, offset, out_dtype, ws, cnt, write_eps, backend, block)
+    def forward(ctx, x0, t, alpha, sigma, eps, seed, offset, out_dtype, write_eps, backend, block):
+        xt, e = _noise_op(x0, t, alpha, sigma, eps, seed, offset, out_dtype, write_eps, backend, block)
         ctx.save_for_backward(t, alpha)
         ctx.x0_dtype = x0.dtype
         ctx.mark_non_differentiable(e)
@@ -109,41 +133,44 @@ class _Noise(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_xt, g_eps):
         t, alpha = ctx.saved_tensors
-        g = g_xt.float() * alpha.float()[t].view(-1, *([1] * (g_xt.ndim - 1)))
-        return (g.to(ctx.x0_dtype),) + (None,) * 12
+        return (ref.column(alpha, t, g_xt.ndim) * g_xt.float()).to(ctx.x0_dtype), *([None] * 10)
 
 
 # -- kernel B ------------------------------------------------------------------------------------
-@torch.library.custom_op("fasttrain::diffusion_loss", mutates_args=("workspace", "counter", "bins"))
-def _loss_op(pred: torch.Tensor, x0: torch.Tensor, t: torch.Tensor, alpha: torch.Tensor, sigma: torch.Tensor,
-             weight: torch.Tensor, iw: torch.Tensor, pivots: torch.Tensor, bins: torch.Tensor,
-             eps: Optional[torch.Tensor], seed: int, offset: int, prediction: int, workspace: torch.Tensor,
-             counter: torch.Tensor, backend: str, block: int
+@torch.library.custom_op("fasttrain::diffusion_loss", mutates_args=("bins",))
+def _loss_op(pred: torch.Tensor, x0: torch.Tensor, t: torch.Tensor, weight: torch.Tensor, iw: torch.Tensor,
+             coef: torch.Tensor, pivots: torch.Tensor, bins: torch.Tensor, eps: Optional[torch.Tensor], seed: int,
+             offset: torch.Tensor, needs: int, backend: str, block: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    B, D, T = pred.shape[0], pred[0].numel(), alpha.numel()
+    if backend == "native":
+        return native.loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs)
+    B, D, T = pred.shape[0], pred[0].numel(), weight.numel()
     if backend == "torch":
-        e = eps if eps is not None else ref.stream_noise(x0.shape, seed, offset, x0.device)
-        per, raw, grad = ref.loss_and_grad(pred, x0, e, t, alpha, sigma, weight, iw, PREDICTIONS[prediction])
+        e = eps if eps is not None else philox.noise(x0.shape, seed, offset, x0.device)
+        per, raw, grad = ref.loss_and_grad(pred, x0, e, t, weight, iw, coef)
         wl = weight.float()[t] * raw
         if bins.numel():
-            bins += ref.scatter_stats(t, torch.stack([raw, wl]).double() - pivots[:, t], T)
+            window = TimestepBins(T, pivots.shape[0], bins.device)
+            window.pivots = pivots
+            bins += window.scatter_(t, torch.stack([raw, wl])).data
         return per.mean(), per, raw, wl, grad
+    triton, tk = _triton()
     BLOCK = _block(D, backend, block)
     nch = triton.cdiv(D, BLOCK)
+    acc, cnt = _workspace(B, pred.device)
     grad = torch.empty_like(pred, memory_format=torch.contiguous_format)
-    raw = torch.empty(B, dtype=torch.float32, device=pred.device)
-    wl = torch.empty(B, dtype=torch.float32, device=pred.device)
-    per = torch.empty(B, dtype=torch.float32, device=pred.device)
-    mean = torch.empty((), dtype=torch.float32, device=pred.device)
+    f32 = dict(dtype=torch.float32, device=pred.device)
+    raw, wl, per, mean = torch.empty(B, **f32), torch.empty(B, **f32), torch.empty(B, **f32), torch.empty((), **f32)
     x0c = x0.contiguous()
-    tk.loss_kernel[(B, nch)](pred.contiguous(), x0c, eps.contiguous() if eps is not None else x0c, t, alpha, sigma,
-                             weight, iw, pivots, grad, workspace, counter, raw, wl, per, mean, bins, D, B, T, nch, seed, offset,
-                             2.0 / (B * D), PRED=prediction, HAS_EPS=eps is not None, BINS=bins.numel() > 0, BLOCK=BLOCK)
+    tk.loss_kernel[(B, nch)](pred.contiguous(), x0c, eps.contiguous() if eps is not None else x0c, t, weight, iw,
+                             coef, pivots, bins, grad, acc, cnt, raw, wl, per, mean, D, B, T, nch, seed, offset,
+                             2.0 / (B * D), NEEDS_EPS=bool(needs & NEEDS_EPS), NEEDS_X0=bool(needs & NEEDS_X0),
+                             HAS_EPS=eps is not None, BINS=bins.numel() > 0, BLOCK=BLOCK)
     return mean, per, raw, wl, grad
 
 
 @_loss_op.register_fake
-def _(pred, x0, t, alpha, sigma, weight, iw, pivots, bins, eps, seed, offset, prediction, workspace, counter, backend, block):
+def _(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs, backend, block):
     B = pred.shape[0]
     f = dict(dtype=torch.float32, device=pred.device)
     return torch.empty((), **f), torch.empty(B, **f), torch.empty(B, **f), torch.empty(B, **f), torch.empty_like(pred)
@@ -168,40 +195,28 @@ class _Loss(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         if g_per is None:
             # bf16 grad × fp32 0-d tensor stays bf16 and runs as a single kernel
-            return (None if g_mean is None else grad * g_mean,) + (None,) * 16
+            return (None if g_mean is None else grad * g_mean,) + (None,) * 13
         B = grad.shape[0]
         scale = B * g_per.float() if g_mean is None else g_mean.float() + B * g_per.float()
         g = grad.float() * scale.view(-1, *([1] * (grad.ndim - 1)))
-        return (g.to(grad.dtype),) + (None,) * 16
-
-
-# -- standalone scatter --------------------------------------------------------------------------
-@torch.library.custom_op("fasttrain::scatter_stats", mutates_args=("bins",))
-def _scatter_op(t: torch.Tensor, raw: torch.Tensor, weighted: torch.Tensor, pivots: torch.Tensor,
-                bins: torch.Tensor, backend: str) -> None:
-    T = bins.shape[1]
-    if backend == "torch":
-        bins += ref.scatter_stats(t, torch.stack([raw, weighted]).double() - pivots[:, t], T)
-        return
-    BLOCK = 1024
-    tk.scatter_kernel[(triton.cdiv(t.numel(), BLOCK),)](t, raw.contiguous(), weighted.contiguous(), pivots, bins,
-                                                         t.numel(), T, BLOCK=BLOCK)
-
-
-@_scatter_op.register_fake
-def _(t, raw, weighted, pivots, bins, backend):
-    return None
+        return (g.to(grad.dtype),) + (None,) * 13
 
 
 # -- public API ----------------------------------------------------------------------------------
-def noise(x0, t, alpha, sigma, *, seed: int = 0, offset: int = 0, eps=None, out_dtype=None, workspace=None,
+def _offset(offset, device) -> torch.Tensor:
+    """The noise counter offset as an int64 0-d tensor on the data's device (the kernels read it there,
+    so a captured graph can advance it in place)."""
+    if isinstance(offset, torch.Tensor):
+        return offset.reshape(())
+    return torch.tensor(int(offset), dtype=torch.int64, device=device)
+
+
+def noise(x0, t, alpha, sigma, *, seed: int = 0, offset: int = 0, eps=None, out_dtype=None,
           return_eps: bool = False, backend: str = "auto", block: int = 0):
-    """Kernel A: x_t (and the eps it used when `return_eps`). Tables are float32 [T] on x0's device.
-    `workspace` (from `new_workspace`) is zeroed for a following `loss` call."""
+    """Kernel A: x_t (and the eps it used when `return_eps`). Tables are float32 [T] on x0's device."""
     backend = resolve_backend(backend, x0.device)
-    ws, cnt = workspace if workspace is not None else (x0.new_empty(0), x0.new_empty(0, dtype=torch.int32))
-    xt, e = _Noise.apply(x0, t, alpha, sigma, eps, int(seed), int(offset), out_dtype or x0.dtype, ws, cnt,
-                         return_eps, backend, block)
+    xt, e = _Noise.apply(x0, t, alpha, sigma, eps, philox.check_seed(seed), _offset(offset, x0.device),
+                         out_dtype or x0.dtype, return_eps, backend, block)
     return (xt, e) if return_eps else xt
 
 
@@ -212,24 +227,20 @@ class LossOut(NamedTuple):
     weighted: torch.Tensor     # [B]: w[t_b]·mean(d²), without the importance weight (statistic)
 
 
-def loss(pred, x0, t, alpha, sigma, weight, iw, prediction: str, *, seed: int = 0, offset: int = 0, eps=None,
-         bins=None, pivots=None, workspace=None, backend: str = "auto", block: int = 0) -> LossOut:
-    """Kernel B. With `bins` ([5, T] fp64) and `pivots` ([2, T] fp64) the raw and weighted losses are
-    also scattered into the bins.
-    `workspace` must come zeroed from `noise` (or pass None to allocate a zeroed one)."""
-    if prediction not in CODE:
-        raise ValueError(f"unknown prediction {prediction!r}; choose from {', '.join(PREDICTIONS)}")
+def needs_of(coef_is_used: tuple[bool, bool]) -> int:
+    """The `needs` bits from (target uses eps, target uses x0), known on the host per prediction type."""
+    return (NEEDS_EPS if coef_is_used[0] else 0) | (NEEDS_X0 if coef_is_used[1] else 0)
+
+
+def loss(pred, x0, t, weight, iw, coef, *, uses=(True, True), seed: int = 0, offset: int = 0, eps=None,
+         bins: TimestepBins | None = None, backend: str = "auto", block: int = 0) -> LossOut:
+    """Kernel B for the target coef[0, t]·eps + coef[1, t]·x0 (`uses`: whether each term is nonzero
+    for this prediction type, so the kernel can skip a read). With `bins` (2 values: raw, weighted)
+    the per-sample losses are also scattered into them."""
     backend = resolve_backend(backend, pred.device)
-    B = pred.shape[0]
-    if workspace is None:
-        workspace = (torch.zeros(B + 1, dtype=torch.float32, device=pred.device),
-                     torch.zeros(B + 1, dtype=torch.int32, device=pred.device))
-    if bins is None:
-        bins, pivots = pred.new_empty((0, 0), dtype=torch.float64), pred.new_empty((0, 0), dtype=torch.float64)
-    return LossOut(*_Loss.apply(pred, x0, t, alpha, sigma, weight, iw, pivots, bins, eps, int(seed), int(offset),
-                                CODE[prediction], workspace[0], workspace[1], backend, block))
-
-
-def scatter_stats(t, raw, weighted, pivots, bins, backend: str = "auto") -> None:
-    """Add per-sample (raw, weighted) losses into [5, T] fp64 bins, shifted by [2, T] pivots."""
-    _scatter_op(t, raw.float(), weighted.float(), pivots, bins, resolve_backend(backend, t.device))
+    if bins is not None and bins.n_values != 2:
+        raise ValueError(f"the loss kernel scatters 2 values (raw, weighted); these bins hold {bins.n_values}")
+    data = bins.data if bins is not None else pred.new_empty((0, 0), dtype=torch.float64)
+    piv = bins.pivots if bins is not None else pred.new_empty((0, 0), dtype=torch.float64)
+    return LossOut(*_Loss.apply(pred, x0, t, weight, iw, coef, piv, data, eps, philox.check_seed(seed),
+                                _offset(offset, pred.device), needs_of(uses), backend, block))

@@ -5,17 +5,25 @@
     w = fd.loss_weight("min_snr", s, prediction="v", gamma=5.0)
     smp = fd.timestep_sampler("speed", s, k=5, tau=700, dual=True)
     t, iw = smp.sample(256, generator=g)
+
+Extension points are registries (fasttrain/registry.py): a prediction type, a weighting or a timestep
+sampler is one module in this package that registers itself; every module here is imported below.
 """
+from ..registry import discover as _discover
 from . import prediction
-from .prediction import PREDICTIONS
+from .prediction import PREDICTIONS_REGISTRY
 from .schedule import SCHEDULES, NoiseSchedule, schedule
-from .weighting import WEIGHTINGS, LearnedLogVarWeight, effective_x0_weight, loss_weight, speed_caw
+from .weighting import WEIGHTINGS, LearnedLogVar, effective_x0_weight, loss_weight, speed_caw
 from .samplers import SAMPLERS, TimestepSampler, timestep_sampler
 from .stats import TimestepStats
 from .objective import DiffusionObjective
 
+_discover(__name__)  # extensions in their own modules (adaptive.py, ...) register themselves
+
+PREDICTIONS = PREDICTIONS_REGISTRY.names()
+
 __all__ = [
-    "prediction", "PREDICTIONS", "SCHEDULES", "NoiseSchedule", "schedule", "WEIGHTINGS",
-    "LearnedLogVarWeight", "effective_x0_weight", "loss_weight", "speed_caw", "SAMPLERS",
-    "TimestepSampler", "timestep_sampler", "TimestepStats", "DiffusionObjective",
+    "prediction", "PREDICTIONS", "SCHEDULES", "NoiseSchedule", "schedule", "WEIGHTINGS", "LearnedLogVar",
+    "effective_x0_weight", "loss_weight", "speed_caw", "SAMPLERS", "TimestepSampler", "timestep_sampler",
+    "TimestepStats", "DiffusionObjective",
 ]

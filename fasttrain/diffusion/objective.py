@@ -2,27 +2,26 @@
 
     loss, info = objective(model, x0, cond)
 
-One step (DESIGN.md, "One training step"): t, iw ~ sampler; kernel A: x_t = alpha[t]·x0 +
-sigma[t]·eps with eps from the counter-based stream (seed, offset); pred = model(x_t, t, cond);
-kernel B: per-sample ℓ_b = w[t_b]·iw_b·mean((pred - target)²) with the same eps, the gradient written
-in the forward pass, and the raw and weighted losses scattered into the TimestepStats window.
-Nothing here syncs with the host. The kernels come from `fasttrain.kernels.ops` (Triton on CUDA, the
-PyTorch reference on CPU, the Triton interpreter on request); the semantics are the same, only the
-noise stream differs (Philox in Triton, torch's generator in the reference).
+One step (docs/architecture.md): t, iw ~ sampler; kernel A: x_t = alpha[t]·x0 + sigma[t]·eps with eps
+from the counter-based stream (seed, offset); pred = model(x_t, t, cond); kernel B: per-sample
+ℓ_b = w[t_b]·iw_b·mean((pred - target)²) with the same eps, the gradient written in the forward pass,
+and the raw and weighted losses scattered into the TimestepStats window. Nothing here syncs with the
+host: the noise offset is a device counter advanced in place. With a learned weighting the network
+also returns its per-timestep log-variance u(t) (EDM2), and ℓ_b becomes ℓ_b/exp(u) + u.
+The kernels come from `fasttrain.kernels.ops`; every backend draws the same noise stream.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from fasttrain.kernels import ops
-from fasttrain.kernels import reference as ref
+from fasttrain.kernels import ops, philox
 
 from . import prediction as P
 from .samplers import TimestepSampler, timestep_sampler
 from .schedule import NoiseSchedule
 from .stats import TimestepStats
-from .weighting import LearnedLogVarWeight, effective_x0_weight, loss_weight
+from .weighting import effective_x0_weight, loss_weight, uncertainty_loss
 
 BACKENDS = ops.BACKENDS
 
@@ -35,27 +34,26 @@ class DiffusionObjective(nn.Module):
         super().__init__()
         self.schedule = schedule
         self.prediction = P.check(prediction)
+        self.pred = P.get(prediction)
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
         self.backend = backend  # resolved per call against the data's device
         if isinstance(weighting, str):
-            self.weighting_name = weighting
             weighting = loss_weight(weighting, schedule, prediction, **(weighting_args or {}))
-        else:
-            self.weighting_name = "custom"
         # fp32 copies of the tables: what the kernels gather by t
         self.register_buffer("weight", weighting.to(torch.float32), persistent=False)
         self.register_buffer("weight64", weighting.to(torch.float64), persistent=False)  # for plots
         self.register_buffer("alpha", schedule.alpha.float(), persistent=False)
         self.register_buffer("sigma", schedule.sigma.float(), persistent=False)
+        self.register_buffer("coef", self.pred.table(schedule.alpha, schedule.sigma), persistent=False)
+        self.register_buffer("offset", torch.zeros((), dtype=torch.int64), persistent=False)
         self.sampler: TimestepSampler = (timestep_sampler(sampler, schedule, **(sampler_args or {}))
                                          if isinstance(sampler, str) else sampler)
         if stats is True:
-            history = getattr(self.sampler, "history", 0)
-            stats = TimestepStats(schedule.T, schedule.device, history=history)
+            stats = TimestepStats(schedule.T, schedule.device, history=getattr(self.sampler, "history", 0))
         self.stats: TimestepStats | None = stats or None
-        self.learned = LearnedLogVarWeight(schedule) if learned_weighting else None
-        self.seed, self.offset = int(seed), 0
+        self.learned_weighting = bool(learned_weighting)
+        self.seed = philox.check_seed(seed)
 
     def _apply(self, fn, recurse=True):
         # Keep the non-module pieces (sampler, stats, schedule) on the same device as the buffers.
@@ -63,10 +61,8 @@ class DiffusionObjective(nn.Module):
         dev = self.alpha.device
         self.schedule = self.schedule.to(dev)
         self.sampler.to(dev)
-        if self.stats is not None and self.stats.device != dev:
-            state = self.stats.state_dict()
-            self.stats.device = dev
-            self.stats.load_state_dict(state)
+        if self.stats is not None:
+            self.stats.to(dev)
         return out
 
     @property
@@ -74,8 +70,8 @@ class DiffusionObjective(nn.Module):
         return self.schedule.T
 
     def noise(self, like: torch.Tensor) -> torch.Tensor:
-        """The torch backend's eps for the next (seed, offset); the offset advances by numel."""
-        eps = ref.stream_noise(like.shape, self.seed, self.offset, like.device)
+        """The eps of the next (seed, offset) (what the kernels would draw); advances the offset."""
+        eps = philox.noise(like.shape, self.seed, self.offset.to(like.device), like.device)
         self.offset += like.numel()
         return eps
 
@@ -83,24 +79,26 @@ class DiffusionObjective(nn.Module):
                 t: torch.Tensor | None = None):
         B = x0.shape[0]
         if t is None:
-            t, iw = self.sampler.sample(B, generator)
+            t, iw = self.sampler.sample(B, generator, x0)
         else:
             iw = torch.ones(B, device=x0.device)
         backend = ops.resolve_backend(self.backend, x0.device)
-        seed, offset = self.seed, self.offset
+        offset = self.offset.clone()  # this step's counter; the buffer moves on in place
         self.offset += x0.numel()
-        ws = ops.new_workspace(B, x0.device)  # zeroed by kernel A, used by kernel B
-        x_t = ops.noise(x0, t, self.alpha, self.sigma, seed=seed, offset=offset, workspace=ws, backend=backend)
-        pred = model(x_t, t) if cond is None else model(x_t, t, cond)
+        x_t = ops.noise(x0, t, self.alpha, self.sigma, seed=self.seed, offset=offset, backend=backend)
+        kw = {} if cond is None else {"y": cond}
+        if self.learned_weighting:
+            pred, logvar = model(x_t, t, return_logvar=True, **kw)
+        else:
+            pred, logvar = model(x_t, t, **kw), None
         st = self.stats
-        loss, per_sample, raw, weighted = ops.loss(pred, x0, t, self.alpha, self.sigma, self.weight, iw, self.prediction,
-                                         seed=seed, offset=offset, workspace=ws, backend=backend,
-                                         bins=st.pending if st is not None else None,
-                                         pivots=st.pivots() if st is not None else None)
+        loss, per_sample, raw, weighted = ops.loss(pred, x0, t, self.weight, iw, self.coef, uses=self.pred.uses,
+                                                   seed=self.seed, offset=offset, backend=backend,
+                                                   bins=st.window if st is not None else None)
         if st is not None:
             st.record(t, weighted)
-        if self.learned is not None:
-            per_sample = self.learned(t, per_sample)
+        if logvar is not None:
+            per_sample = uncertainty_loss(per_sample, logvar)
             loss = per_sample.mean()
         info = {"t": t, "iw": iw, "raw": raw.detach(), "weighted": weighted.detach(),
                 "loss_per_sample": per_sample.detach()}
@@ -122,12 +120,21 @@ class DiffusionObjective(nn.Module):
             self.stats.all_reduce()
             self.sampler.update(self.stats)
 
+    # -- persistence: shared (identical on every rank) and per-rank parts --------------------------
     def extra_state(self) -> dict:
-        return {"seed": self.seed, "offset": self.offset, "sampler": self.sampler.state_dict(),
+        return {"offset": int(self.offset), "sampler": self.sampler.state_dict(),
                 "stats": self.stats.state_dict() if self.stats is not None else None}
 
     def load_extra_state(self, state: dict) -> None:
-        self.seed, self.offset = int(state["seed"]), int(state["offset"])
+        """The seed is not restored: it is derived per rank from the config (seeds.py)."""
+        self.offset.fill_(int(state["offset"]))
         self.sampler.load_state_dict(state["sampler"])
         if self.stats is not None and state["stats"] is not None:
             self.stats.load_state_dict(state["stats"])
+
+    def rank_state(self) -> dict:
+        return {"window": self.stats.window_state() if self.stats is not None else None}
+
+    def load_rank_state(self, state: dict | None) -> None:
+        if self.stats is not None:
+            self.stats.load_window_state(None if state is None else state["window"])

@@ -1,10 +1,14 @@
-"""Timestep samplers: `sample(n, generator) -> (t: Long[n], iw: Float[n])`.
+"""Timestep samplers: `sample(n, generator, x0=None) -> (t: Long[n], iw: Float[n])`.
 
 All sampling happens on the device of the sampler's tables with no host sync (no `.item()`, no
 `multinomial` validity checks): discrete tables are drawn by inverse CDF (`searchsorted`), continuous
 densities by their closed-form or tabulated inverse. `probs()` is the exact marginal over t.
 Biased samplers (they change the objective on purpose) return iw = 1; the unbiased importance sampler
 returns iw = 1/(T·p_t) so that E[iw·loss] equals the uniform-t objective (Nichol & Dhariwal 2021, §3.3).
+
+A sampler is a class registered by name (`@register("name")`); its constructor's keyword arguments
+are its config arguments (`diffusion.sampler_args.*`). Samplers that learn from a look-ahead around
+the optimizer step also implement `lookahead.LookAhead` (adaptive.py).
 """
 from __future__ import annotations
 
@@ -13,20 +17,24 @@ import math
 import numpy as np
 import torch
 
+from ..registry import Registry
 from .schedule import NoiseSchedule
+
+SAMPLERS = Registry("timestep sampler", positional=1)  # cls(schedule, **args)
+register = SAMPLERS.register
 
 
 class TimestepSampler:
     name = "base"
     biased = True
-    ARGS: tuple[str, ...] = ()
 
     def __init__(self, schedule: NoiseSchedule):
         self.T = schedule.T
         self.device = schedule.device
 
     # -- interface -------------------------------------------------------------------------------
-    def sample(self, n: int, generator: torch.Generator | None = None):
+    def sample(self, n: int, generator: torch.Generator | None = None, x0: torch.Tensor | None = None):
+        """n timesteps and their importance weights; `x0` is the batch, for samplers conditioned on it."""
         t = self._draw(n, generator)
         return t, torch.ones(n, dtype=torch.float32, device=self.device)
 
@@ -70,8 +78,8 @@ def _draw_table(cdf: torch.Tensor, n: int, generator, device) -> torch.Tensor:
     return torch.clamp(torch.searchsorted(cdf, u, right=True), max=cdf.numel() - 1)
 
 
+@register("uniform")
 class Uniform(TimestepSampler):
-    name = "uniform"
     biased = False
 
     def _draw(self, n, generator):
@@ -81,11 +89,11 @@ class Uniform(TimestepSampler):
         return torch.full((self.T,), 1.0 / self.T, dtype=torch.float64, device=self.device)
 
 
+@register("stratified")
 class Stratified(Uniform):
     """One stratum of [0, 1) per sample of the *global* batch (k-diffusion `stratified_uniform`):
     the batch of micro-step m on rank r is group g = r·accum + m of G = world·accum groups, and its
     j-th sample draws u ~ U[(j·G + g)/N, (j·G + g + 1)/N) with N = n·G. The marginal stays uniform."""
-    name = "stratified"
 
     def __init__(self, schedule):
         super().__init__(schedule)
@@ -108,10 +116,9 @@ class Stratified(Uniform):
         self.micro_step = int(state["micro_step"])
 
 
+@register("logit_normal")
 class LogitNormal(TimestepSampler):
     """SD3 (Esser et al. 2024, Eq. 19): u = sigmoid(m + s·n), n ~ N(0, 1); t = floor(u·T)."""
-    name = "logit_normal"
-    ARGS = ("mean", "std")
 
     def __init__(self, schedule, mean: float = 0.0, std: float = 1.0):
         super().__init__(schedule)
@@ -128,11 +135,10 @@ class LogitNormal(TimestepSampler):
         return cdf[1:] - cdf[:-1]
 
 
+@register("mode")
 class Mode(TimestepSampler):
     """SD3 mode sampling (Esser et al. 2024, Eq. 20): f(u) = 1 - u - s·(cos²(πu/2) - 1 + u),
     monotone for s in [-1, 2/(π-2)]; t = floor(f(u)·T). probs() inverts f by bisection."""
-    name = "mode"
-    ARGS = ("scale",)
 
     def __init__(self, schedule, scale: float = 1.29):
         super().__init__(schedule)
@@ -157,11 +163,10 @@ class Mode(TimestepSampler):
         return (u[:-1] - u[1:]).clamp_min(0)
 
 
+@register("lognormal")
 class LogNormal(TimestepSampler):
     """EDM (Karras et al. 2022, Table 1): ln sigma_e ~ N(P_mean, P_std²) in VE units sigma_e = s/a,
     mapped to the timestep whose ln sigma_e is nearest (edges at midpoints in log space)."""
-    name = "lognormal"
-    ARGS = ("p_mean", "p_std")
 
     def __init__(self, schedule, p_mean: float = -1.2, p_std: float = 1.2):
         super().__init__(schedule)
@@ -181,13 +186,12 @@ class LogNormal(TimestepSampler):
         return cdf[1:] - cdf[:-1]
 
 
+@register("speed")
 class Speed(TimestepSampler):
     """SpeeD asymmetric sampling, exactly as the official `sampling="ours"`
     (`speed/diffusion/speed/__init__.py`): p ∝ [k]*τ + [1]*(T-τ); draw n//2+1 timesteps, mirror
     each around m = argmax(gradient(sqrt(1-ᾱ)) < 1e-4) + 1 (t < m → m-t, else t-m), keep the first n
     of [t, dual_t]. Without `dual` all n are drawn from p (the official `no_dual`)."""
-    name = "speed"
-    ARGS = ("k", "tau", "dual")
 
     def __init__(self, schedule, k: float = 5.0, tau: int = 700, dual: bool = True):
         super().__init__(schedule)
@@ -201,9 +205,13 @@ class Speed(TimestepSampler):
         self.p = (p / p.sum()).to(self.device)
         self.cdf = torch.cumsum(self.p, 0)
         grad = np.gradient(schedule.sigma.cpu().numpy())  # sigma = sqrt(1 - ᾱ)
-        self.m = int(np.argmax(grad < 1e-4)) + 1
-        if self.dual and self.m >= self.T:
-            raise ValueError(f"dual mirror point m={self.m} is outside [0, T); use dual=false for this schedule")
+        flat = grad < 1e-4
+        self.m = int(np.argmax(flat)) + 1
+        if self.dual and (not flat.any() or self.m >= self.T):
+            # e.g. the flow schedule: sigma grows linearly, so there is no convergence area to mirror
+            raise ValueError(f"sampler 'speed' with dual=true needs a schedule whose sigma saturates "
+                             f"(d sigma/dt < 1e-4 somewhere), which {schedule.name!r} does not; use "
+                             f"diffusion.sampler_args.dual=false")
 
     def _mirror(self, t):
         return torch.where(t < self.m, self.m - t, t - self.m)
@@ -224,13 +232,12 @@ class Speed(TimestepSampler):
         return frac * self.p + (1 - frac) * dual
 
 
+@register("loss_second_moment")
 class LossSecondMoment(TimestepSampler):
     """iDDPM `LossSecondMomentResampler` (improved_diffusion/resample.py): p_t ∝ sqrt(E[L_t²]) over the
     last `history` losses of each t, mixed with `uniform_prob` of uniform; uniform until every t has
     `history` losses. Unbiased: iw = 1/(T·p_t). Reads the loss ring of TimestepStats in `update`."""
-    name = "loss_second_moment"
     biased = False
-    ARGS = ("history", "uniform_prob")
 
     def __init__(self, schedule, history: int = 10, uniform_prob: float = 0.001):
         super().__init__(schedule)
@@ -248,7 +255,7 @@ class LossSecondMoment(TimestepSampler):
         warm = (count >= self.history).all() & (w.sum() > 0)
         self.p = torch.where(warm, p, torch.full_like(p, 1.0 / self.T)).to(self.device)
 
-    def sample(self, n, generator=None):
+    def sample(self, n, generator=None, x0=None):
         t = _draw_table(torch.cumsum(self.p, 0), n, generator, self.device)
         return t, (1.0 / (self.T * self.p[t])).float()
 
@@ -262,20 +269,6 @@ class LossSecondMoment(TimestepSampler):
         self.p = state["p"].to(self.device, torch.float64)
 
 
-SAMPLERS = {c.name: c for c in (Uniform, Stratified, LogitNormal, Mode, LogNormal, Speed, LossSecondMoment)}
-
-
-def sampler_args(name: str) -> tuple[str, ...]:
-    if name not in SAMPLERS:
-        raise ValueError(f"unknown sampler {name!r}; choose from {', '.join(SAMPLERS)}")
-    return SAMPLERS[name].ARGS
-
-
 def timestep_sampler(name: str, schedule: NoiseSchedule, **args) -> TimestepSampler:
     """Build a sampler by name; its tables live on `schedule.device`."""
-    allowed = sampler_args(name)
-    unknown = set(args) - set(allowed)
-    if unknown:
-        raise ValueError(f"sampler {name!r} got unknown argument {sorted(unknown)[0]!r} "
-                         f"(it takes: {', '.join(allowed) or 'nothing'})")
-    return SAMPLERS[name](schedule, **args)
+    return SAMPLERS.build(name, schedule, **args)

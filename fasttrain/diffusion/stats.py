@@ -1,24 +1,23 @@
 """Per-timestep loss statistics that never leave the device.
 
-Each step scatters its per-sample losses into a *pending* window of per-timestep bins: count, Σ(v - c)
-and Σ(v - c)² in fp64 for the raw and the weighted loss, shifted by a per-timestep pivot c = the
-running mean so far (the "shifted data" algorithm: Σ² - (Σ)²/n then cancels only what the spread
-around the running mean is worth, not the mean itself). This is the contract of the fused loss
-kernel, which writes the same bins. Every K steps `all_reduce()` sums the windows of all ranks (one
-collective; every rank holds the same pivots), turns the window into (count, mean, M2), merges it
-into the running totals with Chan et al.'s parallel update, moves the pivots to the new means,
-updates the EMA view and the ring of recent losses, and clears the window. All ranks therefore see
-identical statistics, and samplers read them in `update(stats)`.
+Each step scatters its per-sample values (the raw and the weighted loss; for mixed prediction also
+each head's x0 error) into a *pending* window of per-timestep bins (`fasttrain.kernels.TimestepBins`,
+whose layout and pivot shift are defined there, once); the fused loss kernel does that scatter in the
+same pass as the loss. Every K steps `all_reduce()` sums the windows of all ranks (one collective;
+every rank holds the same pivots), reads the window's (count, mean, M2) through `bins.moments()`,
+merges it into the running totals with Chan et al.'s parallel update, moves the pivots to the new
+means, updates the EMA view and the ring of recent losses, and clears the window. All ranks
+therefore see identical statistics, and samplers read them in `update(stats)`.
 
-Precision: a timestep's first window has pivot 0, so its variance carries a relative error of about
-1e-16·(mean/std)²; later windows are centred on the running mean.
+Checkpoints: the totals are the same on every rank (`state_dict`); the window is each rank's own
+(`window_state`), saved per rank and merged when a run resumes on another number of processes.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from fasttrain.kernels import reference as ref
+from fasttrain.kernels import TimestepBins
 
 KINDS = ("raw", "weighted")
 
@@ -34,42 +33,45 @@ def chan_merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
 
 
 class TimestepStats:
-    def __init__(self, T: int, device="cpu", ema_decay: float = 0.9, history: int = 0):
+    def __init__(self, T: int, device="cpu", ema_decay: float = 0.9, history: int = 0,
+                 kinds: tuple[str, ...] = KINDS):
         if not 0 <= ema_decay < 1:
             raise ValueError(f"ema_decay must lie in [0, 1), got {ema_decay!r}")
-        self.T, self.device, self.ema_decay, self.history = T, torch.device(device), ema_decay, history
+        self.T, self.ema_decay, self.history, self.kinds = T, ema_decay, history, tuple(kinds)
+        self.window = TimestepBins(T, len(self.kinds), device)
         z = lambda: torch.zeros(T, dtype=torch.float64, device=self.device)  # noqa: E731
         self.count = z()
-        self.mean = {k: z() for k in KINDS}
-        self.m2 = {k: z() for k in KINDS}
-        self.ema = {k: z() for k in KINDS}
+        self.mean = {k: z() for k in self.kinds}
+        self.m2 = {k: z() for k in self.kinds}
+        self.ema = {k: z() for k in self.kinds}
         self.ema_seen = torch.zeros(T, dtype=torch.bool, device=self.device)
-        self.pending = torch.zeros(5, T, dtype=torch.float64, device=self.device)  # n, Σr, Σr², Σw, Σw² (shifted)
         self._pending_samples: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.ring = torch.zeros(T, max(history, 1), dtype=torch.float32, device=self.device)
         self.ring_count = torch.zeros(T, dtype=torch.long, device=self.device)
         self.syncs = 0
-        self._pivots = torch.zeros(len(KINDS), T, dtype=torch.float64, device=self.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.window.device
+
+    def to(self, device) -> "TimestepStats":
+        if torch.device(device) != self.device:
+            state, window = self.state_dict(), self.window_state()
+            self.window.to(device)
+            self.load_state_dict(state)
+            self.load_window_state(window)
+        return self
 
     # -- per step (no host sync) -----------------------------------------------------------------
-    def pivots(self) -> torch.Tensor:
-        """[2, T] shift of the pending bins: the running mean of each kind (0 where unseen). It only
-        changes in `all_reduce`, so it is cached there and kernels read it every step for free."""
-        return self._pivots
-
-    def update(self, t: torch.Tensor, raw: torch.Tensor, weighted: torch.Tensor, bins: torch.Tensor | None = None):
-        """Add one batch: t Long[B], per-sample raw and weighted losses. `bins` ([5, T], already
-        shifted by `pivots()`) comes from the fused loss kernel, which scattered them itself."""
+    def update(self, t: torch.Tensor, *values: torch.Tensor) -> None:
+        """Add one batch without a fused kernel: t Long[B] and one [B] tensor per kind."""
         t = t.to(self.device)
-        if bins is None:
-            values = torch.stack([raw.detach(), weighted.detach()]).to(self.device, torch.float64)
-            bins = ref.scatter_stats(t, values - self.pivots()[:, t], self.T)
-        self.pending += bins
-        self.record(t, weighted)
+        self.window.scatter_(t, torch.stack([v.detach().to(self.device, torch.float64) for v in values]))
+        self.record(t, values[self.kinds.index("weighted")] if "weighted" in self.kinds else values[0])
 
     def record(self, t: torch.Tensor, weighted: torch.Tensor) -> None:
         """Queue (t, weighted loss) for the ring of recent losses (when one is kept). Callers whose
-        kernel scattered into `pending` itself call only this."""
+        kernel scattered into the window itself call only this."""
         if self.history > 0:
             self._pending_samples.append((t.to(self.device), weighted.detach().float().to(self.device)))
 
@@ -77,38 +79,46 @@ class TimestepStats:
     def all_reduce(self, group=None) -> None:
         """Merge the pending window of every rank into the totals (identical on all ranks)."""
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-        pending = self.pending
         if distributed:
-            ws = dist.get_world_size(group)
-            dist.all_reduce(pending, group=group)
-        samples = None
-        if self._pending_samples:
-            t = torch.cat([s[0] for s in self._pending_samples])
-            v = torch.cat([s[1] for s in self._pending_samples])
-            if distributed:  # every rank holds K·B samples, so the gather has equal sizes
-                tg, vg = [torch.empty_like(t) for _ in range(ws)], [torch.empty_like(v) for _ in range(ws)]
-                dist.all_gather(tg, t, group=group)
-                dist.all_gather(vg, v, group=group)
-                t, v = torch.cat(tg), torch.cat(vg)
-            samples = (t, v)
-        n = pending[0]
-        safe = n.clamp_min(1)
-        for i, k in enumerate(KINDS):
-            s1, s2 = pending[1 + 2 * i], pending[2 + 2 * i]
-            mean_b = torch.where(n > 0, self.mean[k] + s1 / safe, 0.0)  # pivot + mean of the shifted values
-            m2_b = torch.clamp(s2 - s1 * s1 / safe, min=0.0)
-            new_n, self.mean[k], self.m2[k] = chan_merge(self.count, self.mean[k], self.m2[k], n, mean_b, m2_b)
-            seen = n > 0
-            blended = self.ema_decay * self.ema[k] + (1 - self.ema_decay) * mean_b
-            self.ema[k] = torch.where(seen, torch.where(self.ema_seen, blended, mean_b), self.ema[k])
+            dist.all_reduce(self.window.data, group=group)
+        samples = self._gather_samples(group) if distributed else self._local_samples()
+        n, mean_b, m2_b = self.window.moments()
+        for i, k in enumerate(self.kinds):
+            new_n, self.mean[k], self.m2[k] = chan_merge(self.count, self.mean[k], self.m2[k], n, mean_b[i], m2_b[i])
+            blended = self.ema_decay * self.ema[k] + (1 - self.ema_decay) * mean_b[i]
+            self.ema[k] = torch.where(n > 0, torch.where(self.ema_seen, blended, mean_b[i]), self.ema[k])
         self.ema_seen |= n > 0
         self.count = new_n
-        self._pivots = torch.stack([self.mean[k] for k in KINDS])
+        self.window.zero_()
+        self.window.set_pivots(torch.stack([self.mean[k] for k in self.kinds]))
         if samples is not None:
             self._push_ring(*samples)
-        self.pending = torch.zeros_like(self.pending)
         self._pending_samples = []
         self.syncs += 1
+
+    def _local_samples(self):
+        if not self._pending_samples:
+            return None
+        return torch.cat([s[0] for s in self._pending_samples]), torch.cat([s[1] for s in self._pending_samples])
+
+    def _gather_samples(self, group):
+        """Every rank's queued (t, loss) pairs. Ranks may hold different numbers (a resumed run's
+        rank 0 carries the merged queue of an old layout), so sizes are exchanged first."""
+        if self.history <= 0:
+            return None
+        t, v = self._local_samples() or (torch.zeros(0, dtype=torch.long, device=self.device),
+                                         torch.zeros(0, device=self.device))
+        ws = dist.get_world_size(group)
+        sizes = [torch.zeros(1, dtype=torch.long, device=self.device) for _ in range(ws)]
+        dist.all_gather(sizes, torch.tensor([t.numel()], device=self.device), group=group)
+        size = int(max(s.item() for s in sizes))  # one small sync every K steps
+        pad_t = torch.cat([t, t.new_zeros(size - t.numel())])
+        pad_v = torch.cat([v, v.new_zeros(size - v.numel())])
+        tg, vg = [torch.empty_like(pad_t) for _ in range(ws)], [torch.empty_like(pad_v) for _ in range(ws)]
+        dist.all_gather(tg, pad_t, group=group)
+        dist.all_gather(vg, pad_v, group=group)
+        keep = [(a[: int(s.item())], b[: int(s.item())]) for a, b, s in zip(tg, vg, sizes)]
+        return torch.cat([a for a, _ in keep]), torch.cat([b for _, b in keep])
 
     def _push_ring(self, t: torch.Tensor, v: torch.Tensor) -> None:
         """Write each loss into slot (count[t] + rank) % H of its timestep's ring, in arrival order,
@@ -164,24 +174,45 @@ class TimestepStats:
 
     # -- persistence -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        samples = self._pending_samples
-        return {
-            "count": self.count, "mean": dict(self.mean), "m2": dict(self.m2), "ema": dict(self.ema),
-            "ema_seen": self.ema_seen, "pending": self.pending, "ring": self.ring,
-            "ring_count": self.ring_count, "syncs": self.syncs,
-            "pending_t": torch.cat([s[0] for s in samples]) if samples else None,
-            "pending_v": torch.cat([s[1] for s in samples]) if samples else None,
-        }
+        """The totals: identical on every rank after `all_reduce`."""
+        return {"kinds": list(self.kinds), "count": self.count, "mean": dict(self.mean), "m2": dict(self.m2),
+                "ema": dict(self.ema), "ema_seen": self.ema_seen, "ring": self.ring, "ring_count": self.ring_count,
+                "syncs": self.syncs}
 
     def load_state_dict(self, state: dict) -> None:
         def own(x):  # copies: a loaded state must not alias the tensors of the object it came from
             return x.to(self.device, copy=True)
 
+        if tuple(state.get("kinds", KINDS)) != self.kinds:
+            raise ValueError(f"statistics of {state.get('kinds')} cannot be loaded into {list(self.kinds)}")
         self.count, self.ema_seen = own(state["count"]), own(state["ema_seen"])
         self.mean = {k: own(v) for k, v in state["mean"].items()}
         self.m2 = {k: own(v) for k, v in state["m2"].items()}
         self.ema = {k: own(v) for k, v in state["ema"].items()}
-        self.pending, self.ring, self.ring_count = own(state["pending"]), own(state["ring"]), own(state["ring_count"])
+        self.ring, self.ring_count = own(state["ring"]), own(state["ring_count"])
         self.syncs = int(state["syncs"])
-        self._pivots = torch.stack([self.mean[k] for k in KINDS])
-        self._pending_samples = [] if state["pending_t"] is None else [(own(state["pending_t"]), own(state["pending_v"]))]
+        self.window.set_pivots(torch.stack([self.mean[k] for k in self.kinds]))
+
+    def window_state(self) -> dict:
+        """This rank's pending window and queued ring samples (not yet all-reduced)."""
+        queued = self._local_samples()
+        return {"bins": self.window.data.clone(), "t": None if queued is None else queued[0],
+                "v": None if queued is None else queued[1]}
+
+    def load_window_state(self, state: dict | None) -> None:
+        """Restore a window (None: empty). Pivots come from the totals, so load those first."""
+        self.window.zero_()
+        self._pending_samples = []
+        if state is None:
+            return
+        self.window.data.copy_(state["bins"].to(self.device))
+        if state["t"] is not None:
+            self._pending_samples = [(state["t"].to(self.device), state["v"].to(self.device))]
+
+    @staticmethod
+    def merge_window_states(states: list[dict]) -> dict:
+        """One window holding several ranks' windows (they share the pivots): for a resume on
+        another number of processes, where one rank takes the merged window and the others none."""
+        ts = [s["t"] for s in states if s["t"] is not None]
+        return {"bins": sum(s["bins"] for s in states), "t": torch.cat(ts) if ts else None,
+                "v": torch.cat([s["v"] for s in states if s["v"] is not None]) if ts else None}

@@ -1,9 +1,10 @@
 """Loss weightings, each defined on the x0-space MSE and converted to the prediction's space.
 
 `loss_weight(name, schedule, prediction, **args)` returns a float64 [T] table w such that the
-training loss is w[t]·mean((pred - target)²). Internally every weighting is an x0-space weight
-w_x0(t) and w = w_x0 / c(t) (prediction.c_factor), so the *effective* x0-space weight
-p(t)·iw(t)·w(t)·c(t) of a strategy does not depend on the prediction type (research notes §0).
+training loss is w[t]·mean((pred - target)²). Every weighting is an x0-space weight w_x0(t),
+registered as a function of the schedule, and w = w_x0 / c(t) (prediction.c_factor), so the
+*effective* x0-space weight p(t)·iw(t)·w(t)·c(t) of a strategy does not depend on the prediction
+type (research notes §0). A new weighting is one registered function.
 
 Where SNR = 0 (zero-terminal schedules, the last flow step) the weight is 1: the official Min-SNR
 code sets `mse_loss_weight[snr == 0] = 1.0` (Min-SNR PR #4), which also avoids 0/0 and inf.
@@ -29,14 +30,54 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..registry import Registry
 from . import prediction as P
 from .schedule import NoiseSchedule
+
+WEIGHTINGS = Registry("weighting", positional=2)  # fn(schedule, prediction, **args) -> x0-space [T]
+register = WEIGHTINGS.register
 
 
 def _positive(name: str, value) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
         raise ValueError(f"{name} must be a positive number, got {value!r}")
     return float(value)
+
+
+@register("simple")
+def simple(s: NoiseSchedule, prediction: str):
+    return P.c_factor(prediction, s.alpha, s.sigma)
+
+
+@register("constant")
+def constant(s, prediction):
+    return torch.ones_like(s.snr)
+
+
+@register("snr")
+def snr(s, prediction):
+    return s.snr.clone()
+
+
+@register("min_snr")
+def min_snr(s, prediction, gamma: float = 5.0):
+    return torch.clamp_max(s.snr, _positive("gamma", gamma))
+
+
+@register("max_snr")
+def max_snr(s, prediction, gamma: float = 5.0):
+    return torch.clamp_min(s.snr, _positive("gamma", gamma))
+
+
+@register("soft_min_snr")
+def soft_min_snr(s, prediction, sigma_data: float = 0.5):
+    sd = _positive("sigma_data", sigma_data)
+    return s.snr / (1 + sd**2 * s.snr)  # = 1/(sigma_e² + σd²) with sigma_e² = 1/SNR
+
+
+@register("p2")
+def p2(s, prediction, k: float = 1.0, gamma: float = 1.0):
+    return s.snr / (_positive("k", k) + s.snr) ** float(gamma)
 
 
 def speed_caw(schedule: NoiseSchedule, lam: float = 0.6, tau: int = 700) -> torch.Tensor:
@@ -52,62 +93,36 @@ def speed_caw(schedule: NoiseSchedule, lam: float = 0.6, tau: int = 700) -> torc
     return torch.from_numpy(w)
 
 
-def _x0_weights(name: str, s: NoiseSchedule, prediction: str, args: dict) -> torch.Tensor:
-    snr, sig = s.snr, s.sigma
-    if name == "simple":
-        return P.c_factor(prediction, s.alpha, s.sigma)
-    if name == "constant":
-        return torch.ones_like(snr)
-    if name == "snr":
-        return snr.clone()
-    if name in ("min_snr", "max_snr"):
-        gamma = _positive("gamma", args.get("gamma", 5.0))
-        fn = torch.clamp_max if name == "min_snr" else torch.clamp_min
-        return fn(snr, gamma)
-    if name == "soft_min_snr":
-        sd = _positive("sigma_data", args.get("sigma_data", 0.5))
-        return snr / (1 + sd**2 * snr)  # = 1/(sigma_e² + σd²) with sigma_e² = 1/SNR
-    if name == "p2":
-        k = _positive("k", args.get("k", 1.0))
-        gamma = float(args.get("gamma", 1.0))
-        return snr / (k + snr) ** gamma
-    if name == "speed":
-        lam = float(args.get("lam", 0.6))
-        if not 0.5 <= lam <= 1.0:
-            raise ValueError(f"lam must lie in [0.5, 1] (weights in [1-λ, λ]), got {lam!r}")
-        return speed_caw(s, lam, int(args.get("tau", 700))) * snr
-    if name == "edm":
-        sd = _positive("sigma_data", args.get("sigma_data", 0.5))
-        return 1.0 / sd**2 + snr  # (sigma_e² + σd²)/(sigma_e σd)² with sigma_e² = 1/SNR
-    if name == "sd3_sigma_sqrt":
-        return sig ** -2.0
-    if name == "cosmap":
-        return 2.0 / (math.pi * (1 - 2 * sig + 2 * sig**2))
-    raise ValueError(f"unknown weighting {name!r}; choose from {', '.join(WEIGHTINGS)}")
+@register("speed")
+def speed(s, prediction, lam: float = 0.6, tau: int = 700):
+    if not 0.5 <= lam <= 1.0:
+        raise ValueError(f"lam must lie in [0.5, 1] (weights in [1-λ, λ]), got {lam!r}")
+    return speed_caw(s, lam, int(tau)) * s.snr
 
 
-WEIGHTINGS = {
-    "simple": (), "constant": (), "snr": (), "min_snr": ("gamma",), "max_snr": ("gamma",),
-    "soft_min_snr": ("sigma_data",), "p2": ("k", "gamma"), "speed": ("lam", "tau"),
-    "edm": ("sigma_data",), "sd3_sigma_sqrt": (), "cosmap": (),
-}
+@register("edm")
+def edm(s, prediction, sigma_data: float = 0.5):
+    sd = _positive("sigma_data", sigma_data)
+    return 1.0 / sd**2 + s.snr  # (sigma_e² + σd²)/(sigma_e σd)² with sigma_e² = 1/SNR
+
+
+@register("sd3_sigma_sqrt")
+def sd3_sigma_sqrt(s, prediction):
+    return s.sigma ** -2.0
+
+
+@register("cosmap")
+def cosmap(s, prediction):
+    return 2.0 / (math.pi * (1 - 2 * s.sigma + 2 * s.sigma**2))
 
 
 def loss_weight(name: str, schedule: NoiseSchedule, prediction: str = "eps", **args) -> torch.Tensor:
     """[T] float64 weight on the MSE of `prediction` (see the module docstring)."""
     P.check(prediction)
-    if name not in WEIGHTINGS:
-        raise ValueError(f"unknown weighting {name!r}; choose from {', '.join(WEIGHTINGS)}")
-    unknown = set(args) - set(WEIGHTINGS[name])
-    if unknown:
-        raise ValueError(f"weighting {name!r} got unknown argument {sorted(unknown)[0]!r} "
-                         f"(it takes: {', '.join(WEIGHTINGS[name]) or 'nothing'})")
+    WEIGHTINGS.check_args(name, args)
     s = schedule.to("cpu")
-    w_x0 = _x0_weights(name, s, prediction, args)
-    if name == "simple":
-        w = torch.ones_like(w_x0)
-    else:
-        w = w_x0 / P.c_factor(prediction, s.alpha, s.sigma)
+    w_x0 = WEIGHTINGS.get(name)(s, prediction, **args)
+    w = w_x0 / P.c_factor(prediction, s.alpha, s.sigma)
     w = torch.where(s.snr == 0, torch.ones_like(w), w)  # SNR = 0 guard (Min-SNR PR #4)
     if not torch.isfinite(w).all():
         bad = int(torch.nonzero(~torch.isfinite(w))[0])
@@ -125,10 +140,11 @@ def effective_x0_weight(w: torch.Tensor, schedule: NoiseSchedule, prediction: st
     return schedule.T * probs.to(w) * iw * w * c
 
 
-class LearnedLogVarWeight(nn.Module):
-    """EDM2-style learned per-timestep uncertainty (Karras et al. 2024, Eq. 21):
-    L = w(t)/exp(u(t))·mse + u(t), with u(t) a linear map of Fourier features of ln(sigma_e)/4.
-    Trains jointly with the model; `forward(t, mse)` returns the per-sample loss."""
+class LearnedLogVar(nn.Module):
+    """EDM2's learned per-noise-level uncertainty (Karras et al. 2024, Eq. 21 and `Precond.logvar`):
+    L = w(t)/exp(u(t))·mse + u(t), with u(t) a linear map of Fourier features of c_noise = ln(sigma_e)/4.
+    It is a part of the network (see `Denoiser`), so it is sharded, reduced, averaged and checkpointed
+    like every other weight; it starts at u = 0, the fixed weighting."""
 
     def __init__(self, schedule: NoiseSchedule, channels: int = 128, seed: int = 0):
         super().__init__()
@@ -138,20 +154,13 @@ class LearnedLogVarWeight(nn.Module):
         c_noise = torch.log(torch.clamp(schedule.to("cpu").edm_sigma(), 1e-8, 1e8)) / 4
         self.register_buffer("c_noise", c_noise.float(), persistent=True)
         self.linear = nn.Linear(channels, 1, bias=False)
-        nn.init.zeros_(self.linear.weight)  # u = 0: starts as the fixed weighting
+        nn.init.zeros_(self.linear.weight)
 
-    def logvar(self, t: torch.Tensor) -> torch.Tensor:
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
         x = self.c_noise[t][:, None] * self.freqs + self.phases
         return self.linear(torch.cos(x) * math.sqrt(2)).squeeze(-1)
 
-    def forward(self, t: torch.Tensor, weighted_mse: torch.Tensor) -> torch.Tensor:
-        u = self.logvar(t)
-        return weighted_mse * torch.exp(-u) + u
 
-
-def weighting_args(name: str) -> tuple[str, ...]:
-    """Argument names a weighting accepts (used by the config validation)."""
-    if name not in WEIGHTINGS:
-        raise ValueError(f"unknown weighting {name!r}; choose from {', '.join(WEIGHTINGS)}")
-    return WEIGHTINGS[name]
-
+def uncertainty_loss(weighted_mse: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
+    """EDM2 Eq. 21 per sample: w·mse/exp(u) + u."""
+    return weighted_mse * torch.exp(-logvar.float()) + logvar.float()

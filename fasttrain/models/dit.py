@@ -2,10 +2,13 @@
 Attention goes through `scaled_dot_product_attention`."""
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import register
 from .layers import TimeLabelEmbedding
 
 
@@ -99,6 +102,15 @@ class DiT(nn.Module):
         p, g, C = self.patch, self.grid, self.out_channels
         return h.view(B, g, g, p, p, C).permute(0, 5, 1, 3, 2, 4).reshape(B, C, g * p, g * p)
 
+    def repeated_blocks(self) -> list[nn.Module]:
+        """The units parallel.py checkpoints, compiles and shards one by one: the transformer blocks."""
+        return list(self.blocks)
+
 
 DIT_SIZES = {"s": (384, 12, 6), "b": (768, 12, 12), "l": (1024, 24, 16), "xl": (1152, 28, 16)}  # hidden, depth, heads
+
+register("dit_tiny")(partial(DiT, patch=2, hidden=128, depth=4, heads=4))  # CPU preset
+for _size, (_h, _d, _n) in DIT_SIZES.items():  # Peebles & Xie 2023, Table 1: dit_s2 … dit_xl8
+    for _p in (2, 4, 8):
+        register(f"dit_{_size}{_p}")(partial(DiT, patch=_p, hidden=_h, depth=_d, heads=_n))
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import register
 from .layers import TimeLabelEmbedding
 
 
+@register("mlp")
 class MLPDenoiser(nn.Module):
     def __init__(self, in_channels: int = 2, hidden: int = 256, depth: int = 4, num_classes: int = 0,
                  out_channels: int | None = None):
@@ -23,3 +25,6 @@ class MLPDenoiser(nn.Module):
         for blk in self.blocks:
             h = h + blk(h + emb)  # residual MLP, time injected at every block
         return self.out(h)
+
+    def repeated_blocks(self) -> list[nn.Module]:
+        return list(self.blocks)

@@ -2,10 +2,13 @@
 chosen resolutions, channel multipliers per level. Small presets for CPU live in the registry."""
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import register
 from .layers import TimeLabelEmbedding, zero_module
 
 
@@ -109,6 +112,18 @@ class UNet(nn.Module):
             h = stage(torch.cat([h, hs.pop()], dim=1), emb)
         return self.out(h)
 
+    def repeated_blocks(self) -> list[nn.Module]:
+        """The units parallel.py checkpoints, compiles and shards one by one: every stage."""
+        return [*self.down, self.mid, *self.up]
 
-def unet_blocks(model: UNet) -> list[nn.Module]:
-    return [*model.down, model.mid, *model.up]
+
+# CPU presets: the 8×8 digits recipe and friends
+register("unet_tiny")(partial(UNet, ch=32, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=(4,), heads=4))
+register("unet_small")(partial(UNet, ch=64, ch_mult=(1, 2, 2), num_res_blocks=2, attn_resolutions=(8,), heads=4))
+# ADM (Dhariwal & Nichol 2021, Table 14 / iDDPM): CIFAR-10 32², ImageNet 64², 256² (64 channels per head)
+register("adm_32")(partial(UNet, ch=128, ch_mult=(1, 2, 2, 2), num_res_blocks=3, attn_resolutions=(16, 8),
+                           head_channels=64, dropout=0.1))
+register("adm_64")(partial(UNet, ch=192, ch_mult=(1, 2, 3, 4), num_res_blocks=3, attn_resolutions=(32, 16, 8),
+                           head_channels=64, dropout=0.1))
+register("adm_256")(partial(UNet, ch=256, ch_mult=(1, 1, 2, 2, 4, 4), num_res_blocks=2, attn_resolutions=(32, 16, 8),
+                            head_channels=64))

@@ -1,0 +1,49 @@
+"""The native backend: C++ (CPU) and CUDA C++ implementations of kernels A and B in `fasttrain._C`.
+
+`fasttrain._C` is built by CMakeLists.txt during `pip install` where a compiler is present; without
+it fasttrain runs on the reference (`torch`) backend. The extension registers the operators
+`fasttrain_C::noise` and `fasttrain_C::loss` for CPU (and CUDA where it was compiled with nvcc);
+the custom ops in ops.py call them for backend="native", so autograd, `register_fake` and
+torch.compile see the same operators as on every other backend.
+"""
+from __future__ import annotations
+
+import torch
+
+_LOADED: bool | None = None
+_ERROR = ""
+
+
+def _load() -> bool:
+    global _LOADED, _ERROR
+    if _LOADED is None:
+        try:
+            from fasttrain import _C  # noqa: F401  (registers torch.ops.fasttrain_C.*)
+
+            _LOADED = True
+        except ImportError as e:
+            _LOADED, _ERROR = False, f"fasttrain._C is not built ({e})"
+    return _LOADED
+
+
+def available(device) -> bool:
+    if not _load():
+        return False
+    device = torch.device(device)
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and bool(torch.ops.fasttrain_C.has_cuda())
+
+
+def why_not(device) -> str:
+    if not _load():
+        return _ERROR
+    return f"fasttrain._C was built without CUDA support, so it cannot run on {torch.device(device).type}"
+
+
+def noise(x0, t, alpha, sigma, eps, seed, offset, out_dtype, write_eps):
+    return tuple(torch.ops.fasttrain_C.noise(x0, t, alpha, sigma, eps, seed, offset, out_dtype, write_eps))
+
+
+def loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs):
+    return tuple(torch.ops.fasttrain_C.loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs))
