@@ -19,6 +19,7 @@ import torch
 @dataclass
 class LookAheadContext:
     model: Any                      # the training model (possibly FSDP/DDP-wrapped): call it, do not unwrap it
+    objective: Any                  # the DiffusionObjective: schedule, tables, seed, x0_hat(output, x_t, t)
     x0: torch.Tensor                # the step's first micro-batch
     labels: torch.Tensor | None     # its labels (after label dropout), or None
     step: int                       # the optimizer step about to be taken (0-based)

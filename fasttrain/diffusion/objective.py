@@ -104,6 +104,13 @@ class DiffusionObjective(nn.Module):
                 "loss_per_sample": per_sample.detach()}
         return loss, info
 
+    def x0_hat(self, output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The network's estimate of x0 from its raw output at (x_t, t): the one conversion that
+        look-aheads, diagnostics and generation use (prediction.py; a mixed prediction overrides it)."""
+        shape = (-1,) + (1,) * (x_t.ndim - 1)
+        a, s = self.alpha[t].view(shape).to(x_t.dtype), self.sigma[t].view(shape).to(x_t.dtype)
+        return self.pred.to_x0_eps(output.to(x_t.dtype), x_t, a, s)[0]
+
     # -- views for plots and logs ----------------------------------------------------------------
     def probs(self) -> torch.Tensor:
         return self.sampler.probs()
