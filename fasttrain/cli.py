@@ -1,18 +1,24 @@
 """`fasttrain` command line:
 
-    fasttrain train [PRESET] [key=value ...] [--resume]
+    fasttrain train [PRESET] [key=value ...] [--resume | --restart]
     fasttrain sample --ckpt RUN --n 64 --steps 50 --out DIR
-    fasttrain eval --ckpt RUN [--n 500]
+    fasttrain eval --ckpt RUN [--n 500] [--ref FOLDER]
     fasttrain report RUN
     fasttrain data prepare ROOT [--encoder module:function --latents-out DIR]
+
+`sample`, `eval` and `report` read a model bundle from the checkpoint alone (bundle.py): they need
+neither the training data nor a process group. Every user error ends in one line on stderr.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from .config import ConfigError, keys, load_config, presets
+
+USER_ERRORS = (ValueError, FileNotFoundError, RuntimeError, FloatingPointError, ImportError, OSError)
 
 
 def _help_epilog() -> str:
@@ -24,35 +30,72 @@ def _help_epilog() -> str:
     return "\n".join(lines)
 
 
+def _positive(name: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {v}")
+        return v
+
+    return parse
+
+
+def _finite(name: str):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if v != v or v in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number, got {text}")
+        return v
+
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, the same prefix as every other error
+        self.exit(2, f"fasttrain: error: {message}\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fasttrain", description="Fast diffusion-model training.")
-    sub = p.add_subparsers(dest="command")
+    from .diffusion.solvers import SOLVERS
+    from .evaluate import EXTRACTORS
+
+    p = _Parser(prog="fasttrain", description="Fast diffusion-model training.")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser)
     t = sub.add_parser("train", help="train a model (default: the 'default' preset, digits on CPU)",
                        description="Train a diffusion model from a preset with key=value overrides.",
                        epilog=_help_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("preset", nargs="?", default="default", help="preset name or path to a .yaml file")
     t.add_argument("overrides", nargs="*", help="key=value overrides")
-    t.add_argument("--resume", action="store_true", help="continue from RUN_DIR/last.pt")
+    t.add_argument("--resume", action="store_true", help="continue from RUN_DIR's last checkpoint")
+    t.add_argument("--restart", action="store_true", help="start over in a RUN_DIR that holds a run "
+                                                          "(the old files move to RUN_DIR/previous-N/)")
     t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
     sm = sub.add_parser("sample", help="generate images from a checkpoint (EMA weights by default)")
-    sm.add_argument("--ckpt", required=True, help="run directory or checkpoint file")
-    sm.add_argument("--n", type=int, default=64, help="number of samples")
-    sm.add_argument("--steps", type=int, default=None, help="sampling steps (default: the run's sample.steps)")
-    sm.add_argument("--method", default=None, help="ddim | ddpm | heun | flow_euler | flow_heun")
-    sm.add_argument("--eta", type=float, default=None, help="DDIM eta")
-    sm.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale")
+    sm.add_argument("--ckpt", required=True, help="run directory, checkpoint file or DCP folder")
+    sm.add_argument("--n", type=_positive("--n"), default=64, help="number of samples")
+    sm.add_argument("--steps", type=_positive("--steps"), default=None, help="solver steps (default: the run's)")
+    sm.add_argument("--solver", choices=SOLVERS.names(), default=None, help="generation solver (default: the run's)")
+    sm.add_argument("--eta", type=_finite("--eta"), default=None, help="DDIM eta")
+    sm.add_argument("--guidance", type=_finite("--guidance"), default=None, help="classifier-free guidance scale")
     sm.add_argument("--label", type=int, default=None, help="generate only this class (conditional runs)")
     sm.add_argument("--seed", type=int, default=0)
     sm.add_argument("--raw", action="store_true", help="use the raw weights instead of the EMA")
     sm.add_argument("--out", required=True, help="output directory: grid.png and one PNG per sample")
 
     ev = sub.add_parser("eval", help="FID/KID/precision/recall and bits/dim of a checkpoint")
-    ev.add_argument("--ckpt", required=True, help="run directory or checkpoint file")
-    ev.add_argument("--n", type=int, default=None, help="generated samples (default: the run's eval.num_samples)")
-    ev.add_argument("--steps", type=int, default=None, help="sampling steps")
-    ev.add_argument("--extractor", default=None, help="fasttrain-digits | inception-v3-compat | none")
+    ev.add_argument("--ckpt", required=True, help="run directory, checkpoint file or DCP folder")
+    ev.add_argument("--n", type=_positive("--n"), default=None, help="generated samples (default: the run's)")
+    ev.add_argument("--steps", type=_positive("--steps"), default=None, help="solver steps")
+    ev.add_argument("--extractor", choices=EXTRACTORS, default=None, help="FID feature extractor")
     ev.add_argument("--weights", default=None, help="local Inception weights (offline machines)")
+    ev.add_argument("--ref", default=None, help="reference folder (images or .npy latents) for runs trained on a folder")
     ev.add_argument("--no-bpd", action="store_true", help="skip the bits/dim estimate")
     ev.add_argument("--out", default=None, help="JSON file (default: RUN/eval.json)")
 
@@ -60,14 +103,33 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("run", help="run directory")
 
     da = sub.add_parser("data", help="data-set tools")
-    dsub = da.add_subparsers(dest="data_command")
+    dsub = da.add_subparsers(dest="data_command", parser_class=_Parser)
     pr = dsub.add_parser("prepare", help="check a folder, list corrupt files, write its manifest (optionally encode to .npy latents)")
     pr.add_argument("root", help="image folder (class subfolders give labels) or .npy latent folder")
     pr.add_argument("--out", default=None, help="manifest path (default ROOT/fasttrain-manifest.json)")
     pr.add_argument("--encoder", default=None, help="module:function mapping images [N,3,S,S] in [-1,1] to latents")
     pr.add_argument("--latents-out", default=None, help="folder for the encoded .npy latents")
-    pr.add_argument("--image-size", type=int, default=256, help="image side fed to the encoder")
-    pr.add_argument("--batch-size", type=int, default=64, help="encoder batch size")
+    pr.add_argument("--image-size", type=_positive("--image-size"), default=256, help="image side fed to the encoder")
+    pr.add_argument("--batch-size", type=_positive("--batch-size"), default=64, help="encoder batch size")
+    return p
+
+
+def out_dir(path: str) -> Path:
+    """An output folder that can be created: not a file, not under a file."""
+    p = Path(path)
+    for q in [p, *p.parents]:
+        if q.exists() and not q.is_dir():
+            raise ValueError(f"--out {path}: {q} is a file, not a folder")
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def out_file(path: str | Path, flag: str = "--out") -> Path:
+    """An output file whose folder can be created."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {path} is a folder; give a file name")
+    out_dir(str(p.parent)) if str(p.parent) not in ("", ".") else None
     return p
 
 
@@ -81,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("sample", "eval", "report", "data"):
         try:
             return {"sample": _sample, "eval": _eval, "report": _report, "data": _data}[args.command](args)
-        except (ValueError, FileNotFoundError, RuntimeError, KeyError, ImportError, AttributeError) as e:
-            print(f"fasttrain: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        except USER_ERRORS as e:
+            print(f"fasttrain: error: {_first_line(e)}", file=sys.stderr)
             return 1
     if args.command != "train":
         _parser().print_help()
@@ -90,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     preset, overrides = args.preset, list(args.overrides)
     if "=" in preset:  # `fasttrain train key=value` without a preset name
         preset, overrides = "default", [preset] + overrides
+    if args.resume and args.restart:
+        print("fasttrain: error: --resume and --restart exclude each other", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(preset, overrides)
     except ConfigError as e:
@@ -100,90 +165,100 @@ def main(argv: list[str] | None = None) -> int:
 
         print(OmegaConf.to_yaml(cfg))
         return 0
+    if cfg.diffusion.backend == "interpret":  # the interpreter must be chosen before triton is imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from .distributed import shutdown
     from .train import train  # imports torch: keep --help and config errors fast
 
-    from .distributed import shutdown
-
     try:
-        summary = train(cfg, resume=args.resume)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"fasttrain: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        summary = train(cfg, resume=args.resume, restart=args.restart)
+    except USER_ERRORS as e:
+        print(f"fasttrain: error: {_first_line(e)}", file=sys.stderr)
         shutdown(1)
         return 1
     except KeyboardInterrupt:
-        print(f"fasttrain: interrupted; resume with: fasttrain train {preset} ... --resume", file=sys.stderr)
+        print(f"fasttrain: stopped; the run continues with: fasttrain train {' '.join(argv[1:])} --resume"
+              .replace(" --resume --resume", " --resume"), file=sys.stderr)
         shutdown(130)
         return 130
     if int(os.environ.get("RANK", "0")) != 0:
         shutdown(0)
     print(f"done: {summary['steps']} steps, {summary['images']} images -> {cfg.run_dir}")
-    ev = summary.get("eval", {})
+    _print_eval(summary.get("eval", {}))
+    shutdown(0)
+    return 0
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _print_eval(ev: dict) -> None:
     if "fid" in ev or "bpd" in ev:
         parts = [f"{k} {ev[k]:.3g}" for k in ("fid", "kid", "precision", "recall", "bpd") if k in ev]
+        if "bpd_se" in ev:
+            parts[-1] += f" ± {ev['bpd_se']:.2g}"
         print("eval: " + ", ".join(parts))
     if "digits_confidence" in ev:
         print(f"digit classifier on samples: confidence {ev['digits_confidence']:.3f}, "
               f"{100 * ev['digits_confident_frac']:.0f}% confident, classes {ev['digits_classes_present']}/10"
               + (f", label agreement {100 * ev['digits_label_agreement']:.0f}%" if "digits_label_agreement" in ev else ""))
-    shutdown(0)
-    return 0
 
 
 def _sample(args) -> int:
-    from pathlib import Path
-
     import torch
     from torchvision.utils import save_image
 
-    from .train import Trainer
+    from . import plots
+    from .bundle import ModelBundle
+    from .diffusion.solvers import SOLVERS
+    from .evaluate import reference_for
 
-    if args.n < 1:
-        raise ValueError(f"--n must be >= 1, got {args.n}")
-    tr = Trainer.from_run(args.ckpt)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args.out)
+    b = ModelBundle.load(args.ckpt)
+    sc, classes = b.cfg.sample, b.spec.num_classes
     labels = None
-    if tr.num_classes:
-        labels = (torch.full((args.n,), args.label) if args.label is not None else torch.arange(args.n) % tr.num_classes)
-        if args.label is not None and not 0 <= args.label < tr.num_classes:
-            raise ValueError(f"--label must lie in [0, {tr.num_classes}), got {args.label}")
-        labels = labels.to(tr.device)
-    x = tr.generate(args.n, labels, seed=args.seed, steps=args.steps, method=args.method, guidance=args.guidance,
-                    ema=not args.raw, progress=True, eta=args.eta)
-    if tr.info.image_size:
-        save_image(x * 0.5 + 0.5, out / "grid.png", nrow=tr.num_classes or int(args.n**0.5), padding=1, pad_value=1.0)
+    if classes:
+        if args.label is not None and not 0 <= args.label < classes:
+            raise ValueError(f"--label must lie in [0, {classes}), got {args.label}")
+        labels = (torch.full((args.n,), args.label) if args.label is not None else torch.arange(args.n) % classes)
+    elif args.label is not None:
+        raise ValueError("--label: this model is unconditional")
+    solver = args.solver or sc.solver
+    eta = args.eta if args.eta is not None else (sc.eta if "eta" in SOLVERS.args(solver) else None)
+    x = b.generate(args.n, labels, seed=args.seed, steps=args.steps or sc.steps, solver=solver,
+                   guidance=sc.guidance if args.guidance is None else args.guidance, ema=not args.raw, eta=eta,
+                   progress=True)
+    ref = None if b.spec.image_size else reference_for(b.cfg, b.spec).train
+    plots.save_samples(out / "grid.png", x, b.spec, reference=ref)
+    if b.spec.image_size and b.spec.name != "latents":
         for i, img in enumerate(x):
             save_image(img * 0.5 + 0.5, out / f"{i:05d}.png")
     else:
-        from . import plots
-
         torch.save(x.cpu(), out / "samples.pt")
-        plots.plot_points(out / "grid.png", x, tr.data.x[:2000])
     print(f"wrote {args.n} samples to {out}")
     return 0
 
 
 def _eval(args) -> int:
     import json
-    from pathlib import Path
+    from dataclasses import replace
 
-    from .evaluate import run_evaluation
-    from .train import Trainer
+    from .bundle import ModelBundle
+    from .checkpoint import resolve
+    from .evaluate import EvalSettings, reference_for, run_evaluation
 
-    tr = Trainer.from_run(args.ckpt)
-    ec = tr.cfg.eval
-    if args.n is not None:
-        ec.num_samples = args.n
-    if args.steps is not None:
-        ec.steps = args.steps
-    if args.extractor is not None:
-        ec.extractor = args.extractor
-    if args.weights is not None:
-        ec.weights_path = args.weights
-    if args.no_bpd:
-        ec.bpd = False
-    metrics = {"step": tr.step, **run_evaluation(tr)}
-    path = Path(args.out) if args.out else tr.run_dir / "eval.json"
+    out = out_file(args.out) if args.out else None
+    b = ModelBundle.load(args.ckpt)
+    s = EvalSettings.from_config(b.cfg)
+    s = replace(s, num_samples=args.n if args.n is not None else s.num_samples, steps=args.steps or s.steps,
+                extractor=args.extractor or s.extractor, weights_path=args.weights or s.weights_path,
+                bpd=s.bpd and not args.no_bpd)
+    if args.ref is not None and not Path(args.ref).is_dir():
+        raise ValueError(f"--ref {args.ref} is not a folder")
+    metrics = {"step": b.step, **run_evaluation(b, s, reference_for(b.cfg, b.spec, args.ref))}
+    path = out or resolve(args.ckpt).parent / "eval.json"  # beside the checkpoint: the run directory
     path.write_text(json.dumps(metrics, indent=2))
     print(json.dumps(metrics, indent=2))
     return 0
@@ -202,6 +277,10 @@ def _data(args) -> int:
         return 2
     from .data.manifest import prepare
 
+    if args.out:
+        out_file(args.out)
+    if args.latents_out:
+        out_dir(args.latents_out)
     res = prepare(args.root, args.out, args.encoder, args.latents_out, args.image_size, args.batch_size)
     print(f"{res['num_files']} readable files, {len(res['classes'])} classes, sizes {res['sizes']}")
     for rel, reason in res["bad"]:

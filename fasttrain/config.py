@@ -40,7 +40,7 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = _f("unet_tiny", "unet_tiny | unet_small | dit_tiny | mlp")
+    name: str = _f("unet_tiny", "the network (registry: fasttrain/models)")
     class_conditional: bool = _f(True, "condition on labels (ignored for unlabelled data)")
     label_dropout: float = _f(0.1, "probability of dropping the label (classifier-free guidance)")
     args: Dict[str, Any] = _f({}, "overrides passed to the model factory, e.g. model.args.ch=48")
@@ -48,17 +48,17 @@ class ModelConfig:
 
 @dataclass
 class DiffusionConfig:
-    schedule: str = _f("linear", "linear | scaled_linear | cosine | quad | flow")
+    schedule: str = _f("linear", "the noise schedule")
     T: int = _f(1000, "number of discrete timesteps")
     zero_terminal_snr: bool = _f(False, "rescale a VP schedule to SNR = 0 at t = T-1 (Lin et al. 2024)")
-    prediction: str = _f("eps", "eps | x0 | v | flow")
-    weighting: str = _f("min_snr", "simple | constant | snr | min_snr | max_snr | soft_min_snr | p2 | speed | edm | sd3_sigma_sqrt | cosmap")
+    prediction: str = _f("eps", "what the network predicts")
+    weighting: str = _f("min_snr", "loss weighting, defined in x0 space")
     weighting_args: Dict[str, Any] = _f({}, "arguments of the weighting, e.g. diffusion.weighting_args.gamma=5")
-    sampler: str = _f("uniform", "uniform | stratified | logit_normal | mode | lognormal | speed | loss_second_moment")
+    sampler: str = _f("uniform", "timestep sampler")
     sampler_args: Dict[str, Any] = _f({}, "arguments of the sampler, e.g. diffusion.sampler_args.k=5")
     learned_weighting: bool = _f(False, "add an EDM2-style learned per-timestep log-variance")
     stats_every: int = _f(10, "steps between statistics syncs and sampler updates (K)")
-    backend: str = _f("auto", "kernel backend: auto (triton on CUDA, torch on CPU) | triton | interpret | torch")
+    backend: str = _f("auto", "kernel backend: auto (triton on CUDA, native on CPU where built, else torch)")
 
 
 @dataclass
@@ -70,7 +70,7 @@ class OptimConfig:
     grad_clip: float = _f(1.0, "clip the gradient norm at this value (0 = off)")
     ema_decay: float = _f(0.999, "EMA decay of the sampling weights")
     ema_warmup: bool = _f(True, "EMA decay min(decay, (1+n)/(10+n)) early in training")
-    impl: str = _f("auto", "AdamW: auto (apex FusedAdam on CUDA if installed, else torch fused; foreach on CPU) | torch | apex")
+    impl: str = _f("auto", "AdamW: auto (apex FusedAdam on CUDA if installed, else torch's fused AdamW)")
 
 
 @dataclass
@@ -83,21 +83,22 @@ class TrainConfig:
     device: str = _f("auto", "auto | cpu | cuda")
     threads: int = _f(0, "torch CPU threads (0 = torch's default)")
     progress: bool = _f(True, "show a progress bar")
+    max_nonfinite: int = _f(20, "stop after this many non-finite (skipped) steps in a row (0 = never)")
 
 
 @dataclass
 class SampleConfig:
     num: int = _f(100, "images generated at the end of training")
     steps: int = _f(50, "sampling steps (respaced; at most diffusion.T)")
-    method: str = _f("ddim", "ddim | ddpm | heun | flow_euler | flow_heun")
+    solver: str = _f("ddim", "generation solver")
     eta: Optional[float] = _f(None, "DDIM eta (default 0 for ddim, 1 for ddpm)")
     guidance: float = _f(1.0, "classifier-free guidance scale (1 = off)")
 
 
 @dataclass
 class ParallelConfig:
-    strategy: str = _f("auto", "auto (fsdp under torchrun, else none) | none | ddp | fsdp")
-    ac: str = _f("none", "activation checkpointing per block: none | full | selective")
+    strategy: str = _f("auto", "data parallelism: auto is fsdp under torchrun, else none")
+    ac: str = _f("none", "activation checkpointing per block")
     compile: bool = _f(False, "torch.compile(fullgraph=True) each block")
     precision: str = _f("fp32", "FSDP parameters: fp32 | bf16 (reductions stay fp32)")
 
@@ -107,7 +108,7 @@ class EvalConfig:
     every: int = _f(1000, "steps between evaluations during training (0 = only at the end)")
     num_samples: int = _f(500, "generated images for FID/KID/precision/recall (0 = no sample metrics)")
     steps: int = _f(50, "sampling steps for evaluation")
-    extractor: str = _f("auto", "auto (digits: fasttrain-digits, images: inception-v3-compat) | fasttrain-digits | inception-v3-compat | none")
+    extractor: str = _f("auto", "FID features: auto is fasttrain-digits for digits, inception-v3-compat for images")
     weights_path: Optional[str] = _f(None, "local Inception weights for machines that cannot download them")
     bpd: bool = _f(True, "negative ELBO in bits/dim on held-out data")
     bpd_samples: int = _f(400, "held-out samples for bits/dim")
@@ -137,15 +138,37 @@ def presets() -> dict[str, str]:
     return out
 
 
+def choices() -> dict[str, tuple[str, ...]]:
+    """Every key with a fixed set of values: from the registries, so help and validation agree."""
+    from .data import BACKENDS as DATA_BACKENDS
+    from .data import DATASETS
+    from .diffusion import PREDICTIONS_REGISTRY, SAMPLERS, SCHEDULES, WEIGHTINGS
+    from .diffusion.objective import BACKENDS
+    from .diffusion.solvers import SOLVERS
+    from .evaluate import EXTRACTORS
+    from .models import MODELS
+    from .parallel import AC_MODES, PRECISIONS, STRATEGIES
+
+    return {"data.name": DATASETS, "data.backend": DATA_BACKENDS, "data.crop": ("center", "random"),
+            "model.name": MODELS.names(), "diffusion.schedule": SCHEDULES,
+            "diffusion.prediction": PREDICTIONS_REGISTRY.names(), "diffusion.weighting": WEIGHTINGS.names(),
+            "diffusion.sampler": SAMPLERS.names(), "diffusion.backend": BACKENDS, "sample.solver": SOLVERS.names(),
+            "train.device": ("auto", "cpu", "cuda"), "eval.extractor": EXTRACTORS,
+            "parallel.strategy": ("auto",) + STRATEGIES, "parallel.ac": AC_MODES, "parallel.precision": PRECISIONS,
+            "optim.impl": ("auto", "torch", "apex")}
+
+
 def keys(cls=Config, prefix: str = "") -> list[tuple[str, str, Any, str]]:
-    """(key, type, default, help) for every leaf of the config, for --help."""
-    rows = []
+    """(key, type, default, help) for every leaf of the config, for --help (choices appended)."""
+    rows, ch = [], choices() if not prefix else {}
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type.endswith("Config")):
             rows += keys(globals()[f.type] if isinstance(f.type, str) else f.type, prefix + f.name + ".")
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         rows.append((prefix + f.name, str(f.type).replace("typing.", ""), default, f.metadata.get("help", "")))
+    if not prefix:
+        rows = [(k, t, d, h + (f" ({' | '.join(ch[k])})" if k in ch else "")) for k, t, d, h in rows]
     return rows
 
 
@@ -159,12 +182,24 @@ def _wrap(e: OmegaConfBaseException, what: str) -> ConfigError:
 
 def load_config(preset: str = "default", overrides: list[str] | None = None) -> DictConfig:
     """Defaults ← preset YAML (a name in fasttrain/presets or a path) ← key=value overrides."""
+    import yaml
+
     cfg = OmegaConf.structured(Config)
     path = Path(preset) if preset.endswith((".yaml", ".yml")) else PRESET_DIR / f"{preset}.yaml"
     if not path.is_file():
         raise ConfigError(f"unknown preset '{preset}'; choose from {', '.join(presets())} or give a .yaml path")
     try:
-        cfg = OmegaConf.merge(cfg, OmegaConf.load(path), {"preset": path.stem})
+        loaded = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where is not None else ""
+        raise ConfigError(f"preset {path.name} is not valid YAML{at}") from None
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"preset {path.name} must be a mapping of config keys, not a {type(loaded).__name__}")
+    try:
+        cfg = OmegaConf.merge(cfg, OmegaConf.create(loaded), {"preset": path.stem})
     except OmegaConfBaseException as e:
         raise _wrap(e, f"in preset {path.name}") from None
     for item in overrides or []:
@@ -182,64 +217,91 @@ def load_config(preset: str = "default", overrides: list[str] | None = None) -> 
     return cfg
 
 
-def _choice(cfg, key: str, choices) -> None:
-    value = OmegaConf.select(cfg, key)
-    if value not in choices:
-        raise ConfigError(f"bad value for '{key}': {value!r} (choose from {', '.join(choices)})")
-
-
 def _check(cond: bool, key: str, cfg, need: str) -> None:
     if not cond:
         raise ConfigError(f"bad value for '{key}': {OmegaConf.select(cfg, key)!r} ({need})")
 
 
-def validate(cfg: DictConfig) -> None:
-    from .data import BACKENDS as DATA_BACKENDS
-    from .data import DATASETS
-    from .diffusion import PREDICTIONS, SAMPLERS, SCHEDULES, WEIGHTINGS
-    from .evaluate import EXTRACTORS
-    from .diffusion.objective import BACKENDS
-    from .models import MODELS, model_args
-    from .parallel import AC_MODES, PRECISIONS, STRATEGIES
-    from .sample import METHODS
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and x == x and abs(x) != float("inf")
 
-    for key, choices in [("data.name", DATASETS), ("data.backend", DATA_BACKENDS), ("data.crop", ("center", "random")),
-                         ("model.name", MODELS), ("diffusion.schedule", SCHEDULES), ("diffusion.prediction", PREDICTIONS), ("diffusion.weighting", WEIGHTINGS),
-                         ("diffusion.sampler", SAMPLERS), ("diffusion.backend", BACKENDS),
-                         ("sample.method", METHODS), ("train.device", ("auto", "cpu", "cuda")),
-                         ("eval.extractor", EXTRACTORS), ("parallel.strategy", ("auto",) + STRATEGIES),
-                         ("parallel.ac", AC_MODES), ("parallel.precision", PRECISIONS), ("optim.impl", ("auto", "torch", "apex"))]:
-        _choice(cfg, key, choices)
+
+def validate(cfg: DictConfig) -> None:
+    """Every choice against its registry, every argument against its entry's signature, every number
+    against its range, and the combinations that cannot work; one line naming the key."""
+    from .data import TOYS
+    from .diffusion import SAMPLERS, WEIGHTINGS
+    from .diffusion import prediction as P
+    from .diffusion import schedule as make_schedule
+    from .diffusion.solvers import SOLVERS
+    from .models import MODELS, is_image_model
+
+    for key, allowed in choices().items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"bad value for '{key}': {value!r} (choose from {', '.join(allowed)})")
     d = cfg.diffusion
-    for group, allowed in [("weighting", WEIGHTINGS[d.weighting]), ("sampler", SAMPLERS[d.sampler].ARGS)]:
-        for k in d[f"{group}_args"]:
-            if k not in allowed:
-                raise ConfigError(f"unknown config key 'diffusion.{group}_args.{k}' "
-                                  f"({d[group]} takes: {', '.join(allowed) or 'no arguments'})")
-    settable = [a for a in model_args(cfg.model.name) if a not in ("in_channels", "image_size", "num_classes")]
-    for k in cfg.model.args:
-        if k not in settable:  # the data decides channels, size and classes
-            raise ConfigError(f"unknown config key 'model.args.{k}' ({cfg.model.name} takes: {', '.join(settable)})")
-    _check(cfg.data.batch_size >= 1, "data.batch_size", cfg, "must be >= 1")
-    _check(cfg.data.image_size >= 1, "data.image_size", cfg, "must be >= 1")
-    _check(d.T >= 2, "diffusion.T", cfg, "must be >= 2")
-    _check(d.stats_every >= 1, "diffusion.stats_every", cfg, "must be >= 1")
-    _check(cfg.optim.lr > 0, "optim.lr", cfg, "must be > 0")
-    _check(len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas), "optim.betas", cfg, "two numbers in [0, 1)")
-    _check(cfg.optim.warmup_steps >= 0, "optim.warmup_steps", cfg, "must be >= 0")
-    _check(cfg.optim.grad_clip >= 0, "optim.grad_clip", cfg, "must be >= 0")
-    _check(0 <= cfg.optim.ema_decay < 1, "optim.ema_decay", cfg, "must lie in [0, 1)")
-    _check(0 <= cfg.model.label_dropout < 1, "model.label_dropout", cfg, "must lie in [0, 1)")
-    _check(cfg.train.steps >= 1, "train.steps", cfg, "must be >= 1")
-    _check(cfg.train.grad_accum >= 1, "train.grad_accum", cfg, "must be >= 1")
-    _check(cfg.train.log_every >= 1, "train.log_every", cfg, "must be >= 1")
-    _check(cfg.train.ckpt_every >= 0, "train.ckpt_every", cfg, "must be >= 0")
-    _check(cfg.sample.num >= 0, "sample.num", cfg, "must be >= 0")
-    _check(cfg.sample.steps >= 1, "sample.steps", cfg, "must be >= 1 (more than diffusion.T means T)")
-    _check(cfg.eval.every >= 0, "eval.every", cfg, "must be >= 0")
-    _check(cfg.eval.num_samples >= 0, "eval.num_samples", cfg, "must be >= 0")
-    _check(cfg.eval.steps >= 1, "eval.steps", cfg, "must be >= 1")
-    _check(cfg.eval.bpd_timesteps >= 1, "eval.bpd_timesteps", cfg, "must be >= 1")
-    _check(cfg.eval.bpd_samples >= 1, "eval.bpd_samples", cfg, "must be >= 1")
+    for group, reg, name in (("weighting_args", WEIGHTINGS, d.weighting), ("sampler_args", SAMPLERS, d.sampler)):
+        try:
+            reg.check_args(name, dict(d[group]), where=f"diffusion.{group}")
+        except ValueError as e:
+            raise ConfigError(str(e).replace("unknown argument", "unknown config key")) from None
+    args = {k: v for k, v in cfg.model.args.items()}
+    for k in ("in_channels", "image_size", "num_classes"):
+        if k in args:
+            raise ConfigError(f"unknown config key 'model.args.{k}' (the data decide it)")
+    try:
+        MODELS.check_args(cfg.model.name, args, where="model.args")
+    except ValueError as e:
+        raise ConfigError(str(e).replace("unknown argument", "unknown config key")) from None
+    toy = cfg.data.name in TOYS
+    if toy == is_image_model(cfg.model.name):
+        kind = "2-D points" if toy else "images"
+        raise ConfigError(f"bad value for 'model.name': {cfg.model.name!r} does not take {kind} "
+                          f"(data.name={cfg.data.name}; {'use mlp' if toy else 'use an image model'})")
+    for key, lo in (("data.batch_size", 1), ("data.image_size", 1), ("diffusion.T", 2), ("diffusion.stats_every", 1),
+                    ("train.steps", 1), ("train.grad_accum", 1), ("train.log_every", 1), ("train.ckpt_every", 0),
+                    ("train.max_nonfinite", 0), ("optim.warmup_steps", 0), ("sample.num", 0), ("sample.steps", 1),
+                    ("eval.every", 0), ("eval.num_samples", 0), ("eval.steps", 1), ("eval.bpd_timesteps", 1),
+                    ("eval.bpd_samples", 1), ("data.holdout", 1), ("data.num_workers", 0), ("train.threads", 0)):
+        _check(OmegaConf.select(cfg, key) >= lo, key, cfg, f"must be >= {lo}")
+    o = cfg.optim
+    _check(_finite(o.lr) and o.lr > 0, "optim.lr", cfg, "a finite number > 0")
+    _check(_finite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay", cfg, "a finite number >= 0")
+    _check(len(o.betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in o.betas), "optim.betas", cfg, "two numbers in [0, 1)")
+    _check(_finite(o.grad_clip) and o.grad_clip >= 0, "optim.grad_clip", cfg, "a finite number >= 0")
+    _check(_finite(o.ema_decay) and 0 <= o.ema_decay < 1, "optim.ema_decay", cfg, "must lie in [0, 1)")
+    _check(_finite(cfg.model.label_dropout) and 0 <= cfg.model.label_dropout < 1, "model.label_dropout", cfg,
+           "must lie in [0, 1)")
+    _check(_finite(cfg.sample.guidance), "sample.guidance", cfg, "a finite number")
+    _check(cfg.sample.eta is None or (_finite(cfg.sample.eta) and cfg.sample.eta >= 0), "sample.eta", cfg,
+           "a finite number >= 0")
+    _check(cfg.sample.eta is None or "eta" in SOLVERS.args(cfg.sample.solver), "sample.eta", cfg,
+           f"solver {cfg.sample.solver} takes no eta")
     if cfg.data.name in ("folder", "latents"):
         _check(bool(cfg.data.root), "data.root", cfg, f"a folder is needed for data.name={cfg.data.name}")
+    if cfg.data.name == "folder":
+        _check(cfg.data.channels in (1, 3), "data.channels", cfg, "1 (grey) or 3 (RGB)")
+    sched = make_schedule(d.schedule, d.T, d.zero_terminal_snr)
+    if bool((P.conditioning(d.prediction, sched) < 1e-6).any()):
+        raise ConfigError(f"bad value for 'diffusion.prediction': {d.prediction!r} cannot be sampled on this schedule "
+                          f"(SNR = 0 at t = T-1 makes x̂0 = (x - σ·ε̂)/α undefined); use v, x0 or flow")
+    if getattr(SOLVERS.get(cfg.sample.solver), "requires_flow", False) and sched.is_vp:
+        raise ConfigError(f"bad value for 'sample.solver': {cfg.sample.solver!r} needs diffusion.schedule=flow")
+    if cfg.data.name in ("digits", "folder"):  # latents bring their own size
+        _check_image_size(cfg)
+
+
+def _check_image_size(cfg) -> None:
+    """The cheap structural checks a model would otherwise fail on deep inside its constructor."""
+    from .models import MODELS
+
+    defaults = MODELS.args(cfg.model.name)
+    size = cfg.data.image_size
+    if "ch_mult" in defaults:  # UNets halve the resolution len(ch_mult) - 1 times
+        mult = cfg.model.args.get("ch_mult", defaults["ch_mult"])
+        f = 2 ** (len(mult) - 1)
+        _check(size % f == 0, "data.image_size", cfg, f"{cfg.model.name} halves it {len(mult) - 1} times: a multiple of {f}")
+    if "patch" in defaults:
+        p = cfg.model.args.get("patch", defaults["patch"])
+        _check(size % p == 0, "data.image_size", cfg, f"{cfg.model.name} cuts {p}×{p} patches: a multiple of {p}")

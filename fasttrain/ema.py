@@ -12,6 +12,7 @@ import contextlib
 import torch
 from torch import nn
 
+
 def clean_name(name: str) -> str:
     """Parameter names without activation-checkpoint, compile or DDP wrapper prefixes, so that a run
     resumed with another parallel setup finds its averages."""
@@ -38,10 +39,13 @@ class EMA:
         return min(self.decay, (1 + self.n) / (10 + self.n)) if self.warmup else self.decay
 
     @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
+    def update(self, model: nn.Module, applied: torch.Tensor | None = None) -> None:
+        """One EMA step; `applied` (a device 0/1 scalar) is 0 for an optimizer step that was skipped,
+        which then leaves the average unchanged without a host sync."""
         _reshard(model)
         params = [p.detach() for p in model.parameters()]
-        torch._foreach_lerp_(self.shadow, params, 1 - self.current_decay())
+        w = 1 - self.current_decay()
+        torch._foreach_lerp_(self.shadow, params, w if applied is None else applied.to(self.shadow[0].dtype) * w)
         self.n += 1
 
     @contextlib.contextmanager

@@ -1,28 +1,51 @@
-"""Evaluation: FID, KID and precision/recall through torch-fidelity, and the negative ELBO in bits/dim.
+"""Evaluation of a model bundle: FID, KID and precision/recall through torch-fidelity, the digits judge,
+and the negative ELBO in bits/dim (fasttrain/diffusion/nelbo.py).
 
 Feature extractors: "fasttrain-digits" (the project's own digits classifier, offline: features.py) for
-the built-in digits, and torch-fidelity's Inception ("inception-v3-compat") for real image data, with
-`weights_path` for machines that cannot download its weights.
-
-Negative ELBO (Ho et al. 2020, Eq. 5; Kingma et al. 2021, VDM Eq. 13 for the per-step form): with the
-reverse variance set to the posterior variance, each step's KL is
-    L_i = ½·(SNR_{i-1} - SNR_i)·‖x0 - x̂0(x_i, i)‖²      (i = 1..T-1)
-plus the prior term KL(q(x_{T-1}|x0) ‖ N(0, I)) and the decoder -log p(x0 | x_0) with mean x̂0 and
-variance 1/SNR_0: discretized to 256 levels on [-1, 1] for images (Ho et al. 2020, Eq. 13), a plain
-Gaussian density for continuous (2-D toy) data. The sum over i is estimated from `n_t` stratified
-timesteps per sample (all of them when n_t is None).
+the built-in digits, and torch-fidelity's Inception ("inception-v3-compat") for real images, with
+`weights_path` for machines that cannot download its weights. The reference data come from the
+built-in data sets, or from a folder (the run's `data.root` if it still exists, or `--ref PATH`).
 """
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
 
-from .diffusion import prediction as P
-from .diffusion.schedule import NoiseSchedule
+from .diffusion.nelbo import nelbo_bits_per_dim
 
 EXTRACTORS = ("auto", "fasttrain-digits", "inception-v3-compat", "none")
+
+
+@dataclass
+class EvalSettings:
+    num_samples: int = 500
+    steps: int = 50
+    solver: str = "ddim"
+    extractor: str = "auto"
+    weights_path: str | None = None
+    bpd: bool = True
+    bpd_samples: int = 400
+    bpd_timesteps: int = 50
+    seed: int = 1234
+
+    def __post_init__(self):
+        for key in ("num_samples", "bpd_samples"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"eval.{key} must be >= 0, got {getattr(self, key)}")
+        for key in ("steps", "bpd_timesteps"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"eval.{key} must be >= 1, got {getattr(self, key)}")
+        if self.extractor not in EXTRACTORS:
+            raise ValueError(f"unknown extractor {self.extractor!r}; choose from {', '.join(EXTRACTORS)}")
+
+    @classmethod
+    def from_config(cls, cfg) -> "EvalSettings":
+        e = cfg.eval
+        return cls(e.num_samples, e.steps, cfg.sample.solver, e.extractor, e.weights_path, e.bpd, e.bpd_samples,
+                   e.bpd_timesteps)
 
 
 class UInt8Images(Dataset):
@@ -61,133 +84,94 @@ def fidelity(samples: torch.Tensor, reference: torch.Tensor, extractor: str = "f
     return out
 
 
-def _log_discretized_gaussian(x: torch.Tensor, mean: torch.Tensor, log_scale: torch.Tensor) -> torch.Tensor:
-    """log P(x) of 8-bit data in [-1, 1] under a Gaussian integrated over each bin of width 2/255,
-    the edge bins extending to ±inf (Ho et al. 2020, Eq. 13)."""
-    inv = torch.exp(-log_scale)
-    upper = torch.special.ndtr(inv * (x - mean + 1 / 255))
-    lower = torch.special.ndtr(inv * (x - mean - 1 / 255))
-    p = torch.where(x < -0.999, upper, torch.where(x > 0.999, 1 - lower, upper - lower))
-    return torch.log(p.clamp_min(1e-12))
+# -- reference data --------------------------------------------------------------------------------
+@dataclass
+class Reference:
+    """Real data to compare with: `train` images for FID, `test` (held out where there is one) for bpd."""
+    train: torch.Tensor | None
+    test: torch.Tensor | None
+    source: str
+    test_labels: torch.Tensor | None = None
 
 
-@torch.no_grad()
-def nelbo_bits_per_dim(model, schedule: NoiseSchedule, prediction: str, x0: torch.Tensor, *, labels=None,
-                       n_t: int | None = None, discrete: bool = True, generator: torch.Generator | None = None,
-                       batch_size: int = 512) -> dict:
-    """Per-dimension negative ELBO of x0 in bits (mean over samples) and its three parts."""
-    T, dev = schedule.T, x0.device
-    sch = schedule.to(dev)
-    alpha, sigma, snr = sch.alpha, sch.sigma, sch.snr
-    snr_prev = torch.cat([snr[:1], snr[:-1]])  # SNR_{i-1}; unused at i = 0
-    D = x0[0].numel()
-    parts = {"prior": [], "diffusion": [], "decoder": []}
-    for lo in range(0, len(x0), batch_size):
-        xb = x0[lo:lo + batch_size].double()
-        yb = None if labels is None else labels[lo:lo + batch_size]
-        B = len(xb)
-        flat = xb.flatten(1)
-
-        def x0_hat(t):
-            a, s = alpha[t].view(-1, *[1] * (xb.ndim - 1)), sigma[t].view(-1, *[1] * (xb.ndim - 1))
-            eps = torch.randn(xb.shape, generator=generator, device=dev, dtype=torch.float64)
-            xt = a * xb + s * eps
-            out = model(xt.float(), t) if yb is None else model(xt.float(), t, yb)
-            return P.to_x0_eps(prediction, out.double(), xt, a, s)[0]
-
-        # prior: KL(N(a x0, s²) ‖ N(0, 1)) per dimension, summed
-        a_T, s_T = alpha[-1], sigma[-1]
-        parts["prior"].append(0.5 * (s_T**2 + a_T**2 * flat**2 - 1 - torch.log(s_T**2)).sum(1))
-        # diffusion: (T-1)·E_i[L_i], i drawn stratified over 1..T-1 (or all of them)
-        steps = T - 1
-        k = steps if n_t is None else min(n_t, steps)
-        total = torch.zeros(B, dtype=torch.float64, device=dev)
-        for j in range(k):
-            if n_t is None:
-                i = torch.full((B,), j + 1, device=dev)
-            else:
-                u = (j + torch.rand(B, generator=generator, device=dev, dtype=torch.float64)) / k
-                i = 1 + (u * steps).long().clamp(max=steps - 1)
-            err = (xb - x0_hat(i)).flatten(1).pow(2).sum(1)
-            total += 0.5 * (snr_prev[i] - snr[i]) * err
-        parts["diffusion"].append(total * steps / k)
-        # decoder at i = 0: mean x̂0, variance 1/SNR_0
-        t0 = torch.zeros(B, dtype=torch.long, device=dev)
-        mean = x0_hat(t0)
-        log_scale = -0.5 * torch.log(snr[0])
-        if discrete:
-            ll = _log_discretized_gaussian(xb, mean, log_scale.expand_as(xb))
-        else:
-            ll = -0.5 * ((xb - mean) ** 2 * snr[0] + math.log(2 * math.pi) + 2 * log_scale)
-        parts["decoder"].append(-ll.flatten(1).sum(1))
-    to_bits = 1.0 / (D * math.log(2))
-    out = {k: float(torch.cat(v).mean()) * to_bits for k, v in parts.items()}
-    out["bpd"] = out["prior"] + out["diffusion"] + out["decoder"]
-    return out
-
-
-# -- evaluating a run ----------------------------------------------------------------------------
-def resolve_extractor(cfg) -> str:
-    ex = cfg.eval.extractor
-    if ex != "auto":
-        return ex
-    if cfg.data.name == "digits":
-        return "fasttrain-digits"
-    return "inception-v3-compat" if cfg.data.name == "folder" else "none"
-
-
-def _images(cfg, trainer, n: int, split: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Real data for a run: `train` for FID references, `test` (held out where there is one) for bpd."""
+def reference_for(cfg, spec, ref_path: str | None = None, n: int = 5000) -> Reference:
+    """Built-in data from the config; folders from `ref_path`, else the run's data.root if it exists."""
     from .data import TOYS, digits, toy
-    from .data.folder import ImageFolderDataset, LatentFolderDataset
-    from .data.manifest import load_manifest
 
     d = cfg.data
-    if d.name == "digits":
-        x, y = digits(d.image_size, split, holdout=d.holdout)
-    elif d.name in TOYS:
-        x, y = toy(d.name, n=n, seed=0 if split == "train" else 1), None
-    else:  # folders: no held-out split of their own, the first n items (images unflipped)
-        m = load_manifest(d.root, d.manifest)
-        ds = (LatentFolderDataset(d.root, m) if d.name == "latents"
-              else ImageFolderDataset(d.root, d.image_size, d.channels, flip=False, manifest=m))
-        items = [ds[i] for i in range(min(n, len(ds)))]
-        x, y = torch.stack([a for a, _ in items]), torch.stack([b for _, b in items])
-    return x[:n], None if y is None else y[:n]
+    if ref_path is None and spec.name == "digits":
+        test, labels = digits(spec.image_size, "test", holdout=d.holdout)
+        return Reference(digits(spec.image_size, "train", holdout=d.holdout)[0][:n], test, "digits", labels)
+    if ref_path is None and spec.name in TOYS:
+        return Reference(toy(spec.name, n=n, seed=0), toy(spec.name, n=n, seed=1), spec.name)
+    root = ref_path or d.root
+    if not root or not Path(root).is_dir():
+        return Reference(None, None, f"none (the training folder {root!r} is gone: pass --ref PATH)")
+    x = _folder_items(root, spec, d, n)
+    return Reference(x, x, str(root))
 
 
-def run_evaluation(trainer, seed: int = 1234) -> dict:
-    """FID/KID/precision/recall of EMA samples against the training data, the digits judge, and the
-    held-out negative ELBO in bits/dim, as configured in `cfg.eval`."""
-    cfg, ec, out = trainer.cfg, trainer.cfg.eval, {}
-    extractor = resolve_extractor(cfg)
-    classes = trainer.num_classes
-    if ec.num_samples and trainer.info.image_size and extractor != "none":
-        labels = torch.arange(ec.num_samples, device=trainer.device) % classes if classes else None
-        x = trainer.generate(ec.num_samples, labels, seed=seed, steps=ec.steps, progress=False)
-        ref, _ = _images(cfg, trainer, 5000, "train")
-        try:
-            out.update(fidelity(x, ref, extractor, ec.weights_path))
-        except Exception as e:  # e.g. Inception weights that cannot be downloaded: report, keep training
-            out["fidelity_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        if extractor == "fasttrain-digits":
-            from .features import judge
+def _folder_items(root: str, spec, d, n: int) -> torch.Tensor:
+    """The first n items of a folder (images unflipped, resized like the training data)."""
+    from .data.folder import ImageFolderDataset, LatentFolderDataset
+    from .data.manifest import load_manifest, scan, LATENT_EXTENSIONS, IMAGE_EXTENSIONS
 
-            out.update({f"digits_{k}": v for k, v in judge(x, labels).items()})
-    if ec.bpd:
-        x0, y = _images(cfg, trainer, ec.bpd_samples, "test")
-        if classes and cfg.model.label_dropout > 0:  # the unconditional model, p(x)
-            y = torch.full((len(x0),), classes, dtype=torch.long)
-        elif not classes:
-            y = None
-        g = torch.Generator(trainer.device).manual_seed(seed)
-        with trainer.ema.applied(trainer.model):
-            res = nelbo_bits_per_dim(trainer.net.eval(), trainer.schedule, cfg.diffusion.prediction,
-                                     x0.to(trainer.device), labels=None if y is None else y.to(trainer.device),
-                                     n_t=ec.bpd_timesteps,
-                                     discrete=trainer.info.image_size is not None and cfg.data.name != "latents",
-                                     generator=g)
-        trainer.model.train()
-        out.update({"bpd": res["bpd"], "bpd_prior": res["prior"], "bpd_diffusion": res["diffusion"],
-                    "bpd_decoder": res["decoder"]})
+    manifest = load_manifest(root, d.manifest if root == d.root else None)
+    if spec.name == "latents":
+        ds = LatentFolderDataset(root, manifest)
+    else:
+        files = [tuple(f) for f in manifest["files"]] if manifest else scan(root, IMAGE_EXTENSIONS)[0]
+        ds = ImageFolderDataset(root, spec.image_size, spec.channels, flip=False, files=files)
+    items = [ds[i][0] for i in range(min(n, len(ds)))]
+    x = torch.stack(items)
+    if tuple(x.shape[1:]) != spec.shape:
+        raise ValueError(f"reference {root} holds items of shape {tuple(x.shape[1:])}, the model makes {spec.shape}")
+    return x
+
+
+# -- evaluating a bundle -------------------------------------------------------------------------
+def resolve_extractor(extractor: str, spec) -> str:
+    if extractor != "auto":
+        return extractor
+    if spec.name == "digits":
+        return "fasttrain-digits"
+    return "inception-v3-compat" if spec.is_images else "none"
+
+
+def run_evaluation(bundle, settings: EvalSettings, reference: Reference) -> dict:
+    """FID/KID/precision/recall of EMA samples against the reference's training data, the digits
+    judge, and the held-out negative ELBO in bits/dim (with its standard error)."""
+    out, spec = {}, bundle.spec
+    extractor = resolve_extractor(settings.extractor, spec)
+    classes = spec.num_classes
+    if settings.num_samples and spec.is_images and extractor != "none":
+        if reference.train is None:
+            out["fidelity_error"] = f"no reference images: {reference.source}"
+        else:
+            labels = torch.arange(settings.num_samples, device=bundle.device) % classes if classes else None
+            x = bundle.generate(settings.num_samples, labels, seed=settings.seed, steps=settings.steps,
+                                solver=settings.solver)
+            try:
+                out.update(fidelity(x, reference.train, extractor, settings.weights_path))
+            except Exception as e:  # noqa: BLE001 - e.g. Inception weights that cannot be downloaded
+                out["fidelity_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if extractor == "fasttrain-digits":
+                from .features import judge
+
+                out.update({f"digits_{k}": v for k, v in judge(x, labels).items()})
+    if settings.bpd and reference.test is not None and settings.bpd_samples:
+        x0 = reference.test[: settings.bpd_samples].to(bundle.device)
+        y = None
+        if classes and spec.label_dropout > 0:  # the unconditional model, p(x)
+            y = torch.full((len(x0),), classes, dtype=torch.long, device=bundle.device)
+        elif classes:  # trained only conditionally: p(x | y) with the true labels, or nothing
+            if reference.test_labels is None:
+                return {**out, "bpd_error": "a conditional-only model needs labelled held-out data"}
+            y = reference.test_labels[: len(x0)].to(bundle.device)
+        g = torch.Generator(bundle.device).manual_seed(settings.seed)
+        with bundle.averaged():
+            res = nelbo_bits_per_dim(bundle.x0_hat, bundle.schedule, x0, labels=y, n_t=settings.bpd_timesteps,
+                                     discrete=spec.is_images, generator=g)
+        out.update({"bpd": res["bpd"], "bpd_se": res["bpd_se"], "bpd_prior": res["prior"],
+                    "bpd_diffusion": res["diffusion"], "bpd_decoder": res["decoder"]})
     return out

@@ -17,16 +17,25 @@ def _plain(v):
 
 
 class MetricLogger:
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, purge_step: int | None = None):
+        """`purge_step`: a resumed run drops what an interrupted run logged after its checkpoint,
+        so metrics.jsonl and TensorBoard hold one series."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        path = self.run_dir / "metrics.jsonl"
+        if purge_step is not None and path.is_file():
+            keep = [r for r in read_jsonl(path) if r.get("step", 0) <= purge_step]
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+            tmp.replace(path)
+        self.file = open(path, "a", buffering=1)
         self.tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(self.run_dir / "tb"))
+                # TensorBoard purges events at steps >= purge_step; the checkpoint's own step stays
+                self.tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=None if purge_step is None else purge_step + 1)
             except ImportError:  # tensorboard is a dependency, but a broken install must not stop training
                 self.tb = None
 
@@ -45,5 +54,13 @@ class MetricLogger:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
+    """The rows of a metrics file; a line cut short by a crash is skipped."""
+    rows = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    return rows

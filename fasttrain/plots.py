@@ -1,5 +1,7 @@
 """Matplotlib plots of a run: per-timestep loss mean/variance, sampling probability, effective
-x0-space weight, the loss curve, and 2-D samples against the data."""
+x0-space weight, the loss curve, evaluation curves, and sample grids (images, latents, 2-D points).
+The trainer and the commands draw through `save_samples` and `plot_run`, so each figure is made in
+one place."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -81,3 +83,42 @@ def plot_points(path, samples: torch.Tensor, data: torch.Tensor, title: str = ""
         a.scatter(p[:, 0], p[:, 1], s=2, alpha=0.5)
         a.set(title=name, aspect="equal")
     return _finish(fig, path, title)
+
+
+def save_samples(path, x: torch.Tensor, spec, reference: torch.Tensor | None = None, nrow: int | None = None) -> Path:
+    """A grid of generated images (one column per class when conditional, upscaled to ~64 px), the
+    first channel of latents (the tensor itself saved beside as .pt, to decode elsewhere), or a
+    scatter of 2-D points next to the data."""
+    import math
+
+    import torch.nn.functional as F
+    from torchvision.utils import save_image
+
+    path = Path(path)
+    if not spec.image_size:
+        return plot_points(path, x, reference if reference is not None else x[:0], title=spec.name)
+    if spec.name == "latents":
+        torch.save(x.cpu(), path.with_suffix(".pt"))
+        x = x[:, :1] / x[:, :1].abs().amax().clamp_min(1e-8)
+    nrow = nrow or spec.num_classes or int(math.sqrt(len(x))) or 1
+    big = F.interpolate(x.float().cpu(), scale_factor=max(1, 64 // spec.image_size), mode="nearest")
+    save_image(big * 0.5 + 0.5, path, nrow=nrow, padding=2, pad_value=1.0)
+    return path
+
+
+def plot_run(run_dir, objective=None, title: str = "") -> list[Path]:
+    """The run's figures: timesteps.png (from the objective's statistics), loss.png and eval.png
+    (from metrics.jsonl)."""
+    from .logger import read_jsonl
+
+    run_dir, out = Path(run_dir), []
+    if objective is not None and objective.stats is not None:
+        out.append(plot_timesteps(run_dir / "timesteps.png", objective.stats, objective.probs(),
+                                  objective.effective_weight(), title=title))
+    if (run_dir / "metrics.jsonl").is_file():
+        rows = read_jsonl(run_dir / "metrics.jsonl")
+        out.append(plot_loss_curve(run_dir / "loss.png", rows))
+        ev = plot_eval_curves(run_dir / "eval.png", rows)
+        if ev is not None:
+            out.append(ev)
+    return out

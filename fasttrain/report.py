@@ -9,6 +9,7 @@ from pathlib import Path
 
 from jinja2 import Template
 
+from . import checkpoint as ckpt
 from . import plots
 from .logger import read_jsonl
 
@@ -38,21 +39,35 @@ def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
 
 
+def objective_from_checkpoint(run: Path):
+    """The training objective's statistics and sampler as the checkpoint left them (every rank's
+    pending window merged in), for the per-timestep figure; no model, data or process group."""
+    from omegaconf import OmegaConf
+
+    from .bundle import build_objective
+    from .config import Config
+
+    plain = ckpt.read_plain(run)
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), plain["config"])
+    obj = build_objective(cfg)
+    obj.load_extra_state(plain["objective"])
+    windows = [r["objective"]["window"] for r in plain["ranks"] if r["objective"]["window"] is not None]
+    if obj.stats is not None and windows:
+        obj.load_rank_state({"window": obj.stats.merge_window_states(windows)})
+    obj.sync_stats()
+    return obj
+
+
 def write_report(run_dir: str | Path) -> Path:
     run = Path(run_dir)
     metrics_file = run / "metrics.jsonl"
     if not metrics_file.is_file():
         raise FileNotFoundError(f"{run} is not a fasttrain run directory (no metrics.jsonl)")
     rows = read_jsonl(metrics_file)
-    plots.plot_loss_curve(run / "loss.png", rows)
-    plots.plot_eval_curves(run / "eval.png", rows)
-    if not (run / "timesteps.png").is_file() and (run / "last.pt").is_file():
-        from .train import Trainer
-
-        tr = Trainer.from_run(run)
-        obj = tr.objective
-        obj.sync_stats()
-        plots.plot_timesteps(run / "timesteps.png", obj.stats, obj.probs(), obj.effective_weight())
+    objective = None
+    if not (run / "timesteps.png").is_file() and ckpt.latest(run) is not None:
+        objective = objective_from_checkpoint(run)
+    plots.plot_run(run, objective)
     figures = [(title, _b64(run / f)) for title, f in (
         ("Training loss", "loss.png"), ("Evaluation over training", "eval.png"),
         ("Per-timestep statistics", "timesteps.png"), ("Samples (EMA)", "samples.png")) if (run / f).is_file()]

@@ -1,5 +1,9 @@
-"""End-to-end trainer runs on tiny settings: the loss falls, resume is exact, crashes lose nothing."""
+"""End-to-end trainer runs on tiny settings: the loss falls, resume is exact, nothing is lost or
+overwritten, non-finite steps and signals are handled (fault injection with real faults)."""
 import json
+import os
+import random
+import signal
 
 import pytest
 import torch
@@ -16,13 +20,29 @@ def _cfg(tmp_path, *over, preset="default", tiny=TINY):
     return load_config(preset, [f"run_dir={tmp_path}"] + tiny + list(over))
 
 
+def _losses(run):
+    return [r["loss"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
+
+
+def _weights(path):
+    st = torch.load(path, weights_only=True)
+    return st["model"], st["ema"]
+
+
+def _assert_same_state(a, b):
+    for sa, sb in zip(_weights(a), _weights(b)):
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            torch.testing.assert_close(sa[k], sb[k], rtol=0, atol=0)
+
+
 def test_short_run_loss_falls_and_writes_artifacts(tmp_path):
     cfg = _cfg(tmp_path, "train.steps=200", "train.log_every=20", "optim.lr=2e-3", "sample.num=20", "sample.steps=10",
                "eval.num_samples=100", "eval.steps=10", "eval.every=0")
     summary = train(cfg)
     rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
     assert rows[-1]["loss"] < 0.7 * rows[0]["loss"], [r["loss"] for r in rows]
-    assert rows[-1]["images"] == 200 * 16
+    assert rows[-1]["images"] == 200 * 16 and rows[-1]["skipped_steps"] == 0
     for f in ("last.pt", "samples.png", "timesteps.png", "loss.png", "config.yaml", "summary.json"):
         assert (tmp_path / f).is_file(), f
     assert any((tmp_path / "tb").iterdir())
@@ -33,62 +53,138 @@ def test_short_run_loss_falls_and_writes_artifacts(tmp_path):
     ["diffusion.sampler=stratified", "train.grad_accum=2", "diffusion.stats_every=3"],
     ["diffusion.sampler=loss_second_moment", "diffusion.sampler_args.history=2", "diffusion.schedule=cosine",
      "diffusion.T=20", "diffusion.weighting=snr", "diffusion.stats_every=2", "diffusion.prediction=v"],
-    ["diffusion.sampler=speed", "diffusion.weighting=speed", "diffusion.learned_weighting=true"],
+    ["diffusion.sampler=speed", "diffusion.weighting=speed", "diffusion.learned_weighting=true", "diffusion.stats_every=3"],
 ])
 def test_resume_gives_the_same_next_losses(tmp_path, over):
     common = ["train.log_every=1", "train.ckpt_every=0", "data.batch_size=8"] + over
-    a = _cfg(tmp_path / "a", "train.steps=16", *common)
-    train(a)
-    b = _cfg(tmp_path / "b", "train.steps=8", *common)
-    train(b)
-    b2 = _cfg(tmp_path / "b", "train.steps=16", *common)
-    train(b2, resume=True)
-    la = [r["loss"] for r in read_jsonl(tmp_path / "a" / "metrics.jsonl") if "loss" in r]
-    lb = [r["loss"] for r in read_jsonl(tmp_path / "b" / "metrics.jsonl") if "loss" in r]
+    train(_cfg(tmp_path / "a", "train.steps=16", *common))
+    train(_cfg(tmp_path / "b", "train.steps=7", *common))  # stops between two statistics syncs
+    train(_cfg(tmp_path / "b", "train.steps=16", *common), resume=True)
+    la, lb = _losses(tmp_path / "a"), _losses(tmp_path / "b")
     assert len(la) == len(lb) == 16
-    assert la[8:] == lb[8:]  # bit-identical on CPU
-    sa = torch.load(tmp_path / "a" / "last.pt", weights_only=True)
-    sb = torch.load(tmp_path / "b" / "last.pt", weights_only=True)
-    for k in sa["ema"]:
-        torch.testing.assert_close(sa["ema"][k], sb["ema"][k], rtol=0, atol=0)
+    assert la == lb  # bit-identical on CPU, and one series in metrics.jsonl
+    _assert_same_state(tmp_path / "a" / "last.pt", tmp_path / "b" / "last.pt")
+
+
+def test_learned_weighting_lives_in_the_network(tmp_path):
+    train(_cfg(tmp_path, "train.steps=5", "diffusion.learned_weighting=true", "optim.lr=1e-2"))
+    model, ema = _weights(tmp_path / "last.pt")
+    assert "logvar.linear.weight" in model and "logvar.linear.weight" in ema
+    assert model["logvar.linear.weight"].abs().sum() > 0  # trained like every other weight
 
 
 def test_resume_refuses_a_different_model(tmp_path):
     train(_cfg(tmp_path, "train.steps=2"))
     with pytest.raises(ValueError, match="config key 'model.args.ch' differs"):
-        train(load_config("default", [f"run_dir={tmp_path}", "model.args.ch=8", "train.steps=4", "sample.num=0",
-                                      "train.progress=false", "eval.num_samples=0"]), resume=True)
+        train(_cfg(tmp_path, "train.steps=4", tiny=[t for t in TINY if "model.args" not in t] + ["model.args.ch=8"]),
+              resume=True)
 
 
-def test_crash_keeps_last_good_checkpoint(tmp_path, monkeypatch):
-    cfg = _cfg(tmp_path, "train.steps=10", "train.ckpt_every=2")
-    tr = Trainer(cfg)
-    real = tr.train_step
+def test_a_fresh_run_never_overwrites_an_earlier_one(tmp_path):
+    train(_cfg(tmp_path, "train.steps=3", "train.log_every=1"))
+    before = (tmp_path / "last.pt").read_bytes()
+    with pytest.raises(RuntimeError, match="already holds a run.*--resume.*--restart"):
+        train(_cfg(tmp_path, "train.steps=3", "train.log_every=1"))
+    assert (tmp_path / "last.pt").read_bytes() == before and len(_losses(tmp_path)) == 3
+    train(_cfg(tmp_path, "train.steps=2", "train.log_every=1"), restart=True)
+    assert (tmp_path / "previous-1" / "last.pt").read_bytes() == before  # moved aside, not lost
+    assert len(_losses(tmp_path)) == 2
 
-    def flaky():
-        if tr.step == 5:
-            raise KeyboardInterrupt
-        return real()
 
-    monkeypatch.setattr(tr, "train_step", flaky)
-    with pytest.raises(KeyboardInterrupt):
-        tr.fit()
-    assert torch.load(tmp_path / "last.pt", weights_only=True)["step"] == 5  # Ctrl-C: resumable state
+def test_two_trainers_on_one_run_directory(tmp_path):
+    first = Trainer(_cfg(tmp_path, "train.steps=2"))
+    try:
+        with pytest.raises(RuntimeError, match="another fasttrain process is using"):
+            Trainer(_cfg(tmp_path, "train.steps=2"))
+    finally:
+        first.close()
+    Trainer(_cfg(tmp_path, "train.steps=2")).close()  # free again
 
-    tr2 = Trainer(cfg)
-    tr2.load(tmp_path / "last.pt")
 
-    def nan_step():
-        if tr2.step == 7:
-            raise FloatingPointError("loss became nan")
-        return real2()
+def test_resume_applies_changed_optimizer_settings(tmp_path):
+    train(_cfg(tmp_path, "train.steps=4", "optim.warmup_steps=0"))
+    tr = Trainer(_cfg(tmp_path, "train.steps=6", "optim.lr=3e-4", "optim.weight_decay=0.05", "optim.warmup_steps=0"),
+                 resume=True)
+    tr.restore(tmp_path / "last.pt")
+    g = tr.opt.param_groups[0]
+    assert g["lr"] == pytest.approx(3e-4) and g["weight_decay"] == 0.05
+    tr.close()
 
-    real2 = tr2.train_step
-    monkeypatch.setattr(tr2, "train_step", nan_step)
-    with pytest.raises(FloatingPointError):
-        tr2.fit()
-    assert torch.load(tmp_path / "crash.pt", weights_only=True)["step"] == 7
-    assert torch.load(tmp_path / "last.pt", weights_only=True)["step"] == 6  # the good one stays
+
+def test_nonfinite_steps_are_skipped_and_the_run_stops_with_good_checkpoints(tmp_path):
+    """A real fault: a learning rate of 1e30 blows the weights up after one step."""
+    train(_cfg(tmp_path, "train.steps=4", "train.ckpt_every=2"))
+    good = (tmp_path / "last.pt").read_bytes()
+    with pytest.raises(FloatingPointError, match="non-finite steps in a row"):
+        train(_cfg(tmp_path, "train.steps=40", "train.ckpt_every=1", "train.log_every=5", "train.max_nonfinite=5",
+                   "optim.lr=1e30", "optim.warmup_steps=0"), resume=True)
+    assert (tmp_path / "last.pt").read_bytes() == good  # never saved over with broken weights
+    assert (tmp_path / "crash.pt").is_file()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert max(r.get("skipped_steps", 0) for r in rows) >= 5
+    from fasttrain.cli import main
+    assert main(["sample", "--ckpt", str(tmp_path), "--n", "4", "--steps", "2", "--out", str(tmp_path / "s")]) == 0
+    assert main(["sample", "--ckpt", str(tmp_path / "crash.pt"), "--n", "4", "--steps", "2",
+                 "--out", str(tmp_path / "s2")]) == 1
+
+
+def test_a_skipped_step_changes_nothing(tmp_path):
+    """A non-finite gradient leaves weights, optimizer state and EMA exactly as they were."""
+    tr = Trainer(_cfg(tmp_path, "train.steps=3"))
+    try:
+        tr.train_step()
+        before = [p.detach().clone() for p in tr.model.parameters()] + [s.clone() for s in tr.ema.shadow]
+        real = tr.objective.forward
+
+        def poisoned(*a, **k):
+            loss, info = real(*a, **k)
+            return loss * float("nan"), info
+
+        tr.objective.forward = poisoned
+        tr.train_step()
+        after = [p.detach() for p in tr.model.parameters()] + list(tr.ema.shadow)
+        assert all(torch.equal(a, b) for a, b in zip(before, after))
+        assert int(tr.skipped) == 1 and int(tr.skipped_run) == 1
+        assert torch.isfinite(tr.objective.stats.window.data).all()
+    finally:
+        tr.close()
+
+
+def _interrupt_at(tr, call: int, signum):
+    """Send `signum` to this process during the `call`-th objective evaluation (mid-step)."""
+    real, n = tr.objective.forward, {"i": 0}
+
+    def fwd(*a, **k):
+        n["i"] += 1
+        if n["i"] == call:
+            os.kill(os.getpid(), signum)
+        return real(*a, **k)
+
+    tr.objective.forward = fwd
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signals_at_random_times_then_resume_equal_the_uninterrupted_run(tmp_path, signum):
+    common = ["train.log_every=1", "train.ckpt_every=0", "data.batch_size=8", "train.grad_accum=2",
+              "diffusion.sampler=loss_second_moment", "diffusion.sampler_args.history=2", "diffusion.stats_every=3"]
+    train(_cfg(tmp_path / "a", "train.steps=14", *common))
+    rng = random.Random(int(signum))
+    run = tmp_path / "b"
+    resume = False
+    for _ in range(3):
+        tr = Trainer(_cfg(run, "train.steps=14", *common), resume=resume)
+        try:
+            if resume:
+                tr.restore(run / "last.pt")
+            _interrupt_at(tr, rng.randint(1, 6), signum)
+            with pytest.raises(KeyboardInterrupt):
+                tr.fit()
+        finally:
+            tr.close()
+        resume = True
+    train(_cfg(run, "train.steps=14", *common), resume=True)
+    assert _losses(tmp_path / "a") == _losses(run)
+    _assert_same_state(tmp_path / "a" / "last.pt", run / "last.pt")
 
 
 def test_toy_run_with_mlp(tmp_path):
@@ -106,4 +202,6 @@ def test_apex_optimizer_is_a_clear_error_when_missing(tmp_path):
     except ImportError:
         with pytest.raises(ValueError, match="optim.impl=apex but apex is not installed"):
             Trainer(_cfg(tmp_path, "optim.impl=apex"))
-    assert isinstance(Trainer(_cfg(tmp_path, "optim.impl=torch")).opt, torch.optim.AdamW)
+    tr = Trainer(_cfg(tmp_path / "t", "optim.impl=torch"))
+    assert isinstance(tr.opt, torch.optim.AdamW)
+    tr.close()

@@ -1,10 +1,12 @@
-"""Data: one factory for the trainer. Batches are (x0 [B, ...] float32, labels Long[B]).
+"""Data: one factory for the trainer. Batches are (x0 [B, ...] float32, labels Long[B]) on the device.
 
-Built-in data (digits, toys) stays in memory and is indexed by a seeded per-epoch permutation, so the
-position in the stream is (epoch, index) and a resumed run sees exactly the batches it would have seen.
+Built-in data (digits, toys) live on the training device, indexed by a seeded permutation per epoch
+that is copied there once per epoch, so a batch costs no host→device copy and no sync, and the
+position in the stream is (epoch, index): a resumed run sees exactly the batches it would have seen.
 Image folders (`folder`) and .npy latent folders (`latents`) go through NVIDIA DALI (`data.backend=
-dali`, dali.py) or a torch DataLoader (`torch`); `auto` takes DALI where it is installed. Both read
-the file list of the folder's manifest (manifest.py), so corrupt files are skipped, not fatal.
+dali`, dali.py) or a torch DataLoader (`torch`; pinned memory, non-blocking copies, the next batch
+in flight while the current one trains); `auto` takes DALI where it is installed. Both read the file
+list of the folder's manifest (manifest.py), so corrupt files are skipped, not fatal.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from . import dali
 from .builtin import TOYS, digits, toy
+from .order import epoch_order
 from .folder import ImageFolderDataset, LatentFolderDataset
 from .manifest import build_manifest, load_manifest
 
@@ -31,60 +34,112 @@ class DataInfo:
     size: int
 
 
-class _EpochPermutation(Sampler):
-    """This rank's indices of a seeded permutation per epoch (dali.shard), from a saved position."""
+class MemoryStream:
+    """Infinite batches of in-memory data resident on the device; `state_dict()` = (epoch, pos)."""
 
-    def __init__(self, n: int, seed: int, rank: int = 0, world_size: int = 1):
-        self.n, self.seed, self.rank, self.world_size, self.epoch, self.pos = n, seed, rank, world_size, 0, 0
-
-    def __iter__(self):
-        while True:
-            idx = dali.shard(self.n, self.seed, self.epoch, self.rank, self.world_size)
-            while self.pos < len(idx):
-                self.pos += 1
-                yield int(idx[self.pos - 1])
-            self.epoch, self.pos = self.epoch + 1, 0
-
-    def __len__(self):
-        return 2**62
-
-
-class BatchStream:
-    """Infinite stream of batches with `state_dict()` = its position (epoch, index)."""
-
-    def __init__(self, x, y, batch_size: int, seed: int, device="cpu", dataset=None, num_workers: int = 0,
-                 rank: int = 0, world_size: int = 1):
-        self.x, self.y, self.batch_size, self.device = x, y, batch_size, torch.device(device)
-        n = len(x) if dataset is None else len(dataset)
+    def __init__(self, x, y, batch_size: int, seed: int, device="cpu", rank: int = 0, world_size: int = 1):
+        n = len(x)
         if batch_size > n // world_size:
             raise ValueError(f"data.batch_size {batch_size} is larger than the data set ({n}) per rank")
-        self.order = _EpochPermutation(n, seed, rank, world_size)
-        self.dataset, self.num_workers = dataset, num_workers
-        self._it = None
+        self.device = torch.device(device)
+        self.x, self.y = x.to(self.device), y.to(self.device)
+        self.n, self.batch_size, self.seed, self.rank, self.world_size = n, batch_size, seed, rank, world_size
+        self.epoch, self.pos = 0, 0
+        self._cache: dict[int, torch.Tensor] = {}
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._cache:
+            idx = epoch_order(self.n, self.seed, epoch, self.rank, self.world_size)
+            if self.device.type == "cuda":
+                idx = idx.pin_memory()
+            self._cache = {e: v for e, v in self._cache.items() if e >= epoch - 1}
+            self._cache[epoch] = idx.to(self.device, non_blocking=True)
+        return self._cache[epoch]
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        if self.dataset is None:
-            it = iter(self.order) if self._it is None else self._it
-            self._it = it
-            idx = torch.tensor([next(it) for _ in range(self.batch_size)])
-            return self.x[idx].to(self.device), self.y[idx].to(self.device)
-        if self._it is None:
-            # Workers would read ahead of the saved position; with workers, resume is per batch only.
-            loader = DataLoader(self.dataset, batch_size=self.batch_size, sampler=self.order,
-                                num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
-            self._it = iter(loader)
-        x, y = next(self._it)
-        return x.to(self.device), y.to(self.device)
+        order, per_rank = self._order(self.epoch), self.n // self.world_size
+        end = self.pos + self.batch_size
+        if end <= per_rank:
+            idx = order[self.pos:end]
+            self.pos = end
+        else:  # the batch straddles two epochs
+            idx = torch.cat([order[self.pos:], self._order(self.epoch + 1)[: end - per_rank]])
+            self.epoch, self.pos = self.epoch + 1, end - per_rank
+        if self.pos == per_rank:
+            self.epoch, self.pos = self.epoch + 1, 0
+        return self.x[idx], self.y[idx]
 
     def state_dict(self):
-        return {"epoch": self.order.epoch, "pos": self.order.pos}
+        return {"epoch": self.epoch, "pos": self.pos}
 
     def load_state_dict(self, state):
-        self.order.epoch, self.order.pos = int(state["epoch"]), int(state["pos"])
-        self._it = None
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+
+
+class _Order(Sampler):
+    """This rank's indices from a saved position onwards, epoch after epoch."""
+
+    def __init__(self, n: int, seed: int, rank: int, world_size: int, epoch: int, pos: int):
+        self.n, self.seed, self.rank, self.world_size, self.epoch, self.pos = n, seed, rank, world_size, epoch, pos
+
+    def __iter__(self):
+        epoch, pos = self.epoch, self.pos
+        while True:
+            for i in epoch_order(self.n, self.seed, epoch, self.rank, self.world_size)[pos:].tolist():
+                yield i
+            epoch, pos = epoch + 1, 0
+
+    def __len__(self):
+        return 2**62
+
+
+class LoaderStream:
+    """Batches of a folder data set through a DataLoader: pinned memory, a non-blocking copy to the
+    device, and the next batch already on its way while the current one trains. `state_dict()` is the
+    position of the batches handed out (not of those prefetched), so resume is exact."""
+
+    def __init__(self, dataset, batch_size: int, seed: int, device="cpu", num_workers: int = 0,
+                 rank: int = 0, world_size: int = 1):
+        n = len(dataset)
+        if batch_size > n // world_size:
+            raise ValueError(f"data.batch_size {batch_size} is larger than the data set ({n}) per rank")
+        self.dataset, self.batch_size, self.seed, self.device = dataset, batch_size, seed, torch.device(device)
+        self.num_workers, self.rank, self.world_size, self.per_rank = num_workers, rank, world_size, n // world_size
+        self.epoch, self.pos = 0, 0
+        self._it, self._next = None, None
+
+    def _start(self):
+        order = _Order(len(self.dataset), self.seed, self.rank, self.world_size, self.epoch, self.pos)
+        self._it = iter(DataLoader(self.dataset, batch_size=self.batch_size, sampler=order,
+                                   num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+                                   pin_memory=self.device.type == "cuda"))
+        self._next = self._fetch()
+
+    def _fetch(self):
+        x, y = next(self._it)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._it is None:
+            self._start()
+        batch, self._next = self._next, self._fetch()
+        self.pos += self.batch_size
+        while self.pos >= self.per_rank:
+            self.epoch, self.pos = self.epoch + 1, self.pos - self.per_rank
+        return batch
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+        self._it, self._next = None, None
 
 
 def _folder_manifest(root: str, manifest_path: str | None) -> dict:
@@ -125,13 +180,16 @@ def build_data(name: str, *, batch_size: int, seed: int = 0, image_size: int = 8
     kind = resolve_backend(backend, name)
     if name == "digits":
         x, y = digits(image_size, split=split, holdout=holdout, seed=0)
-        return BatchStream(x, y, batch_size, seed, device, rank=rank, world_size=world_size), DataInfo(1, image_size, 10, len(x))
+        return (MemoryStream(x, y, batch_size, seed, device, rank, world_size),
+                DataInfo(1, image_size, 10, len(x)))
     if name in TOYS:
         x = toy(name, seed=0 if split == "train" else 1)
         y = torch.zeros(len(x), dtype=torch.long)
-        return BatchStream(x, y, batch_size, seed, device, rank=rank, world_size=world_size), DataInfo(2, None, 0, len(x))
+        return MemoryStream(x, y, batch_size, seed, device, rank, world_size), DataInfo(2, None, 0, len(x))
     if not root:
         raise ValueError(f"data.root must name a folder when data.name={name}")
+    if channels not in (1, 3):
+        raise ValueError(f"data.channels must be 1 (grey) or 3 (RGB) for image folders, got {channels}")
     m = _folder_manifest(root, manifest)
     files = [tuple(f) for f in m["files"]]
     if name == "latents":
@@ -148,5 +206,4 @@ def build_data(name: str, *, batch_size: int, seed: int = 0, image_size: int = 8
                                  image_size=image_size, channels=channels, seed=seed, rank=rank, world_size=world_size,
                                  device=device, num_threads=max(1, num_workers), crop=crop, flip=flip)
         return stream, info
-    return BatchStream(None, None, batch_size, seed, device, dataset=ds, num_workers=num_workers, rank=rank,
-                       world_size=world_size), info
+    return LoaderStream(ds, batch_size, seed, device, num_workers, rank, world_size), info

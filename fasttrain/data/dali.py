@@ -21,6 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import seeds
+from .order import epoch_order
+
 LAST_BATCH = ("drop", "partial", "pad")
 
 
@@ -31,14 +34,6 @@ def available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def shard(n: int, seed: int, epoch: int, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's indices of epoch `epoch`: a seeded permutation, every world_size-th element,
-    truncated so that every rank gets n // world_size."""
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
-    per_rank = n // world_size
-    return perm[rank::world_size][:per_rank]
 
 
 def _batches(values: np.ndarray, batch_size: int, dtype):
@@ -121,11 +116,11 @@ class DaliStream:
         self.epoch, self.pos, self._it = 0, 0, None
 
     def epoch_files(self, epoch: int) -> list[tuple[str, int]]:
-        return [self.files[i] for i in shard(len(self.files), self.seed, epoch, self.rank, self.world_size).tolist()]
+        return [self.files[i] for i in epoch_order(len(self.files), self.seed, epoch, self.rank, self.world_size).tolist()]
 
     def _augment(self, epoch: int) -> np.ndarray:
         """[per_rank, 3] (mirror, crop_x, crop_y) of every sample of this rank's epoch."""
-        g = torch.Generator().manual_seed((self.seed * 7919 + epoch * 104729 + self.rank) % (2**62))
+        g = torch.Generator().manual_seed(seeds.derive(self.seed, "augment", epoch, self.rank))
         aug = torch.rand(self.per_rank, 3, generator=g, dtype=torch.float64).numpy()
         aug[:, 0] = (aug[:, 0] < 0.5) if self.flip else 0
         if self.crop != "random":
@@ -170,11 +165,25 @@ class DaliStream:
             except StopIteration:
                 self._it = None
                 continue
+            except RuntimeError as e:  # DALI reports only "Critical error in pipeline": name the file
+                raise ValueError(self._diagnose(e)) from None
             self.pos += x.shape[0]
             while self.pos >= self.per_rank:
                 self.epoch, self.pos = self.epoch + 1, self.pos - self.per_rank
             return x, y
         raise RuntimeError("the DALI pipeline produced no batch")
+
+    def _diagnose(self, err: Exception) -> str:
+        """Find the file of the failing batch that no longer decodes (checked with PIL)."""
+        from .manifest import check_image
+
+        items = self.epoch_files(self.epoch)[self.pos:self.pos + 4 * self.batch_size]
+        for rel, _ in items:
+            ok = check_image(Path(self.root) / rel)[0] if self.kind == "images" else (Path(self.root) / rel).is_file()
+            if not ok:
+                return (f"cannot decode {Path(self.root) / rel}; it changed after `fasttrain data prepare` "
+                        f"was run: run it again")
+        return f"the DALI pipeline failed near epoch {self.epoch}, position {self.pos}: {str(err).splitlines()[0][:160]}"
 
     def epoch_batches(self):
         """The rest of the current epoch with the `last_batch` policy; the stream then stands at the
@@ -191,8 +200,3 @@ class DaliStream:
     def load_state_dict(self, state):
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
         self._it = None
-
-    def sample_shape(self) -> tuple[int, ...]:
-        if self.kind == "latents":
-            return tuple(np.load(Path(self.root) / self.files[0][0], mmap_mode="r").shape)
-        return (self.channels, self.image_size, self.image_size)

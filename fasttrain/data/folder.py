@@ -13,7 +13,31 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision import transforms
 
-from .manifest import IMAGE_EXTENSIONS, LATENT_EXTENSIONS, scan
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+LATENT_EXTENSIONS = (".npy",)
+
+
+def scan(root: str | Path, extensions=IMAGE_EXTENSIONS) -> tuple[list[tuple[str, int]], list[str]]:
+    """(relative path, label) for every file with one of `extensions`; class subfolders give labels
+    (sorted names → 0, 1, ...), a flat folder gives label 0. Returns (files, class names)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ValueError(f"data.root {str(root)!r} is not a directory")
+    subdirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if subdirs:
+        per_class = [[f for f in sorted(d.rglob("*")) if f.suffix.lower() in extensions] for d in subdirs]
+        empty = [d.name for d, fs in zip(subdirs, per_class) if not fs]
+        if empty and any(per_class):
+            raise ValueError(f"data.root {str(root)!r}: class folder {empty[0]!r} holds no "
+                             f"{'/'.join(extensions)} files (remove it, or it would count as a class)")
+        files = [(str(f.relative_to(root)), i) for i, fs in enumerate(per_class) for f in fs]
+        classes = [d.name for d in subdirs]
+    else:
+        files = [(f.name, 0) for f in sorted(root.iterdir()) if f.suffix.lower() in extensions]
+        classes = []
+    if not files:
+        raise ValueError(f"data.root {str(root)!r} holds no {'/'.join(extensions)} files")
+    return files, classes
 
 
 def _files(root, manifest, extensions):
@@ -47,8 +71,12 @@ class ImageFolderDataset(Dataset):
 
     def __getitem__(self, i: int):
         path, label = self.files[i]
-        with Image.open(self.root / path) as im:
-            return self.transform(im.convert(self.mode)), torch.tensor(label)
+        try:
+            with Image.open(self.root / path) as im:
+                return self.transform(im.convert(self.mode)), torch.tensor(label)
+        except (OSError, ValueError, SyntaxError) as e:  # PIL's errors for truncated or corrupt files
+            raise ValueError(f"cannot decode {self.root / path} ({type(e).__name__}); it changed after "
+                             f"`fasttrain data prepare` was run: run it again") from None
 
 
 class LatentFolderDataset(Dataset):
@@ -70,4 +98,8 @@ class LatentFolderDataset(Dataset):
 
     def __getitem__(self, i: int):
         path, label = self.files[i]
-        return torch.from_numpy(np.load(self.root / path).astype(np.float32)), torch.tensor(label)
+        try:
+            return torch.from_numpy(np.load(self.root / path).astype(np.float32)), torch.tensor(label)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read {self.root / path} ({type(e).__name__}); run `fasttrain data prepare` "
+                             f"again") from None

@@ -17,28 +17,9 @@ import numpy as np
 from PIL import Image
 from tqdm.auto import tqdm
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
-LATENT_EXTENSIONS = (".npy",)
+from .folder import IMAGE_EXTENSIONS, LATENT_EXTENSIONS, ImageFolderDataset, scan
+
 MANIFEST = "fasttrain-manifest.json"
-
-
-def scan(root: str | Path, extensions=IMAGE_EXTENSIONS) -> tuple[list[tuple[str, int]], list[str]]:
-    """(relative path, label) for every file with one of `extensions`; class subfolders give labels
-    (sorted names → 0, 1, ...), a flat folder gives label 0. Returns (files, class names)."""
-    root = Path(root)
-    if not root.is_dir():
-        raise ValueError(f"data.root {str(root)!r} is not a directory")
-    subdirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
-    if subdirs:
-        files = [(str(f.relative_to(root)), i) for i, d in enumerate(subdirs) for f in sorted(d.rglob("*"))
-                 if f.suffix.lower() in extensions]
-        classes = [d.name for d in subdirs]
-    else:
-        files = [(f.name, 0) for f in sorted(root.iterdir()) if f.suffix.lower() in extensions]
-        classes = []
-    if not files:
-        raise ValueError(f"data.root {str(root)!r} holds no {'/'.join(extensions)} files")
-    return files, classes
 
 
 def check_image(path: Path) -> tuple[bool, str, tuple[int, int] | None]:
@@ -77,8 +58,21 @@ def build_manifest(root: str | Path, progress: bool = True) -> dict:
 
 
 def load_manifest(root: str | Path, path: str | Path | None = None) -> dict | None:
+    """The manifest at `path` (which must exist) or ROOT/fasttrain-manifest.json (None if absent)."""
+    if path and not Path(path).is_file():
+        raise ValueError(f"data.manifest {str(path)!r} does not exist")
     p = Path(path) if path else Path(root) / MANIFEST
-    return json.loads(p.read_text()) if p.is_file() else None
+    if not p.is_file():
+        return None
+    try:
+        m = json.loads(p.read_text())
+        files = [(str(f), int(y)) for f, y in m["files"]]
+        if not isinstance(m["classes"], list) or not isinstance(m["bad"], list):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"data.manifest: {p} is not a fasttrain manifest (run `fasttrain data prepare` again)") from None
+    m["files"] = [list(f) for f in files]
+    return m
 
 
 def load_encoder(spec: str):
@@ -93,8 +87,6 @@ def encode_folder(manifest: dict, encoder, out: str | Path, image_size: int, bat
                   progress: bool = True) -> dict:
     """Write one .npy latent per good image (class subfolders kept) and return the latents' manifest."""
     import torch
-
-    from .folder import ImageFolderDataset
 
     root, out = Path(manifest["root"]), Path(out)
     ds = ImageFolderDataset(str(root), image_size, 3, flip=False, files=[tuple(f) for f in manifest["files"]])

@@ -57,7 +57,7 @@ class Prediction:
         return (ce * x_t - s * pred) / det, (a * pred - cx * x_t) / det
 
     def c_factor(self, alpha, sigma) -> torch.Tensor:
-        return (self.det(alpha, sigma) / sigma) ** 2
+        return self.det(alpha, sigma) ** 2 / sigma**2  # eps: exactly the schedule's SNR = a²/s²
 
 
 @register("eps")

@@ -173,12 +173,12 @@ class LogNormal(TimestepSampler):
         if not p_std > 0:
             raise ValueError(f"p_std must be > 0, got {p_std!r}")
         self.p_mean, self.p_std = float(p_mean), float(p_std)
-        log_sig = -0.5 * torch.log(schedule.snr)  # +inf at a zero-terminal step
-        self.edges = ((log_sig[1:] + log_sig[:-1]) / 2).to(self.device)
+        self.schedule = schedule
+        self.edges = schedule.log_sigma_edges().to(self.device)
 
     def _draw(self, n, generator):
         z = self.p_mean + self.p_std * self._randn(n, generator)
-        return torch.searchsorted(self.edges, z)
+        return self.schedule.nearest_timestep(z, self.edges)
 
     def probs(self, n=None):
         inf = torch.tensor([math.inf], dtype=torch.float64, device=self.device)

@@ -50,6 +50,18 @@ class NoiseSchedule:
         """Noise level in EDM/VE units, sigma/alpha = SNR^-1/2 (inf at a zero-terminal step)."""
         return self.sigma / self.alpha
 
+    def log_sigma_edges(self) -> torch.Tensor:
+        """[T-1] midpoints between consecutive ln sigma_e (increasing in t): the cell boundaries of
+        `nearest_timestep`, also used for the exact marginal of samplers drawn in ln sigma_e."""
+        log_sig = -0.5 * torch.log(self.snr)  # +inf at a zero-terminal step
+        return ((log_sig[1:] + log_sig[:-1]) / 2).contiguous()
+
+    def nearest_timestep(self, log_sigma_e: torch.Tensor, edges: torch.Tensor | None = None) -> torch.Tensor:
+        """The timestep whose ln sigma_e is nearest to each value (the one place that maps continuous
+        EDM noise levels onto this discrete schedule: lognormal training sampler, Heun's step grid)."""
+        edges = self.log_sigma_edges().to(log_sigma_e.device) if edges is None else edges
+        return torch.searchsorted(edges, log_sigma_e.to(edges.dtype).contiguous())
+
 
 def _betas(name: str, T: int) -> np.ndarray:
     if name == "linear":

@@ -102,6 +102,7 @@ def test_pending_until_all_reduce_and_state_round_trip():
     st.update(torch.tensor([4]), torch.tensor([5.0]), torch.tensor([10.0]))  # pending at save time
     other = fd.TimestepStats(5, history=2)
     other.load_state_dict(st.state_dict())
+    other.load_window_state(st.window_state())
     st.all_reduce()
     other.all_reduce()
     for k in ("raw", "weighted"):

@@ -1,0 +1,204 @@
+"""A model bundle: everything a trained model needs to generate and be evaluated, and nothing else.
+
+    bundle = ModelBundle.load("runs/default")          # last.pt or a DCP folder; no data, optimizer
+    x = bundle.generate(64, labels)                    # or process group needed
+    bundle.x0_hat(x_t, t, labels)                      # the network's estimate of x0 (NELBO, probes)
+
+It holds the network (a `Denoiser`: backbone plus optional learned log-variance), its EMA weights,
+the schedule, the prediction type (as the objective's output → x̂0 conversion), the data shape and
+the classes. The trainer builds one from the config and the data (`ModelBundle.build`) and adds data,
+optimizer and the step loop; `fasttrain sample`, `eval` and `report` use `ModelBundle.load` alone,
+so they work when the training data are gone.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from . import checkpoint as ckpt
+from . import seeds
+from .diffusion import DiffusionObjective, schedule as make_schedule
+from .diffusion import prediction as P
+from .diffusion.denoiser import Denoiser
+from .diffusion.solvers import generate as run_solver
+from .ema import EMA
+from .models import build_model
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What the network was trained on: enough to generate and to judge samples without the data."""
+    name: str                  # the data set (digits, moons, folder, latents, ...)
+    channels: int
+    image_size: int | None     # None for 2-D toy data
+    num_classes: int           # 0 = unconditional
+    label_dropout: float       # > 0: the null label (num_classes) gives the unconditional model
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.channels,) + ((self.image_size,) * 2 if self.image_size else ())
+
+    @property
+    def is_images(self) -> bool:
+        return self.image_size is not None and self.name != "latents"
+
+
+def build_network(cfg: DictConfig, spec: DataSpec) -> Denoiser:
+    df = cfg.diffusion
+    sched = make_schedule(df.schedule, df.T, df.zero_terminal_snr)
+    net = build_model(cfg.model.name, in_channels=spec.channels, image_size=spec.image_size,
+                      num_classes=spec.num_classes, **cfg.model.args)
+    return Denoiser(net, sched, learned_weighting=df.learned_weighting)
+
+
+def build_objective(cfg: DictConfig, rank: int = 0, stats: bool = True) -> DiffusionObjective:
+    df = cfg.diffusion
+    sched = make_schedule(df.schedule, df.T, df.zero_terminal_snr)
+    return DiffusionObjective(sched, df.prediction, df.weighting, df.sampler, weighting_args=dict(df.weighting_args),
+                              sampler_args=dict(df.sampler_args), learned_weighting=df.learned_weighting,
+                              backend=df.backend, stats=stats, seed=seeds.derive(cfg.train.seed, "noise", rank))
+
+
+class ModelBundle:
+    def __init__(self, cfg: DictConfig, spec: DataSpec, net: torch.nn.Module, ema: EMA, device: torch.device,
+                 step: int = 0, images: int = 0):
+        self.cfg, self.spec, self.net, self.ema, self.device = cfg, spec, net, ema, torch.device(device)
+        self.step, self.images = step, images
+        df = cfg.diffusion
+        self.schedule = make_schedule(df.schedule, df.T, df.zero_terminal_snr).to(self.device)
+        self.prediction = P.get(df.prediction)
+        self._alpha, self._sigma = self.schedule.alpha.float(), self.schedule.sigma.float()
+
+    # -- construction --------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, cfg: DictConfig, spec: DataSpec, device, net: torch.nn.Module | None = None) -> "ModelBundle":
+        """A fresh network (seeded: the same initial weights on every rank) and its EMA."""
+        if net is None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seeds.derive(cfg.train.seed, "weights"))
+                net = build_network(cfg, spec).to(device)
+        o = cfg.optim
+        return cls(cfg, spec, net, EMA(net, o.ema_decay, o.ema_warmup), device)
+
+    @classmethod
+    def load(cls, path, device=None) -> "ModelBundle":
+        """From a checkpoint alone (RUN, RUN/last.pt or RUN/dcp): no data, optimizer or process group.
+        Refuses weights that are not finite."""
+        from .config import Config
+
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+        def cfg_of(state):
+            try:
+                return OmegaConf.merge(OmegaConf.structured(Config), state["config"])
+            except Exception as e:  # noqa: BLE001 - a config from another version or hand-edited
+                raise ckpt.CheckpointError(f"{path}: its config does not fit this version ({type(e).__name__})") from None
+
+        def spec_of(state):
+            try:
+                return DataSpec(**state["data_spec"])
+            except TypeError:
+                raise ckpt.CheckpointError(f"{path}: malformed data_spec in the checkpoint") from None
+
+        state, model_sd, ema_sd = ckpt.read_bundle_state(path, lambda st: build_network(cfg_of(st), spec_of(st)))
+        cfg, spec = cfg_of(state), spec_of(state)
+        net = build_network(cfg, spec)
+        try:
+            net.load_state_dict(model_sd)
+        except RuntimeError as e:
+            raise ckpt.CheckpointError(f"{path}: the weights do not fit the configured model "
+                                       f"({str(e).splitlines()[0][:160]})") from None
+        net = net.to(device)
+        ema = EMA(net, cfg.optim.ema_decay, cfg.optim.ema_warmup)
+        ema.load_state_dict({"n": state.get("ema_n", 0), "shadow": ema_sd})
+        bad = [n for n, p in list(net.named_parameters()) + list(zip(ema.names, ema.shadow)) if not torch.isfinite(p).all()]
+        if bad:
+            raise ckpt.CheckpointError(f"{path} holds non-finite weights ({bad[0]}); it cannot generate")
+        return cls(cfg, spec, net, ema, device, int(state["step"]), int(state.get("images", 0)))
+
+    # -- the network as an estimator ---------------------------------------------------------------
+    def x0_hat(self, x_t: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The network's x̂0 at (x_t, t), through the prediction type's conversion."""
+        out = self.net(x_t, t, labels) if labels is not None else self.net(x_t, t)
+        shape = (-1,) + (1,) * (x_t.ndim - 1)
+        a = self._alpha.to(x_t.device)[t].view(shape).to(x_t.dtype)
+        s = self._sigma.to(x_t.device)[t].view(shape).to(x_t.dtype)
+        return self.prediction.to_x0_eps(out.to(x_t.dtype), x_t, a, s)[0]
+
+    def denoiser(self, labels: torch.Tensor | None = None, guidance: float = 1.0, clip: float | None = None):
+        """`denoise(x_t, t) -> (x̂0, ε̂)` for the solvers: classifier-free guidance (Ho & Salimans
+        2022, Eq. 6, on x̂0) and clipping of x̂0 to the data range (ε̂ kept consistent with it)."""
+        if guidance != guidance or guidance in (float("inf"), float("-inf")):
+            raise ValueError(f"guidance must be a finite number, got {guidance}")
+        null = self.spec.num_classes
+
+        def denoise(x_t, t: int):
+            tt = torch.full((x_t.shape[0],), t, device=x_t.device, dtype=torch.long)
+            if labels is None or guidance == 1.0:
+                x0 = self.x0_hat(x_t, tt, labels)
+            else:
+                both = self.x0_hat(torch.cat([x_t, x_t]), torch.cat([tt, tt]),
+                                   torch.cat([labels, torch.full_like(labels, null)]))
+                cond, uncond = both.chunk(2)
+                x0 = uncond + guidance * (cond - uncond)
+            a, s = self._alpha[t].to(x_t.device), self._sigma[t].to(x_t.device)
+            if clip is not None:
+                x0 = x0.clamp(-clip, clip)
+            return x0, (x_t - a * x0) / s
+
+        return denoise
+
+    @contextlib.contextmanager
+    def averaged(self, ema: bool = True):
+        """The network in eval mode with the EMA weights swapped in (restored however the block ends)."""
+        ctx = self.ema.applied(self.net) if ema else contextlib.nullcontext()
+        self.net.eval()
+        try:
+            with ctx:
+                yield self.net
+        finally:
+            self.net.train()
+
+    @torch.no_grad()
+    def generate(self, n: int, labels: torch.Tensor | None = None, *, seed: int = 0, steps: int = 50,
+                 solver: str = "ddim", guidance: float = 1.0, ema: bool = True, progress: bool = False,
+                 eta: float | None = None, chunk: int = 1024) -> torch.Tensor:
+        """n samples in chunks of bounded memory; chunk i uses seed + i, so results do not depend on n.
+        Under FSDP every rank must call this in lockstep (forwards gather weights)."""
+        if n < 1:
+            raise ValueError(f"the number of samples must be >= 1, got {n}")
+        if steps < 1:
+            raise ValueError(f"sampling steps must be >= 1, got {steps}")
+        self.check_sampling()
+        opts = {} if eta is None else {"eta": float(eta)}
+        clip = 1.0 if self.spec.is_images else None
+        outs = []
+        with self.averaged(ema):
+            for i, lo in enumerate(range(0, n, chunk)):
+                m = min(chunk, n - lo)
+                lab = None if labels is None else labels[lo:lo + m].to(self.device)
+                g = torch.Generator(self.device).manual_seed(seed + i)
+                outs.append(run_solver(self.denoiser(lab, guidance, clip), self.schedule, (m,) + self.spec.shape,
+                                       solver=solver, steps=min(steps, self.schedule.T), generator=g,
+                                       device=self.device, progress=progress, **opts))
+        x = torch.cat(outs)
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"the samples are not finite: the weights of step {self.step} are broken "
+                             f"(resume from an earlier checkpoint)")
+        return x
+
+    def check_sampling(self) -> None:
+        bad = P.conditioning(self.cfg.diffusion.prediction, self.schedule) < 1e-6
+        if bool(bad.any()):
+            raise ValueError(sampling_refusal(self.cfg.diffusion.prediction, self.schedule.name))
+
+    def spec_dict(self) -> dict:
+        return asdict(self.spec)
+
+
+def sampling_refusal(prediction: str, schedule_name: str) -> str:
+    return (f"prediction {prediction!r} cannot be sampled on schedule {schedule_name!r} with SNR = 0 at its last "
+            f"step: x̂0 = (x - σ·ε̂)/α is undefined where α = 0 (use v, x0 or flow)")

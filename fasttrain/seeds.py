@@ -1,0 +1,26 @@
+"""Every seed of a run, derived from the one `train.seed` by purpose (and rank, where streams must
+differ per process): a keyed hash, so streams are independent whatever the numbers, and adding a new
+purpose never shifts an old one.
+
+    weights      model initialisation (the same on every rank)
+    data         the order of the data, per epoch (the same on every rank; ranks take their shard)
+    augment      per-sample augmentation draws (flips, crops) per epoch and rank
+    timesteps    timestep sampling and label dropout (per rank)
+    noise        the Philox noise stream of the kernels (per rank)
+    reseed       fresh per-rank streams when a run resumes on another number of processes (per step)
+    policy       learned samplers' own parameters (the same on every rank)
+    eval         sampling for evaluation and generation
+"""
+from __future__ import annotations
+
+import hashlib
+
+PURPOSES = ("weights", "data", "augment", "timesteps", "noise", "reseed", "policy", "eval", "probe")
+
+
+def derive(seed: int, purpose: str, *ids: int) -> int:
+    """A 63-bit seed for (seed, purpose, ids...), e.g. derive(s, "noise", rank)."""
+    if purpose not in PURPOSES:
+        raise ValueError(f"unknown seed purpose {purpose!r}; add it to fasttrain/seeds.py")
+    key = ":".join([str(int(seed)), purpose] + [str(int(i)) for i in ids]).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
