@@ -165,13 +165,17 @@ def load_dcp(folder: str | os.PathLike, state: dict) -> dict:
     """Fill `state` (tensors of the right shapes, sharded or not) from a DCP folder, in place."""
     import torch.distributed.checkpoint as dcp
 
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
     read_dcp_metadata(folder)  # a clear error before DCP's own, more cryptic ones
     try:
         dcp.load(state, storage_reader=_reader(folder), planner=_planner())
     except CheckpointError:
         raise
-    except Exception as e:  # noqa: BLE001 - missing or mismatched shards
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - missing, mismatched or refused shards
+        text = str(e)
+        ours = [line.split("CheckpointError: ", 1)[1] for line in text.splitlines() if "CheckpointError: " in line]
+        first = ours[0] if ours else (text.strip().splitlines()[0] if text.strip() else type(e).__name__)
         raise CheckpointError(f"cannot read checkpoint {folder}: {first[:200]}") from None
     return state
 

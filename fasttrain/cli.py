@@ -254,7 +254,7 @@ def _eval(args) -> int:
     s = EvalSettings.from_config(b.cfg)
     s = replace(s, num_samples=args.n if args.n is not None else s.num_samples, steps=args.steps or s.steps,
                 extractor=args.extractor or s.extractor, weights_path=args.weights or s.weights_path,
-                bpd=s.bpd and not args.no_bpd)
+                bpd=not args.no_bpd, bpd_samples=s.bpd_samples or 400)
     if args.ref is not None and not Path(args.ref).is_dir():
         raise ValueError(f"--ref {args.ref} is not a folder")
     metrics = {"step": b.step, **run_evaluation(b, s, reference_for(b.cfg, b.spec, args.ref))}

@@ -1,9 +1,12 @@
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from fasttrain.cli import main
+
+sys.path.insert(0, str(Path(__file__).parent / "data"))
 
 
 @pytest.mark.parametrize("args,key", [
@@ -48,3 +51,83 @@ def test_tiny_run_and_resume_errors(tmp_path, capsys):
     assert "no checkpoint" in capsys.readouterr().err
     assert main(base) == 0
     assert "done: 3 steps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,key", [
+    (["diffusion.sampler=speed", "diffusion.sampler_args.k=abc"], "diffusion.sampler_args.k"),
+    (["model.args.ch=abc"], "model.args.ch"),
+    (["data.name=moons", "model.name=unet_tiny"], "model.name"),
+    (["data.name=digits", "model.name=mlp"], "model.name"),
+    (["optim.lr=inf"], "optim.lr"),
+    (["optim.lr=nan"], "optim.lr"),
+    (["data.image_size=7"], "data.image_size"),
+    (["data.name=folder", "data.root=/tmp", "data.channels=4"], "data.channels"),
+    (["diffusion.schedule=flow"], "diffusion.prediction"),
+    (["sample.guidance=nan"], "sample.guidance"),
+    (["sample.solver=heun", "sample.eta=0.5"], "sample.eta"),
+    (["model.args.in_channels=3"], "model.args.in_channels"),
+])
+def test_more_bad_values_are_one_line_naming_the_key(capsys, args, key):
+    assert main(["train"] + args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and key in err and err.startswith("fasttrain: error:"), err
+
+
+@pytest.mark.parametrize("text", ["data: [1, 2\n", "- a\n- b\n", "data:\n  name: digits\n bad-indent: 1\n"])
+def test_malformed_presets_are_one_line(tmp_path, capsys, text):
+    p = tmp_path / "p.yaml"
+    p.write_text(text)
+    assert main(["train", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "p.yaml" in err, err
+
+
+def _one_line(capsys, *names):
+    """One error line (progress notes like "checking ROOT" may precede it), no traceback."""
+    err = capsys.readouterr().err.strip()
+    errors = [line for line in err.splitlines() if line.startswith("fasttrain: error:")]
+    assert len(errors) == 1 and "Traceback" not in err and err.splitlines()[-1] == errors[0], err
+    for n in names:
+        assert n in errors[0], err
+
+
+def test_data_problems_are_one_line_naming_the_input(tmp_path, capsys):
+    import json
+
+    from folder_fixtures import write_images
+
+    root = tmp_path / "imgs"
+    paths = write_images(root, n_per_class=3)
+    assert main(["data", "prepare", str(root)]) == 0
+    paths[2].write_bytes(b"\xff\xd8 truncated after prepare")
+    base = ["train", f"run_dir={tmp_path / 'run'}", "data.name=folder", f"data.root={root}", "data.image_size=8",
+            "data.batch_size=6", "train.steps=2", "train.progress=false", "model.name=dit_tiny", "sample.num=0",
+            "eval.num_samples=0", "eval.bpd=false"]
+    capsys.readouterr()
+    assert main(base + ["data.backend=torch"]) == 1
+    _one_line(capsys, paths[2].name, "data prepare")
+    from fasttrain.data import dali
+    if dali.available():
+        assert main(base + ["data.backend=dali", f"run_dir={tmp_path / 'run2'}"]) == 1
+        _one_line(capsys, paths[2].name)
+    assert main(base + [f"data.manifest={tmp_path / 'nope.json'}", f"run_dir={tmp_path / 'run3'}"]) == 1
+    _one_line(capsys, "data.manifest")
+    (root / "fasttrain-manifest.json").write_text(json.dumps({"files": "oops"}))
+    assert main(base + [f"run_dir={tmp_path / 'run4'}"]) == 1
+    _one_line(capsys, "data.manifest")
+    (root / "fasttrain-manifest.json").unlink()
+    (root / "empty").mkdir()
+    assert main(base + [f"run_dir={tmp_path / 'run5'}"]) == 1
+    _one_line(capsys, "'empty'")
+
+
+def test_out_paths_onto_or_under_a_file(tmp_path, capsys):
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    for argv in (["sample", "--ckpt", str(tmp_path), "--out", str(f)],
+                 ["sample", "--ckpt", str(tmp_path), "--out", str(f / "sub")],
+                 ["eval", "--ckpt", str(tmp_path), "--out", str(f / "e.json")],
+                 ["eval", "--ckpt", str(tmp_path), "--out", str(tmp_path)],
+                 ["data", "prepare", str(tmp_path), "--out", str(f / "m.json")]):
+        assert main(argv) == 1, argv
+        _one_line(capsys, "--out")

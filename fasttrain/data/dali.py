@@ -158,9 +158,9 @@ class DaliStream:
 
     def __next__(self):
         for _ in range(2):
-            if self._it is None:
-                self._start_chunk()
             try:
+                if self._it is None:
+                    self._start_chunk()  # DALI runs its first batch in the iterator's constructor
                 x, y = self._convert(next(self._it))
             except StopIteration:
                 self._it = None

@@ -1,0 +1,69 @@
+"""The model bundle stands without the trainer: a checkpoint alone generates and is evaluated."""
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fasttrain.bundle import ModelBundle
+from fasttrain.cli import main
+
+sys.path.insert(0, str(Path(__file__).parent / "data"))
+from folder_fixtures import write_images  # noqa: E402
+
+TINY = ["train.progress=false", "sample.num=0", "eval.num_samples=0", "eval.bpd=false", "train.threads=1"]
+
+
+def test_train_on_a_folder_delete_it_then_sample_and_evaluate(tmp_path, capsys):
+    data, run = tmp_path / "data", tmp_path / "run"
+    write_images(data, n_per_class=4)
+    ref = tmp_path / "ref"
+    shutil.copytree(data, ref)
+    assert main(["train", f"run_dir={run}", "data.name=folder", f"data.root={data}", "data.backend=torch",
+                 "data.image_size=8", "data.batch_size=4", "train.steps=3", "model.name=dit_tiny",
+                 "model.args.hidden=32", "model.args.depth=1", "model.args.heads=2"] + TINY) == 0
+    shutil.rmtree(data)  # the training data are gone (and there is no manifest to rescan)
+    b = ModelBundle.load(run)
+    assert b.spec.shape == (3, 8, 8) and b.spec.num_classes == 2 and b.step == 3
+    assert main(["sample", "--ckpt", str(run), "--n", "6", "--steps", "3", "--out", str(tmp_path / "s")]) == 0
+    assert (tmp_path / "s" / "grid.png").is_file() and (tmp_path / "s" / "00005.png").is_file()
+    capsys.readouterr()
+    # FID against a reference folder given on the command line (offline: the digits extractor on RGB)
+    assert main(["eval", "--ckpt", str(run), "--n", "8", "--steps", "3", "--ref", str(ref),
+                 "--extractor", "fasttrain-digits"]) == 0
+    ev = json.loads((run / "eval.json").read_text())
+    assert ev["fid"] > 0 and "bpd" in ev and ev["bpd_se"] > 0
+    # without --ref the missing folder is reported, not fatal
+    assert main(["eval", "--ckpt", str(run), "--n", "8", "--steps", "3", "--extractor", "fasttrain-digits"]) == 0
+    assert "pass --ref" in json.loads((run / "eval.json").read_text())["fidelity_error"]
+    assert main(["eval", "--ckpt", str(run), "--ref", str(tmp_path / "nope")]) == 1
+
+
+def test_guidance_mixes_conditional_and_unconditional(tmp_path):
+    main(["train", f"run_dir={tmp_path}", "train.steps=1", "model.args.ch=8"] + TINY)
+    b = ModelBundle.load(tmp_path)
+
+    def fake_x0(x, t, y):  # conditional estimate 0, unconditional 1
+        return torch.where((y == b.spec.num_classes)[:, None, None, None], torch.ones_like(x), torch.zeros_like(x))
+
+    b.x0_hat = fake_x0
+    labels = torch.zeros(4, dtype=torch.long)
+    for g, expect in ((1.0, 0.0), (3.0, -2.0)):  # uncond + g·(cond - uncond) = 1 + g·(0 - 1)
+        x0, _ = b.denoiser(labels, guidance=g)(torch.randn(4, 1, 8, 8), 10)
+        torch.testing.assert_close(x0, torch.full_like(x0, expect))
+    with pytest.raises(ValueError, match="guidance must be a finite number"):
+        b.denoiser(labels, guidance=float("nan"))
+
+
+def test_non_finite_weights_are_refused(tmp_path, capsys):
+    main(["train", f"run_dir={tmp_path}", "train.steps=1", "model.args.ch=8"] + TINY)
+    st = torch.load(tmp_path / "last.pt", weights_only=True)
+    name = next(iter(st["ema"]))
+    st["ema"][name] = st["ema"][name] * float("nan")
+    torch.save(st, tmp_path / "last.pt")
+    capsys.readouterr()
+    assert main(["sample", "--ckpt", str(tmp_path), "--out", str(tmp_path / "s")]) == 1
+    assert "non-finite weights" in capsys.readouterr().err
+    assert main(["eval", "--ckpt", str(tmp_path)]) == 1

@@ -1,0 +1,98 @@
+"""Checkpoints are data, never code: malicious and malformed files end in one line, nothing runs."""
+import io
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from fasttrain import checkpoint as ckpt
+from fasttrain.cli import main
+
+
+class Evil:
+    """A pickle payload that runs a shell command when loaded."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _dcp_folder(tmp_path, extra=None):
+    folder = tmp_path / "run" / "dcp"
+    state = {"model": {"w": torch.randn(3, 4)}, "ema": {"w": torch.randn(3, 4)},
+             "extra": ckpt.to_tensor(extra or {"config": {}, "data_spec": {}, "step": 1})}
+    dcp.save(state, checkpoint_id=str(folder))
+    return folder
+
+
+def test_malicious_dcp_metadata_is_refused_and_runs_nothing(tmp_path):
+    folder = _dcp_folder(tmp_path)
+    marker = tmp_path / "pwned"
+    (folder / ".metadata").write_bytes(pickle.dumps(Evil(marker)))
+    with pytest.raises(ckpt.CheckpointError, match="refusing to read .*posix.system|refusing to read .*os.system"):
+        ckpt.read_dcp_metadata(folder)
+    for argv in (["sample", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "s")],
+                 ["eval", "--ckpt", str(folder)], ["report", str(tmp_path / "run")]):
+        assert main(argv) == 1, argv
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert main(["report", str(tmp_path / "run")]) == 1
+    assert main(["train", f"run_dir={tmp_path / 'run'}", "train.steps=2", "train.progress=false", "--resume"]) == 1
+    assert not marker.exists()
+
+
+def test_pickled_entries_inside_dcp_shards_are_refused(tmp_path):
+    """DCP loads non-tensor entries with torch.load(weights_only=False): fasttrain stores none and
+    its planner refuses them, so a tampered shard cannot run code either."""
+    folder = tmp_path / "d"
+    marker = tmp_path / "pwned2"
+    dcp.save({"extra": Evil(marker)}, checkpoint_id=str(folder))
+    assert not marker.exists()
+    with pytest.raises(ckpt.CheckpointError):
+        ckpt.load_dcp(folder, {"extra": None})
+    assert not marker.exists()
+
+
+def test_the_real_metadata_passes_the_allow_list(tmp_path):
+    folder = _dcp_folder(tmp_path, {"config": {"a": 1}, "data_spec": {}, "step": 7})
+    assert ckpt.read_dcp_extra(folder)["step"] == 7
+    holder = {"model": {"w": torch.zeros(3, 4)}}
+    ckpt.load_dcp(folder, holder)
+    assert holder["model"]["w"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("content", [b"", b"\x00" * 100, b"PK\x03\x04garbage", "pickle", "keyless", "evil"])
+def test_malformed_last_pt_is_one_line(tmp_path, capsys, content):
+    run = tmp_path / "run"
+    run.mkdir()
+    marker = tmp_path / "pwned3"
+    if content == "pickle":
+        torch.save([1, 2, 3], run / "last.pt")
+    elif content == "keyless":
+        torch.save({"model": {}}, run / "last.pt")
+    elif content == "evil":
+        buf = io.BytesIO()
+        torch.save({"config": Evil(marker)}, buf)
+        (run / "last.pt").write_bytes(buf.getvalue())
+    else:
+        (run / "last.pt").write_bytes(content)
+    with pytest.raises(ckpt.CheckpointError):
+        ckpt.load_file(run / "last.pt")
+    capsys.readouterr()
+    assert main(["sample", "--ckpt", str(run), "--out", str(tmp_path / "s")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "last.pt" in err and "weights_only=False" not in err, err
+    assert not marker.exists()
+
+
+def test_latest_and_resolve(tmp_path):
+    assert ckpt.latest(tmp_path) is None
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint in"):
+        ckpt.resolve(tmp_path)
+    ckpt.save_file(tmp_path / "last.pt", {"config": {}, "data_spec": {}, "step": 1, "model": {}, "ema": {}})
+    assert ckpt.latest(tmp_path) == tmp_path / "last.pt" and ckpt.resolve(tmp_path) == tmp_path / "last.pt"
+    assert not list(tmp_path.glob("*.tmp"))  # the temp file is gone
