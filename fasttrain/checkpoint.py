@@ -14,9 +14,9 @@ The bundle (bundle.py) needs only config, data_spec, model, ema and step: `read_
 
 Safety: a checkpoint is data, never code. Files go through `torch.load(weights_only=True)`; DCP's
 `.metadata` is a plain pickle that torch reads with `pickle.load`, so it is read here through an
-unpickler that admits only DCP's own metadata classes, dtypes and paths; DCP's byte entries would
-be `torch.load`ed with `weights_only=False`, so fasttrain stores none (its small state travels as a
-uint8 tensor) and its load planner refuses them. Every failure is one line naming the file.
+unpickler that admits only DCP's own metadata classes, dtypes and paths; DCP's byte entries (the
+optimizer's hyper-parameters) would be `torch.load`ed with `weights_only=False`, so fasttrain's load
+planner reads them with `weights_only=True` first. Every failure is one line naming the file.
 """
 from __future__ import annotations
 
@@ -134,11 +134,21 @@ def _reader(folder):
 def _planner():
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    class NoPicklePlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item, value):
-            raise CheckpointError(f"refusing a pickled entry {read_item.dest_index.fqn!r} in a checkpoint")
+    class WeightsOnlyPlanner(DefaultLoadPlanner):
+        """DCP's byte entries (e.g. optimizer hyper-parameters) through `weights_only=True`."""
 
-    return NoPicklePlanner()
+        def load_bytes(self, read_item, value):
+            try:
+                obj = torch.load(value, weights_only=True)
+            except Exception:  # noqa: BLE001 - anything but plain data is refused
+                raise CheckpointError(f"refusing the entry {read_item.dest_index.fqn!r}: it holds objects other "
+                                      f"than tensors and plain data") from None
+            value = io.BytesIO()
+            torch.save(obj, value)
+            value.seek(0)
+            super().load_bytes(read_item, value)  # now known to be plain data
+
+    return WeightsOnlyPlanner()
 
 
 def save_dcp(folder: str | os.PathLike, state: dict, is_main: bool) -> Path:
