@@ -31,8 +31,9 @@ def _workspace(B: int, nacc: int, device: torch.device) -> tuple[torch.Tensor, t
 
 
 def _budget(backend: str, block: int) -> int:
-    # Interpreter: few large programs (each op costs Python time); GPU: 4096-element tiles.
-    return block or (16384 if backend == "interpret" else 4096)
+    # Interpreter: few large programs (each op costs Python time); GPU: 2048-element tiles, as kernel B
+    # (the tile spans heads × channels × pixels; not yet tuned on a GPU).
+    return block or (16384 if backend == "interpret" else 2048)
 
 
 @torch.library.custom_op("fasttrain::mixed_loss", mutates_args=("bins",))

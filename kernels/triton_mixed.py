@@ -25,7 +25,9 @@ import triton.language as tl
 
 from .triton_kernels import scatter_value
 
-NEG = -1e30  # logit of a padded head lane: exp underflows to exactly 0
+# Logit of a padded head lane (exp underflows to exactly 0); constexpr, as compiled Triton only reads
+# globals that are.
+NEG = tl.constexpr(-1e30)
 
 
 @triton.jit

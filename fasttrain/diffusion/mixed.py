@@ -8,7 +8,8 @@ prediction type (prediction.py: eps, x0, v; flow on the flow schedule), and gate
 gives x̂0⁽ⁱ⁾ = k1ᵢ(t)·predᵢ + k2ᵢ(t)·x_t, and the estimate is x̂0 = Σᵢ softmax(g + βᵢ(t))ᵢ ⊙ x̂0⁽ⁱ⁾.
 
   gate=pixel     the network outputs H gate channels after the heads (a logit per head and pixel,
-                 shared by the channels): out has H·C + H channels.
+                 shared by the channels): out has H·C + H channels. For flat data (no spatial
+                 dims, the 2-D toys) a "pixel" is the sample: the gate is per sample.
   gate=timestep  a learned table of logits per (timestep, head), `TimestepGate`, held by the
                  network wrapper (denoiser.py) so that it is a network parameter: sharded, reduced,
                  averaged by the EMA and checkpointed like the others. The network outputs H·C
@@ -94,8 +95,7 @@ def conversion(heads, schedule: NoiseSchedule) -> tuple[torch.Tensor, torch.Tens
     for h in check_heads(heads, schedule):
         ce, cx = (torch.as_tensor(c, dtype=torch.float64).expand_as(a) for c in P.get(h).coefficients(a, s))
         det = a * ce - s * cx
-        with torch.no_grad():
-            k1, k2 = -s / det, ce / det
+        k1, k2 = -s / det, ce / det  # inf/NaN where det = 0: masked just below
         ok = torch.isfinite(k1) & torch.isfinite(k2) & (k1.abs() < KAPPA_MAX) & (k2.abs() < KAPPA_MAX)
         k1s.append(torch.where(ok, k1, 0.0))
         k2s.append(torch.where(ok, k2, 0.0))
@@ -166,8 +166,11 @@ class MixedObjective(DiffusionObjective):
     fused mixed loss (kernels/ops_mixed.py), statistics with one x0-error kind per head, and x0_hat
     returning the mixed estimate (mode=gate) or the argmin head's (mode=argmin).
 
-    The network is called as model(x_t, t[, y]); with gate="timestep" as model(x_t, t, return_gate=True)
-    (Denoiser with `gate_heads=H`), with a learned weighting also return_logvar=True."""
+    `weighting` is an x0-space weighting (loss_weight(name, schedule, "x0"): "simple" and "constant"
+    are the plain x0-MSE). The network is called as model(x_t, t[, y]); with gate="timestep" as
+    model(x_t, t, return_gate=True) (Denoiser with `gate_heads=H`: the table's gradient is the
+    kernel's per-sample gate gradient, which autograd's backward of the gather `logits[t]` sums by
+    t), with a learned weighting also return_logvar=True."""
 
     def __init__(self, schedule: NoiseSchedule, heads=("eps", "x0"), gate: str = "pixel", weighting="simple",
                  sampler="uniform", *, aux_weight: float = 0.1, mode: str = "gate", prior: bool = True,

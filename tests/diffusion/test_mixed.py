@@ -13,8 +13,9 @@ from fasttrain.diffusion.denoiser import Denoiser
 from fasttrain.kernels import mixed_reference as mref, ops, ops_mixed, philox
 import gmm_oracle as gmm
 
-BACKEND = "triton" if torch.cuda.is_available() else "interpret"
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# CPU tensors throughout: the interpreter where it is set (conftest.py), the reference on a GPU machine
+# (tests/kernels/test_mixed_kernels.py runs the compiled kernel there).
+BACKEND = "torch" if torch.cuda.is_available() else "interpret"
 
 
 class Net(torch.nn.Module):

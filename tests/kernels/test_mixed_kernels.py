@@ -191,7 +191,7 @@ def test_fake_and_autograd_registration():
     _, w, tab = setup(("eps", "x0", "v"))
     x0, eps, t, iw, out, g = inputs((3, 2, 4, 4), 3, False)
     args = (out, x0, t, w, iw, tab, g, torch.zeros(5, T, dtype=torch.float64, device=DEVICE),
-            torch.zeros(11, T, dtype=torch.float64, device=DEVICE), eps, 0, torch.zeros((), dtype=torch.int64),
+            torch.zeros(11, T, dtype=torch.float64, device=DEVICE), eps, 0, torch.zeros((), dtype=torch.int64, device=DEVICE),
             "torch", 0)
     torch.library.opcheck(ops_mixed._mixed_op, args, test_utils=("test_schema", "test_faketensor"))
 
