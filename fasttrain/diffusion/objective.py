@@ -104,6 +104,17 @@ class DiffusionObjective(nn.Module):
                 "loss_per_sample": per_sample.detach()}
         return loss, info
 
+    def probe_loss(self, model, x0: torch.Tensor, t: torch.Tensor, eps: torch.Tensor, cond=None) -> torch.Tensor:
+        """Per-sample loss ℓ_b (iw = 1) at the given t and eps, with no statistics and no noise-counter
+        move: for probes (diagnostics, look-aheads). Differentiable in the model's parameters."""
+        backend = ops.resolve_backend(self.backend, x0.device)
+        x_t = ops.noise(x0, t, self.alpha, self.sigma, eps=eps, backend=backend)
+        kw = {} if cond is None else {"y": cond}
+        pred, logvar = model(x_t, t, return_logvar=True, **kw) if self.learned_weighting else (model(x_t, t, **kw), None)
+        iw = torch.ones(x0.shape[0], device=x0.device)
+        per = ops.loss(pred, x0, t, self.weight, iw, self.coef, uses=self.pred.uses, eps=eps, backend=backend).per_sample
+        return per if logvar is None else uncertainty_loss(per, logvar)
+
     def x0_hat(self, output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """The network's estimate of x0 from its raw output at (x_t, t): the one conversion that
         look-aheads, diagnostics and generation use (prediction.py; a mixed prediction overrides it)."""

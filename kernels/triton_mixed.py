@@ -1,0 +1,146 @@
+"""Fused Triton kernel of the mixed-prediction loss: kernel B for H heads and a gate (contract and
+formulas: mixed_reference.py).
+
+One program per (sample b, block of BP pixels). It holds a [HP, CB, BP] tile (heads × channels ×
+pixels; HP, CB powers of two, padded lanes masked) and loops over the channels in chunks of CB, so a
+pixel's gate sees all channels of all heads in one program:
+  * regenerates eps = Philox(seed, offset + element index) (the stream kernel A drew, see philox.py),
+  * per head: target = ce·eps + cx·x0, d = pred - target, e = k1·d + fb·x0 (the x0 residual),
+  * π = softmax over heads of (gate + bias) per pixel, E = Σ π·e (the mixed x0 residual),
+  * writes ∂L/∂pred and ∂L/∂gate (L = mean_b ℓ_b) in the forward pass: the loss is the last op,
+  * adds its partial sums (Σ E², Σ d_i², Σ e_i², per-sample gate gradient) into a workspace row;
+    the program that finishes a sample writes the per-sample outputs and scatters the V = 2 + H
+    values (raw, weighted, each head's x0 error) into the per-timestep bins (bins.py), skipping a
+    sample with any non-finite value, and resets the sample's workspace row; the program that
+    finishes the batch publishes the mean and resets the batch slots (the self-cleaning workspace
+    of kernel B in triton_kernels.py: no memset launch).
+
+Workspace row of sample b (NACC = 1 + 3·HP fp32 slots): [0] Σ E², [1 + h] Σ d_h², [1 + HP + h]
+Σ e_h², [1 + 2·HP + h] the per-sample gate gradient (per-sample gate only). Row B: the batch sum.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_kernels import scatter_value
+
+# Logit of a padded head lane (exp underflows to exactly 0); constexpr, as compiled Triton only reads
+# globals that are.
+NEG = tl.constexpr(-1e30)
+
+
+@triton.jit
+def mixed_loss_kernel(out_ptr, x0_ptr, eps_ptr, t_ptr, w_ptr, iw_ptr, tab_ptr, gate_ptr, pivot_ptr, bins_ptr,
+                      grad_ptr, ggrad_ptr, acc_ptr, cnt_ptr, raw_ptr, wl_ptr, ps_ptr, x0e_ptr, loss_ptr,
+                      H, C, P, CO, B, T, NCH, NACC, seed, offset_ptr, grad_scale,
+                      PIXEL_GATE: tl.constexpr, HAS_EPS: tl.constexpr, BINS: tl.constexpr, NROWS: tl.constexpr,
+                      HP: tl.constexpr, CB: tl.constexpr, BP: tl.constexpr):
+    b = tl.program_id(0)
+    pblk = tl.program_id(1)
+    hh = tl.arange(0, HP)
+    hm = hh < H
+    pp = pblk * BP + tl.arange(0, BP)
+    pm = pp < P
+    tb = tl.load(t_ptr + b)
+    wb = tl.load(w_ptr + tb)
+    ib = tl.load(iw_ptr + b)
+    row = tab_ptr + hh * (NROWS * T) + tb  # [HP]: the table rows at t_b (layout: mixed_reference.ROWS)
+    ce = tl.load(row, mask=hm, other=0.0)[:, None, None]
+    cx = tl.load(row + T, mask=hm, other=0.0)[:, None, None]
+    k1 = tl.load(row + 2 * T, mask=hm, other=0.0)[:, None, None]
+    fb = tl.load(row + 3 * T, mask=hm, other=0.0)[:, None, None]
+    bias = tl.load(row + 4 * T, mask=hm, other=0.0)
+    aux = tl.load(row + 5 * T, mask=hm, other=0.0)
+    obase = b.to(tl.int64) * CO * P
+    xbase = b.to(tl.int64) * C * P
+    # π: softmax over heads of gate + bias, per pixel ([HP, BP]) or per sample ([HP, 1])
+    if PIXEL_GATE:
+        goff = obase + (H * C + hh)[:, None] * P + pp[None, :]
+        gm = hm[:, None] & pm[None, :]
+        z = tl.load(out_ptr + goff, mask=gm, other=0.0).to(tl.float32) + bias[:, None]
+    else:
+        z = (tl.load(gate_ptr + b * H + hh, mask=hm, other=0.0).to(tl.float32) + bias)[:, None]
+    z = tl.where(hm[:, None], z, NEG)
+    ez = tl.exp(z - tl.max(z, axis=0)[None, :])
+    pi = ez / tl.sum(ez, axis=0)[None, :]
+    pi3 = pi[:, None, :]
+    sb = grad_scale * ib  # 2·iw_b/(B·D)
+    sE2 = tl.zeros([BP], dtype=tl.float32)
+    sd2 = tl.zeros([HP, BP], dtype=tl.float32)
+    se2 = tl.zeros([HP, BP], dtype=tl.float32)
+    gacc = tl.zeros([HP, BP], dtype=tl.float32)
+    for c0 in range(0, C, CB):
+        cc = c0 + tl.arange(0, CB)
+        m2 = (cc < C)[:, None] & pm[None, :]
+        xoff = xbase + cc[:, None] * P + pp[None, :]  # [CB, BP]: also the Philox counter
+        x0 = tl.load(x0_ptr + xoff, mask=m2, other=0.0).to(tl.float32)
+        if HAS_EPS:
+            eps = tl.load(eps_ptr + xoff, mask=m2, other=0.0).to(tl.float32)
+        else:
+            eps = tl.where(m2, tl.randn(seed, tl.load(offset_ptr) + xoff), 0.0)  # the same eps kernel A used
+        m3 = hm[:, None, None] & m2[None, :, :]
+        ooff = obase + (hh[:, None, None] * C + cc[None, :, None]) * P + pp[None, None, :]
+        pred = tl.load(out_ptr + ooff, mask=m3, other=0.0).to(tl.float32)
+        d = pred - (ce * eps[None, :, :] + cx * x0[None, :, :])  # 0 on padded lanes: all loads are 0 there
+        e = k1 * d + fb * x0[None, :, :]
+        E = tl.sum(pi3 * e, axis=0)  # [CB, BP]
+        gE = (sb * wb) * E
+        g = pi3 * k1 * gE[None, :, :] + (sb * aux)[:, None, None] * d
+        tl.store(grad_ptr + ooff, g.to(grad_ptr.dtype.element_ty), mask=m3)
+        gacc += tl.sum(pi3 * (e - E[None, :, :]) * gE[None, :, :], axis=1)
+        sE2 += tl.sum(E * E, axis=0)
+        sd2 += tl.sum(d * d, axis=1)
+        se2 += tl.sum(e * e, axis=1)
+    ws = acc_ptr + b * NACC
+    if PIXEL_GATE:
+        tl.store(grad_ptr + goff, gacc.to(grad_ptr.dtype.element_ty), mask=gm)
+    else:
+        tl.atomic_add(ws + 1 + 2 * HP + hh, tl.sum(gacc, axis=1), mask=hm)
+    tl.atomic_add(ws, tl.sum(sE2, axis=0))
+    tl.atomic_add(ws + 1 + hh, tl.sum(sd2, axis=1), mask=hm)
+    tl.atomic_add(ws + 1 + HP + hh, tl.sum(se2, axis=1), mask=hm)
+    # The program that finishes a sample (acq_rel atomics order its partial sums before the count)
+    # reads the totals, writes the per-sample outputs and the bins, and resets the sample's slots.
+    last = tl.atomic_add(cnt_ptr + b, 1) == NCH - 1
+    lh = last & hm
+    D = C * P
+    zh = tl.zeros([HP], dtype=tl.float32)
+    raw = tl.atomic_add(ws, 0.0, mask=last) / D
+    own = tl.atomic_add(ws + 1 + hh, zh, mask=lh) / D
+    x0e = tl.atomic_add(ws + 1 + HP + hh, zh, mask=lh) / D
+    wl = wb * raw + tl.sum(tl.where(hm, aux * own, 0.0), axis=0)
+    tl.store(raw_ptr + b, raw, mask=last)
+    tl.store(wl_ptr + b, wl, mask=last)
+    tl.store(ps_ptr + b, wl * ib, mask=last)
+    tl.store(x0e_ptr + b * H + hh, x0e, mask=lh)
+    if not PIXEL_GATE:
+        gg = tl.atomic_add(ws + 1 + 2 * HP + hh, zh, mask=lh)
+        tl.store(ggrad_ptr + b * H + hh, gg.to(ggrad_ptr.dtype.element_ty), mask=lh)
+    slots = tl.arange(0, 4 * HP)
+    tl.store(ws + slots, tl.zeros([4 * HP], dtype=tl.float32), mask=last & (slots < NACC))
+    tl.store(cnt_ptr + b, 0, mask=last)
+    tl.atomic_add(acc_ptr + B * NACC, wl * ib / B, mask=last)
+    if BINS:
+        # finite: x - x is NaN for inf and NaN; one non-finite value leaves the whole sample out
+        fin_h = tl.sum(tl.where(hm, x0e - x0e, 0.0), axis=0) == 0.0
+        ok = last & (raw - raw == 0.0) & (wl - wl == 0.0) & fin_h
+        tl.atomic_add(bins_ptr + tb, raw.to(tl.float64) * 0.0 + 1.0, mask=ok)
+        scatter_value(bins_ptr, pivot_ptr, raw, 0, tb, T, ok)
+        scatter_value(bins_ptr, pivot_ptr, wl, 1, tb, T, ok)
+        scatter_value(bins_ptr, pivot_ptr, x0e, 2 + hh, tb, T, ok & hm)
+    # The last sample to finish publishes the batch mean and resets the batch slots.
+    final = last & (tl.atomic_add(cnt_ptr + B, 1, mask=last) == B - 1)
+    tl.store(loss_ptr, tl.atomic_add(acc_ptr + B * NACC, 0.0, mask=final), mask=final)
+    tl.store(acc_ptr + B * NACC, 0.0, mask=final)
+    tl.store(cnt_ptr + B, 0, mask=final)
+
+
+def tile(H: int, C: int, P: int, budget: int) -> tuple[int, int, int]:
+    """(HP, CB, BP): heads padded to a power of two; as many pixels as fit in `budget` elements with
+    every channel in one chunk, else one pixel and the channels in chunks."""
+    HP, CP, PP = (triton.next_power_of_2(v) for v in (H, C, P))
+    budget = triton.next_power_of_2(max(int(budget), HP))
+    BP = min(PP, max(1, budget // (HP * CP)))
+    CB = min(CP, max(1, budget // (HP * BP)))
+    return HP, CB, BP
