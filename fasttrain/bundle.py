@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import checkpoint as ckpt
 from . import seeds
-from .diffusion import DiffusionObjective, schedule as make_schedule
+from .diffusion import DiffusionObjective, mixed, schedule as make_schedule
 from .diffusion import prediction as P
 from .diffusion.denoiser import Denoiser
 from .diffusion.solvers import generate as run_solver
@@ -47,41 +47,52 @@ class DataSpec:
 
 
 def build_network(cfg: DictConfig, spec: DataSpec) -> Denoiser:
+    """The backbone (heads × C plus gate channels for a mixed prediction) in its Denoiser wrapper."""
     df = cfg.diffusion
     sched = make_schedule(df.schedule, df.T, df.zero_terminal_snr)
+    args, gate_heads = dict(cfg.model.args), 0
+    if df.prediction == "mixed":
+        heads = list(df.mixed.heads)
+        args["out_channels"] = mixed.output_channels(heads, spec.channels, df.mixed.gate)
+        gate_heads = len(heads) if df.mixed.gate == "timestep" else 0
     net = build_model(cfg.model.name, in_channels=spec.channels, image_size=spec.image_size,
-                      num_classes=spec.num_classes, **cfg.model.args)
-    return Denoiser(net, sched, learned_weighting=df.learned_weighting)
+                      num_classes=spec.num_classes, **args)
+    return Denoiser(net, sched, learned_weighting=df.learned_weighting, gate_heads=gate_heads)
 
 
 def build_objective(cfg: DictConfig, rank: int = 0, stats: bool = True) -> DiffusionObjective:
     df = cfg.diffusion
     sched = make_schedule(df.schedule, df.T, df.zero_terminal_snr)
-    return DiffusionObjective(sched, df.prediction, df.weighting, df.sampler, weighting_args=dict(df.weighting_args),
-                              sampler_args=dict(df.sampler_args), learned_weighting=df.learned_weighting,
-                              backend=df.backend, stats=stats, seed=seeds.derive(cfg.train.seed, "noise", rank))
+    kw = dict(weighting_args=dict(df.weighting_args), sampler_args=dict(df.sampler_args), stats=stats,
+              learned_weighting=df.learned_weighting, backend=df.backend, seed=seeds.derive(cfg.train.seed, "noise", rank))
+    if df.prediction == "mixed":
+        m = df.mixed
+        return mixed.MixedObjective(sched, list(m.heads), m.gate, df.weighting, df.sampler, aux_weight=m.aux_weight,
+                                    mode=m.mode, prior=m.prior, argmin_buckets=m.argmin_buckets, **kw)
+    return DiffusionObjective(sched, df.prediction, df.weighting, df.sampler, **kw)
 
 
 class ModelBundle:
     def __init__(self, cfg: DictConfig, spec: DataSpec, net: torch.nn.Module, ema: EMA, device: torch.device,
-                 step: int = 0, images: int = 0):
+                 step: int = 0, images: int = 0, objective: DiffusionObjective | None = None):
         self.cfg, self.spec, self.net, self.ema, self.device = cfg, spec, net, ema, torch.device(device)
         self.step, self.images = step, images
-        df = cfg.diffusion
-        self.schedule = make_schedule(df.schedule, df.T, df.zero_terminal_snr).to(self.device)
-        self.prediction = P.get(df.prediction)
+        # the output → x̂0 conversion (and a mixed prediction's per-timestep choice): the objective's
+        self.objective = objective if objective is not None else build_objective(cfg).to(self.device)
+        self.schedule = self.objective.schedule
         self._alpha, self._sigma = self.schedule.alpha.float(), self.schedule.sigma.float()
 
     # -- construction --------------------------------------------------------------------------------
     @classmethod
-    def build(cls, cfg: DictConfig, spec: DataSpec, device, net: torch.nn.Module | None = None) -> "ModelBundle":
+    def build(cls, cfg: DictConfig, spec: DataSpec, device, net: torch.nn.Module | None = None,
+              objective: DiffusionObjective | None = None) -> "ModelBundle":
         """A fresh network (seeded: the same initial weights on every rank) and its EMA."""
         if net is None:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seeds.derive(cfg.train.seed, "weights"))
                 net = build_network(cfg, spec).to(device)
         o = cfg.optim
-        return cls(cfg, spec, net, EMA(net, o.ema_decay, o.ema_warmup), device)
+        return cls(cfg, spec, net, EMA(net, o.ema_decay, o.ema_warmup), device, objective=objective)
 
     @classmethod
     def load(cls, path, device=None) -> "ModelBundle":
@@ -117,16 +128,17 @@ class ModelBundle:
         bad = [n for n, p in list(net.named_parameters()) + list(zip(ema.names, ema.shadow)) if not torch.isfinite(p).all()]
         if bad:
             raise ckpt.CheckpointError(f"{path} holds non-finite weights ({bad[0]}); it cannot generate")
-        return cls(cfg, spec, net, ema, device, int(state["step"]), int(state.get("images", 0)))
+        objective = build_objective(cfg).to(device)
+        if cfg.diffusion.prediction == "mixed" and "objective" in state:  # argmin's choice comes from the statistics
+            objective.load_extra_state(state["objective"])
+        return cls(cfg, spec, net, ema, device, int(state["step"]), int(state.get("images", 0)), objective)
 
     # -- the network as an estimator ---------------------------------------------------------------
     def x0_hat(self, x_t: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """The network's x̂0 at (x_t, t), through the prediction type's conversion."""
+        """The network's x̂0 at (x_t, t), through the objective's conversion (a prediction type's, or a
+        mixed prediction's gated mix or argmin head)."""
         out = self.net(x_t, t, labels) if labels is not None else self.net(x_t, t)
-        shape = (-1,) + (1,) * (x_t.ndim - 1)
-        a = self._alpha.to(x_t.device)[t].view(shape).to(x_t.dtype)
-        s = self._sigma.to(x_t.device)[t].view(shape).to(x_t.dtype)
-        return self.prediction.to_x0_eps(out.to(x_t.dtype), x_t, a, s)[0]
+        return self.objective.x0_hat(out, x_t, t)
 
     def denoiser(self, labels: torch.Tensor | None = None, guidance: float = 1.0, clip: float | None = None):
         """`denoise(x_t, t) -> (x̂0, ε̂)` for the solvers: classifier-free guidance (Ho & Salimans
@@ -191,6 +203,8 @@ class ModelBundle:
         return x
 
     def check_sampling(self) -> None:
+        if self.cfg.diffusion.prediction == "mixed":
+            return  # heads that cannot recover x0 at a timestep are masked there (mixed.py)
         bad = P.conditioning(self.cfg.diffusion.prediction, self.schedule) < 1e-6
         if bool(bad.any()):
             raise ValueError(sampling_refusal(self.cfg.diffusion.prediction, self.schedule.name))

@@ -47,11 +47,21 @@ class ModelConfig:
 
 
 @dataclass
+class MixedConfig:
+    heads: List[str] = _f(["eps", "x0", "v"], "prediction heads mixed by the gate (two or more of eps, x0, v; flow on the flow schedule)")
+    gate: str = _f("pixel", "pixel (gate channels from the network) | timestep (a learned table of logits per timestep)")
+    aux_weight: float = _f(0.1, "weight of each head's own loss in its own space")
+    mode: str = _f("gate", "generate from the gated mix (gate) or the head with the lowest running x0 error per timestep (argmin)")
+    prior: bool = _f(True, "bias the gate by each head's conditioning (ill-conditioned heads start near weight 0)")
+    argmin_buckets: int = _f(20, "timestep buckets for mode=argmin")
+
+
+@dataclass
 class DiffusionConfig:
     schedule: str = _f("linear", "the noise schedule")
     T: int = _f(1000, "number of discrete timesteps")
     zero_terminal_snr: bool = _f(False, "rescale a VP schedule to SNR = 0 at t = T-1 (Lin et al. 2024)")
-    prediction: str = _f("eps", "what the network predicts")
+    prediction: str = _f("eps", "what the network predicts (mixed: several heads and a gate, see diffusion.mixed)")
     weighting: str = _f("min_snr", "loss weighting, defined in x0 space")
     weighting_args: Dict[str, Any] = _f({}, "arguments of the weighting, e.g. diffusion.weighting_args.gamma=5")
     sampler: str = _f("uniform", "timestep sampler")
@@ -59,6 +69,7 @@ class DiffusionConfig:
     learned_weighting: bool = _f(False, "add an EDM2-style learned per-timestep log-variance")
     stats_every: int = _f(10, "steps between statistics syncs and sampler updates (K)")
     backend: str = _f("auto", "kernel backend: auto (triton on CUDA, native on CPU where built, else torch)")
+    mixed: MixedConfig = field(default_factory=MixedConfig)
 
 
 @dataclass
@@ -151,7 +162,8 @@ def choices() -> dict[str, tuple[str, ...]]:
 
     return {"data.name": DATASETS, "data.backend": DATA_BACKENDS, "data.crop": ("center", "random"),
             "model.name": MODELS.names(), "diffusion.schedule": SCHEDULES,
-            "diffusion.prediction": PREDICTIONS_REGISTRY.names(), "diffusion.weighting": WEIGHTINGS.names(),
+            "diffusion.prediction": PREDICTIONS_REGISTRY.names() + ("mixed",), "diffusion.weighting": WEIGHTINGS.names(),
+            "diffusion.mixed.gate": ("pixel", "timestep"), "diffusion.mixed.mode": ("gate", "argmin"),
             "diffusion.sampler": SAMPLERS.names(), "diffusion.backend": BACKENDS, "sample.solver": SOLVERS.names(),
             "train.device": ("auto", "cpu", "cuda"), "eval.extractor": EXTRACTORS,
             "parallel.strategy": ("auto",) + STRATEGIES, "parallel.ac": AC_MODES, "parallel.precision": PRECISIONS,
@@ -278,12 +290,25 @@ def validate(cfg: DictConfig) -> None:
            "a finite number >= 0")
     _check(cfg.sample.eta is None or "eta" in SOLVERS.args(cfg.sample.solver), "sample.eta", cfg,
            f"solver {cfg.sample.solver} takes no eta")
+    if d.learned_weighting and d.prediction == "mixed" and d.mixed.gate == "timestep":
+        pass  # both are network parameters; supported together
     if cfg.data.name in ("folder", "latents"):
         _check(bool(cfg.data.root), "data.root", cfg, f"a folder is needed for data.name={cfg.data.name}")
     if cfg.data.name == "folder":
         _check(cfg.data.channels in (1, 3), "data.channels", cfg, "1 (grey) or 3 (RGB)")
     sched = make_schedule(d.schedule, d.T, d.zero_terminal_snr)
-    if bool((P.conditioning(d.prediction, sched) < 1e-6).any()):
+    if d.prediction == "mixed":
+        from .diffusion import mixed
+
+        try:
+            mixed.check_heads(list(d.mixed.heads), sched)
+        except ValueError as e:
+            raise ConfigError(f"bad value for 'diffusion.mixed.heads': {list(d.mixed.heads)} ({e})") from None
+        _check(_finite(d.mixed.aux_weight) and d.mixed.aux_weight >= 0, "diffusion.mixed.aux_weight", cfg, "a finite number >= 0")
+        _check(1 <= d.mixed.argmin_buckets <= d.T, "diffusion.mixed.argmin_buckets", cfg, "in [1, diffusion.T]")
+        if "out_channels" in cfg.model.args:
+            raise ConfigError("bad value for 'model.args.out_channels': a mixed prediction sets the output width itself")
+    elif bool((P.conditioning(d.prediction, sched) < 1e-6).any()):
         raise ConfigError(f"bad value for 'diffusion.prediction': {d.prediction!r} cannot be sampled on this schedule "
                           f"(SNR = 0 at t = T-1 makes x̂0 = (x - σ·ε̂)/α undefined); use v, x0 or flow")
     if getattr(SOLVERS.get(cfg.sample.solver), "requires_flow", False) and sched.is_vp:

@@ -27,11 +27,23 @@ def _np(x) -> np.ndarray:
     return x.detach().double().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=float)
 
 
-def plot_timesteps(path, stats, probs, eff_weight, title: str = "", buckets: int = 50) -> Path:
+def plot_timesteps(path, stats, probs, eff_weight, title: str = "", buckets: int = 50,
+                   head_errors: dict | None = None) -> Path:
     """2×2 panels over t: loss mean and standard deviation (raw and weighted; per timestep faint,
-    merged into `buckets` buckets bold), sampling probability p(t), effective x0-space weight."""
+    merged into `buckets` buckets bold), sampling probability p(t), effective x0-space weight; with a
+    mixed prediction a third row: each head's running x0 error against t."""
     t = np.arange(stats.T)
-    fig, ax = plt.subplots(2, 2, figsize=(12, 8))
+    rows = 3 if head_errors else 2
+    fig, ax = plt.subplots(rows, 2, figsize=(12, 4 * rows), squeeze=False)
+    if head_errors:
+        for name, err in head_errors.items():
+            e = _np(err)
+            ok = np.isfinite(e) & (e > 0)
+            ax[2, 0].plot(t[ok], e[ok], lw=1.2, label=name)
+        ax[2, 0].set(yscale="log", xlabel="timestep t", ylabel="EMA of mean (x̂0 − x0)²",
+                     title="x0 error of each head")
+        ax[2, 0].legend(fontsize=8)
+        ax[2, 1].axis("off")
     for kind, color in (("raw", "C0"), ("weighted", "C1")):
         b = stats.bucketed(buckets, kind)
         centers = (np.array(b["edges"][:-1]) + np.array(b["edges"][1:]) - 1) / 2
@@ -113,8 +125,11 @@ def plot_run(run_dir, objective=None, title: str = "") -> list[Path]:
 
     run_dir, out = Path(run_dir), []
     if objective is not None and objective.stats is not None:
+        heads = None
+        if hasattr(objective, "head_errors"):
+            heads = dict(zip(objective.heads, objective.head_errors()))
         out.append(plot_timesteps(run_dir / "timesteps.png", objective.stats, objective.probs(),
-                                  objective.effective_weight(), title=title))
+                                  objective.effective_weight(), title=title, head_errors=heads))
     if (run_dir / "metrics.jsonl").is_file():
         rows = read_jsonl(run_dir / "metrics.jsonl")
         out.append(plot_loss_curve(run_dir / "loss.png", rows))

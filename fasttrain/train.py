@@ -89,9 +89,9 @@ class Trainer:
         if strategy == "none" and world > 1:
             raise ValueError(f"parallel.strategy=none cannot train on {world} processes (use fsdp or ddp)")
         self.model = parallelize(net, strategy, pc.ac, pc.compile, pc.precision, self.device)
-        self.bundle = ModelBundle.build(cfg, self.spec, self.device, net=self.model)
-        self.ema = self.bundle.ema
         self.objective = build_objective(cfg, rank).to(self.device)
+        self.bundle = ModelBundle.build(cfg, self.spec, self.device, net=self.model, objective=self.objective)
+        self.ema = self.bundle.ema
         self.objective.sampler.set_partition(rank, world, tc.grad_accum)
         self.hooks = lookaheads(self.objective.sampler)
         self.opt = make_optimizer(list(self.model.parameters()), cfg.optim, self.device)
