@@ -94,6 +94,7 @@ class TrainConfig:
     device: str = _f("auto", "auto | cpu | cuda")
     threads: int = _f(0, "torch CPU threads (0 = torch's default)")
     progress: bool = _f(True, "show a progress bar")
+    cuda_graph: bool = _f(False, "capture the whole step in one CUDA graph and replay it (one GPU; falls back with a reason)")
     max_nonfinite: int = _f(20, "stop after this many non-finite (skipped) steps in a row (0 = never)")
 
 
@@ -110,8 +111,10 @@ class SampleConfig:
 class ParallelConfig:
     strategy: str = _f("auto", "data parallelism: auto is fsdp under torchrun, else none")
     ac: str = _f("none", "activation checkpointing per block")
-    compile: bool = _f(False, "torch.compile(fullgraph=True) each block")
-    precision: str = _f("fp32", "FSDP parameters: fp32 | bf16 (reductions stay fp32)")
+    compile: str = _f("none", "torch.compile scope: each repeated block with fullgraph=True, or the whole forward")
+    compile_mode: str = _f("default", "torch.compile mode")
+    precision: str = _f("auto", "compute precision of the model (auto: bf16 on CUDA, fp32 on CPU); weights, optimizer, EMA and statistics stay fp32")
+    channels_last: bool = _f(False, "channels-last memory format for convolutional models (CUDA UNets)")
 
 
 @dataclass
@@ -158,7 +161,8 @@ def choices() -> dict[str, tuple[str, ...]]:
     from .diffusion.solvers import SOLVERS
     from .evaluate import EXTRACTORS
     from .models import MODELS
-    from .parallel import AC_MODES, PRECISIONS, STRATEGIES
+    from .parallel import AC_MODES, COMPILE, COMPILE_MODES, STRATEGIES
+    from .precision import PRECISIONS
 
     return {"data.name": DATASETS, "data.backend": DATA_BACKENDS, "data.crop": ("center", "random"),
             "model.name": MODELS.names(), "diffusion.schedule": SCHEDULES,
@@ -167,6 +171,7 @@ def choices() -> dict[str, tuple[str, ...]]:
             "diffusion.sampler": SAMPLERS.names(), "diffusion.backend": BACKENDS, "sample.solver": SOLVERS.names(),
             "train.device": ("auto", "cpu", "cuda"), "eval.extractor": EXTRACTORS,
             "parallel.strategy": ("auto",) + STRATEGIES, "parallel.ac": AC_MODES, "parallel.precision": PRECISIONS,
+            "parallel.compile": COMPILE, "parallel.compile_mode": COMPILE_MODES,
             "optim.impl": ("auto", "torch", "apex")}
 
 

@@ -39,14 +39,18 @@ class EMA:
         return min(self.decay, (1 + self.n) / (10 + self.n)) if self.warmup else self.decay
 
     @torch.no_grad()
-    def update(self, model: nn.Module, applied: torch.Tensor | None = None) -> None:
-        """One EMA step; `applied` (a device 0/1 scalar) is 0 for an optimizer step that was skipped,
-        which then leaves the average unchanged without a host sync."""
+    def update(self, model: nn.Module, applied: torch.Tensor | None = None, weight: torch.Tensor | None = None) -> None:
+        """One EMA step. `applied` (a device 0/1 scalar) is 0 for an optimizer step that was skipped,
+        which then leaves the average unchanged without a host sync. `weight` (a device scalar,
+        1 - decay) is given by a captured CUDA graph, which counts `n` itself."""
         _reshard(model)
         params = [p.detach() for p in model.parameters()]
-        w = 1 - self.current_decay()
-        torch._foreach_lerp_(self.shadow, params, w if applied is None else applied.to(self.shadow[0].dtype) * w)
-        self.n += 1
+        w = 1 - self.current_decay() if weight is None else weight
+        if applied is not None:
+            w = applied.to(self.shadow[0].dtype) * w
+        torch._foreach_lerp_(self.shadow, params, w)
+        if weight is None:
+            self.n += 1
 
     @contextlib.contextmanager
     def applied(self, model: nn.Module):

@@ -20,7 +20,8 @@ from torch import nn
 
 STRATEGIES = ("none", "ddp", "fsdp")
 AC_MODES = ("none", "full", "selective")
-PRECISIONS = ("fp32", "bf16")
+COMPILE = ("none", "blocks", "model")
+COMPILE_MODES = ("default", "max-autotune", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
@@ -70,7 +71,16 @@ def apply_ac(model: nn.Module, mode: str) -> None:
         _replace(model, b, checkpoint_wrapper(b, preserve_rng_state=True, **kw))
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, what: str = "blocks", mode: str = "default") -> None:
+    """`blocks`: each repeated block with fullgraph=True (torchtitan: compiles once per distinct
+    block, no graph breaks at FSDP's hooks); `model`: the whole forward. In place (`Module.compile`),
+    so the object and its parameter names stay the same for checkpoints."""
+    if what == "none":
+        return
+    kw = {} if mode == "default" else {"mode": mode}
+    if what == "model":
+        model.compile(**kw)
+        return
     units = model_blocks(model)
     # Blocks of different structure (a UNet's stages), each in training and in sampling mode, are
     # separate graphs of one code object: dynamo's default limit of 8 would turn into a hard error
@@ -79,13 +89,13 @@ def apply_compile(model: nn.Module) -> None:
     name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
     setattr(cfg, name, max(getattr(cfg, name), 4 * len(units) + 8))
     for b in units:
-        b.compile(fullgraph=True)  # in place: parameter names stay the same for checkpoints
+        b.compile(fullgraph=True, **kw)
 
 
-def apply_fsdp(model: nn.Module, mesh, precision: str = "bf16") -> None:
+def apply_fsdp(model: nn.Module, mesh, param_dtype: torch.dtype | None = None) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype \
         else MixedPrecisionPolicy()
     units = model_blocks(model)
     for i, b in enumerate(units):
@@ -94,17 +104,21 @@ def apply_fsdp(model: nn.Module, mesh, precision: str = "bf16") -> None:
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
-def parallelize(model: nn.Module, strategy: str = "none", ac: str = "none", compile: bool = False,
-                precision: str = "fp32", device: torch.device | str = "cpu") -> nn.Module:
-    """Apply AC, per-block compile and data parallelism; returns the model to train."""
+def parallelize(model: nn.Module, strategy: str = "none", ac: str = "none", compile: str = "none",
+                precision: str = "fp32", device: torch.device | str = "cpu", compile_mode: str = "default",
+                channels_last: bool = False) -> nn.Module:
+    """Apply AC, compile and data parallelism (in torchtitan's order); returns the model to train, the
+    same object wrapped in place. `precision` is the resolved name (precision.py): FSDP takes it as
+    its parameter dtype, the other strategies autocast in the trainer."""
     for value, allowed, key in ((strategy, STRATEGIES, "parallel.strategy"), (ac, AC_MODES, "parallel.ac"),
-                                (precision, PRECISIONS, "parallel.precision")):
+                                (compile, COMPILE, "parallel.compile"), (compile_mode, COMPILE_MODES, "parallel.compile_mode")):
         if value not in allowed:
             raise ValueError(f"bad value for '{key}': {value!r} (choose from {', '.join(allowed)})")
     device = torch.device(device)
+    if channels_last:  # NHWC convolutions (UNets on tensor cores): parameters only, inputs follow
+        model.to(memory_format=torch.channels_last)
     apply_ac(model, ac)
-    if compile:
-        apply_compile(model)
+    apply_compile(model, compile, compile_mode)
     if strategy == "none":
         return model
     if not (dist.is_available() and dist.is_initialized()):
@@ -118,5 +132,5 @@ def parallelize(model: nn.Module, strategy: str = "none", ac: str = "none", comp
 
     # an explicit mesh on the data's device: with a default mesh gloo groups have segfaulted on GPU machines
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    apply_fsdp(model, mesh, precision)
+    apply_fsdp(model, mesh, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision))
     return model

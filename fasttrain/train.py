@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
 from . import distributed as dist_utils
-from . import plots, seeds
+from . import graphs, plots, seeds
 from .bundle import DataSpec, ModelBundle, build_network, build_objective
 from .data import build_data
 from .diffusion.lookahead import LookAheadContext, lookaheads
@@ -30,6 +30,7 @@ from .logger import MetricLogger, read_jsonl
 from .models import count_params, forward_flops
 from .optim import apply_optimizer_config, make_optimizer, skip_if_not_finite
 from .parallel import parallelize
+from .precision import resolve as resolve_precision
 from .stopping import GracefulStop
 
 # Sections that must match for a checkpoint to be resumed (optim and train may change and are applied).
@@ -88,8 +89,12 @@ class Trainer:
         strategy = pc.strategy if pc.strategy != "auto" else ("fsdp" if world > 1 else "none")
         if strategy == "none" and world > 1:
             raise ValueError(f"parallel.strategy=none cannot train on {world} processes (use fsdp or ddp)")
-        self.model = parallelize(net, strategy, pc.ac, pc.compile, pc.precision, self.device)
+        self.precision = resolve_precision(pc.precision, self.device, strategy)
+        self.model = parallelize(net, strategy, pc.ac, pc.compile, self.precision.name, self.device, pc.compile_mode,
+                                 pc.channels_last)
         self.objective = build_objective(cfg, rank).to(self.device)
+        self.objective.input_dtype = self.precision.input_dtype
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.precision.scaler else None
         self.bundle = ModelBundle.build(cfg, self.spec, self.device, net=self.model, objective=self.objective)
         self.ema = self.bundle.ema
         self.objective.sampler.set_partition(rank, world, tc.grad_accum)
@@ -104,6 +109,14 @@ class Trainer:
         self.images_per_step = d.batch_size * tc.grad_accum * world
         self.skipped = torch.zeros((), dtype=torch.long, device=self.device)      # non-finite steps in all
         self.skipped_run = torch.zeros((), dtype=torch.long, device=self.device)  # ... and in a row
+        self.graph = None
+        if tc.cuda_graph:
+            reason = graphs.unsupported(self)
+            if reason:
+                if self.dist.is_main:
+                    print(f"fasttrain: train.cuda_graph: keeping the eager step ({reason})", file=sys.stderr)
+            else:
+                self.graph = graphs.GraphedStep(self)
         peak = dist_utils.device_peak_flops()
         self.flops_per_image = 3 * forward_flops(cfg.model.name, in_channels=self.spec.channels,
                                                  image_size=self.spec.image_size, num_classes=self.spec.num_classes,
@@ -135,7 +148,8 @@ class Trainer:
         return {"format": ckpt.FORMAT, "config": OmegaConf.to_container(self.cfg), "data_spec": asdict(self.spec),
                 "step": self.step, "images": self.images, "ema_n": self.ema.n, "lr_sched": self.lr_sched.state_dict(),
                 "objective": self.objective.extra_state(), "data": self.data.state_dict(),
-                "skipped": int(self.skipped), "ranks": ranks, "world_size": self.dist.world_size}
+                "skipped": int(self.skipped), "ranks": ranks, "world_size": self.dist.world_size,
+                "scaler": self.scaler.state_dict() if self.scaler else None}
 
     def save(self, name: str = "last.pt") -> Path | None:
         """last.pt (one process) or RUN/dcp (several ranks; `name` other than last.pt is then skipped:
@@ -178,6 +192,8 @@ class Trainer:
         set_optimizer_state_dict(self.model, self.opt, optim_sd, options=opts)
         self.ema.load_state_dict({"n": plain["ema_n"], "shadow": ema_sd})
         self.lr_sched.load_state_dict(plain["lr_sched"])
+        if self.scaler and plain.get("scaler"):
+            self.scaler.load_state_dict(plain["scaler"])
         changed = apply_optimizer_config(self.opt, self.lr_sched, plain["config"]["optim"], mine["optim"])
         if changed and self.dist.is_main:
             print(f"fasttrain: resume applies the changed {', '.join(changed)}", file=sys.stderr)
@@ -212,6 +228,11 @@ class Trainer:
         return torch.where(drop, torch.full_like(y, self.spec.num_classes), y)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.graph is not None:  # the whole step replayed from one CUDA graph (graphs.py)
+            total, gnorm = self.graph(next(self.data))
+            self.lr_sched.step()
+            self.graph.sync_lr()
+            return self._after_step(total, gnorm)
         accum = self.cfg.train.grad_accum
         total = torch.zeros((), device=self.device)
         for m in range(accum):
@@ -219,9 +240,13 @@ class Trainer:
             labels = self._labels(y)
             if m == 0:
                 first = (x0, labels)
-            loss, _ = self.objective(self.model, x0, labels, self.gen)
-            (loss / accum).backward()
+            with self.precision.context():
+                loss, _ = self.objective(self.model, x0, labels, self.gen)
+            scaled = loss / accum
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             total += loss.detach() / accum
+        if self.scaler:
+            self.scaler.unscale_(self.opt)  # true gradients before clipping (fp16)
         clip = self.cfg.optim.grad_clip
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else math.inf)
         if hasattr(gnorm, "full_tensor"):
@@ -231,8 +256,12 @@ class Trainer:
         ctx = LookAheadContext(self.model, self.objective, *first, self.step, self.dist.rank, self.dist.world_size)
         for h in due:  # the look-ahead brackets the optimizer step, not a micro-step
             h.before_update(ctx)
-        skip_if_not_finite(self.opt, finite)
-        self.opt.step()
+        if self.scaler:  # fp16: the scaler skips an overflowing step itself (found_inf) and adapts its scale
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            skip_if_not_finite(self.opt, finite)
+            self.opt.step()
         self.lr_sched.step()
         for h in due:
             h.after_update(ctx)
@@ -240,6 +269,9 @@ class Trainer:
         self.ema.update(self.model, applied=finite)
         self.skipped += (~finite).long()
         self.skipped_run.copy_((self.skipped_run + 1) * (~finite).long())
+        return self._after_step(total, gnorm)
+
+    def _after_step(self, total, gnorm):
         self.step += 1
         self.images += self.images_per_step
         if self.step % self.cfg.diffusion.stats_every == 0:

@@ -39,8 +39,9 @@ class TimestepBins:
         return self
 
     def set_pivots(self, pivots: torch.Tensor) -> None:
-        """New shifts (say the running means); only valid while the window is empty."""
-        self.pivots = pivots.to(self.data.device, torch.float64).reshape(self.n_values, self.T).clone()
+        """New shifts (say the running means); only valid while the window is empty. In place: kernels
+        captured in a CUDA graph keep reading the same memory."""
+        self.pivots.copy_(pivots.to(self.data.device, torch.float64).reshape(self.n_values, self.T))
 
     def scatter_(self, t: torch.Tensor, values: torch.Tensor) -> "TimestepBins":
         """Add per-sample values [V, B] at timesteps t [B] (the reference of the kernels' scatter)."""
@@ -75,5 +76,5 @@ class TimestepBins:
         data, pivots = state["data"], state["pivots"]
         if tuple(data.shape) != tuple(self.data.shape):
             raise ValueError(f"bins of shape {tuple(data.shape)} do not fit {tuple(self.data.shape)}")
-        self.data = data.to(self.data.device, torch.float64).clone()
-        self.pivots = pivots.to(self.data.device, torch.float64).clone()
+        self.data.copy_(data.to(self.data.device, torch.float64))
+        self.pivots.copy_(pivots.to(self.data.device, torch.float64))

@@ -109,7 +109,7 @@ class LoaderStream:
         self.dataset, self.batch_size, self.seed, self.device = dataset, batch_size, seed, torch.device(device)
         self.num_workers, self.rank, self.world_size, self.per_rank = num_workers, rank, world_size, n // world_size
         self.epoch, self.pos = 0, 0
-        self._it, self._next = None, None
+        self._it, self._next, self._stream = None, None, None
 
     def _start(self):
         order = _Order(len(self.dataset), self.seed, self.rank, self.world_size, self.epoch, self.pos)
@@ -119,8 +119,18 @@ class LoaderStream:
         self._next = self._fetch()
 
     def _fetch(self):
+        """The next batch, its copy to the device issued now: on CUDA on a side stream (an event marks
+        its end), so it overlaps the step that is running."""
         x, y = next(self._it)
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        if self.device.type != "cuda":
+            return x, y, None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._stream):
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        return x, y, done
 
     def __iter__(self):
         return self
@@ -128,11 +138,16 @@ class LoaderStream:
     def __next__(self):
         if self._it is None:
             self._start()
-        batch, self._next = self._next, self._fetch()
+        (x, y, done), self._next = self._next, self._fetch()
+        if done is not None:  # the consumer waits for this batch's copy only, and owns its memory
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(done)
+            x.record_stream(current)
+            y.record_stream(current)
         self.pos += self.batch_size
         while self.pos >= self.per_rank:
             self.epoch, self.pos = self.epoch + 1, self.pos - self.per_rank
-        return batch
+        return x, y
 
     def state_dict(self):
         return {"epoch": self.epoch, "pos": self.pos}

@@ -234,7 +234,8 @@ class MixedObjective(DiffusionObjective):
         backend = ops.resolve_backend(self.backend, x0.device)
         offset = self.offset.clone()  # this step's counter; the buffer moves on in place
         self.offset += x0.numel()
-        x_t = ops.noise(x0, t, self.alpha, self.sigma, seed=self.seed, offset=offset, backend=backend)
+        x_t = ops.noise(x0, t, self.alpha, self.sigma, seed=self.seed, offset=offset, out_dtype=self.input_dtype,
+                        backend=backend)
         out, logvar, gate = self._network(model, x_t, t, cond)
         st = self.stats
         res = ops_mixed.mixed_loss(out, x0, t, self.weight, iw, self.tab, gate=gate, seed=self.seed, offset=offset,

@@ -54,6 +54,7 @@ class DiffusionObjective(nn.Module):
         self.stats: TimestepStats | None = stats or None
         self.learned_weighting = bool(learned_weighting)
         self.seed = philox.check_seed(seed)
+        self.input_dtype: torch.dtype | None = None  # x_t's dtype (the model's compute dtype); None: x0's
 
     def _apply(self, fn, recurse=True):
         # Keep the non-module pieces (sampler, stats, schedule) on the same device as the buffers.
@@ -85,7 +86,8 @@ class DiffusionObjective(nn.Module):
         backend = ops.resolve_backend(self.backend, x0.device)
         offset = self.offset.clone()  # this step's counter; the buffer moves on in place
         self.offset += x0.numel()
-        x_t = ops.noise(x0, t, self.alpha, self.sigma, seed=self.seed, offset=offset, backend=backend)
+        x_t = ops.noise(x0, t, self.alpha, self.sigma, seed=self.seed, offset=offset, out_dtype=self.input_dtype,
+                        backend=backend)
         kw = {} if cond is None else {"y": cond}
         if self.learned_weighting:
             pred, logvar = model(x_t, t, return_logvar=True, **kw)
