@@ -304,10 +304,12 @@ class Trainer:
                         n_acc, t0 = 0, time.time()
                     if tc.max_nonfinite and self.step % min(tc.max_nonfinite, tc.log_every) == 0:
                         self._check_nonfinite()
+                    paused = time.time()  # checkpoints and evaluations do not count as training time
                     if tc.ckpt_every and self.step % tc.ckpt_every == 0:
                         self._save_if_good()
                     if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.step < tc.steps:
                         self.evaluate(log)
+                    t0 += time.time() - paused
                     if stop.should_stop():
                         self._save_if_good()
                         raise KeyboardInterrupt
