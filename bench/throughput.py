@@ -1,11 +1,17 @@
-"""Training throughput (images/s, MFU on GPUs) and the cost of the timestep machinery, side by side.
+"""Training throughput, measured on the trainer's own step, side by side in one run.
 
-    python bench/throughput.py [--model dit_tiny] [--batch 64] [--steps 30]
+    python bench/throughput.py                       # the machinery table (CPU or GPU)
+    python bench/throughput.py --small-batch         # + the small-batch single-GPU table (CUDA only)
 
-Runs the same training step three ways on one model and batch: plain uniform t with unweighted MSE
-and no statistics (the baseline every trainer has), the full machinery (loss-second-moment sampler,
-Min-SNR weights, per-timestep statistics synced every step, the worst case), and SpeeD; reports
-ms/step and the overhead ratio. Writes bench/results/throughput-<device>.{json,md}.
+Machinery: the cost of fasttrain's timestep machinery against a plain step (uniform t, unweighted
+MSE, no statistics) on the same model and batch: loss-second-moment + Min-SNR with statistics
+synced every step (the worst case), SpeeD, the adaptive sampler with fasttrain's defaults and with
+the official setting, mixed prediction, and the interference diagnostic at its default period.
+Small batch (CUDA): the tiny UNet on digits and DiT-S/2, DiT-B/2 on 4×32×32 latents at batch 8, 32,
+256, each eager, compiled, and compiled + the whole step in one CUDA graph, in images/s and MFU.
+
+Variants are interleaved in short rounds and medians taken, so that load changes on a shared
+machine hit all of them alike. Writes bench/results/throughput-<device>.{json,md}.
 """
 from __future__ import annotations
 
@@ -13,97 +19,138 @@ import argparse
 import json
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from fasttrain import diffusion as fd
-from fasttrain.distributed import device_peak_flops
-from fasttrain.models import build_model, forward_flops
-
 RESULTS = Path(__file__).parent / "results"
+QUIET = ["train.progress=false", "sample.num=0", "eval.num_samples=0", "eval.bpd=false", "train.ckpt_every=0",
+         "train.log_every=1000000"]
 
 
-class Runner:
-    def __init__(self, objective, model, opt, x0):
-        self.objective, self.model, self.opt, self.x0 = objective, model, opt, x0
-        self.g = torch.Generator(x0.device).manual_seed(0)
+def trainer(overrides: list[str], tmp: Path):
+    from fasttrain.config import load_config
+    from fasttrain.train import Trainer
 
-    def steps(self, n: int) -> float:
-        """Seconds per step over n steps (statistics synced every step: the worst case)."""
-        cuda = self.x0.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            loss, _ = self.objective(self.model, self.x0, None, self.g)
-            loss.backward()
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-            if self.objective.stats is not None:
-                self.objective.sync_stats()
-        if cuda:
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / n
+    run = tmp / f"run{len(list(tmp.iterdir()))}"
+    return Trainer(load_config("default", [f"run_dir={run}"] + QUIET + overrides))
+
+
+def seconds_per_step(tr, n: int) -> float:
+    cuda = tr.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        tr.train_step()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n
+
+
+def interleaved(trainers: dict, steps: int, warmup: int, round_steps: int) -> dict:
+    for tr in trainers.values():
+        seconds_per_step(tr, warmup)  # compile, capture, the first look-ahead, caches
+    times = {k: [] for k in trainers}
+    for _ in range(max(1, steps // round_steps)):
+        for k, tr in trainers.items():
+            times[k].append(seconds_per_step(tr, round_steps))
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+MACHINERY = {
+    "plain: uniform t, unweighted MSE, no statistics": ["diffusion.weighting=simple", "diffusion.sampler=uniform",
+                                                        "diffusion.stats_every=1000000"],
+    "loss_second_moment + min_snr, statistics synced every step": ["diffusion.sampler=loss_second_moment",
+                                                                   "diffusion.stats_every=1"],
+    "speed sampling + speed weighting": ["diffusion.sampler=speed", "diffusion.weighting=speed"],
+    "adaptive, fasttrain defaults": ["diffusion.sampler=adaptive"],
+    "adaptive, official setting (all T τ)": ["diffusion.sampler=adaptive", "diffusion.sampler_args.tau_grid=0"],
+    "mixed prediction (eps, x0, v; pixel gate)": ["diffusion.prediction=mixed"],
+}
+
+
+def machinery(args, tmp: Path) -> list[dict]:
+    from fasttrain.diffusion import SAMPLERS
+
+    base = [f"model.name={args.model}", f"data.batch_size={args.batch}", f"train.threads={args.threads}",
+            "data.name=digits"] + (["model.args.ch=16"] if args.model == "unet_tiny" else [])
+    variants = {k: v for k, v in MACHINERY.items() if "adaptive" not in " ".join(v) or "adaptive" in SAMPLERS}
+    trainers = {k: trainer(base + v, tmp) for k, v in variants.items()}
+    med = interleaved(trainers, args.steps, args.warmup, args.round)
+    for tr in trainers.values():
+        tr.close()
+    base_t = next(iter(med.values()))
+    return [{"variant": k, "ms_per_step": t * 1e3, "images_per_s": args.batch / t, "overhead": t / base_t - 1}
+            for k, t in med.items()]
+
+
+SMALL = [("unet_tiny", ["data.name=digits"], 1, 8), ("dit_s2", ["data.name=synthetic", "data.channels=4",
+                                                                "data.image_size=32"], 4, 32),
+         ("dit_b2", ["data.name=synthetic", "data.channels=4", "data.image_size=32"], 4, 32)]
+MODES = {"eager": [], "compiled": ["parallel.compile=blocks"],
+         "compiled + CUDA graph": ["parallel.compile=blocks", "train.cuda_graph=true"]}
+
+
+def small_batch(args, tmp: Path) -> list[dict]:
+    from fasttrain.distributed import device_peak_flops
+    from fasttrain.models import forward_flops
+
+    peak, rows = device_peak_flops(), []
+    for model, data, c, s in SMALL:
+        flops = 3 * forward_flops(model, in_channels=c, image_size=s, num_classes=10)
+        for batch in args.batches:
+            trainers = {m: trainer([f"model.name={model}", f"data.batch_size={batch}", "parallel.precision=bf16"]
+                                   + data + extra, tmp) for m, extra in MODES.items()}
+            med = interleaved(trainers, args.steps, args.warmup, args.round)
+            for tr in trainers.values():
+                tr.close()
+            for mode, t in med.items():
+                rows.append({"model": model, "batch": batch, "mode": mode, "ms_per_step": t * 1e3,
+                             "images_per_s": batch / t, "mfu": flops * batch / t / peak if peak else None,
+                             "speedup_vs_eager": med["eager"] / t})
+            print(rows[-3:], flush=True)
+    return rows
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="dit_tiny")
-    ap.add_argument("--image-size", type=int, default=8)
-    ap.add_argument("--channels", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=100, help="steps per variant, in interleaved rounds of 5")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="unet_tiny")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (one is fastest for tiny models on 2 shared cores)")
+    ap.add_argument("--steps", type=int, default=200, help="steps per variant, in interleaved rounds")
+    ap.add_argument("--round", type=int, default=20, help="steps per round")
+    ap.add_argument("--warmup", type=int, default=45, help="steps before timing (past the first look-ahead)")
+    ap.add_argument("--small-batch", action="store_true", help="also the small-batch single-GPU table (CUDA)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[8, 32, 256])
     args = ap.parse_args()
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(0)
-    s = fd.schedule("linear").to(dev)
-    x0 = torch.randn(args.batch, args.channels, args.image_size, args.image_size, device=dev)
-    variants = {
-        "uniform, plain MSE, no stats": dict(weighting="simple", sampler="uniform", stats=False),
-        "loss_second_moment + min_snr + stats every step": dict(weighting="min_snr", sampler="loss_second_moment",
-                                                                stats=True),
-        "speed sampling + speed weighting + stats": dict(weighting="speed", sampler="speed", stats=True),
-    }
-    runners = {}
-    for name, kw in variants.items():
-        torch.manual_seed(0)
-        model = build_model(args.model, in_channels=args.channels, image_size=args.image_size).to(dev)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-        obj = fd.DiffusionObjective(s, "eps", kw["weighting"], kw["sampler"], stats=kw["stats"]).to(dev)
-        runners[name] = Runner(obj, model, opt, x0)
-        runners[name].steps(3)  # warm-up
-    # Interleave the variants in short rounds and take medians, so that load changes on a shared
-    # machine hit all of them alike.
-    times = {name: [] for name in runners}
-    for _ in range(max(1, args.steps // 5)):
-        for name, r in runners.items():
-            times[name].append(r.steps(5))
-    rows = []
-    for name, ts in times.items():
-        sec = sorted(ts)[len(ts) // 2]
-        rows.append({"variant": name, "ms_per_step": sec * 1e3, "images_per_s": args.batch / sec})
-    base = rows[0]["ms_per_step"]
-    flops = 3 * forward_flops(args.model, in_channels=args.channels, image_size=args.image_size) * args.batch
-    peak = device_peak_flops()
-    for r in rows:
-        r["overhead_vs_uniform"] = r["ms_per_step"] / base - 1
-        r["mfu"] = flops / (r["ms_per_step"] / 1e3) / peak if peak else None
-    info = {"torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
-            "device": str(dev), "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else None}
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        rows = machinery(args, tmp)
+        small = small_batch(args, tmp) if args.small_batch and dev == "cuda" else []
+    info = {"torch": torch.__version__, "python": platform.python_version(), "threads": args.threads, "device": dev,
+            "gpu": torch.cuda.get_device_name() if dev == "cuda" else None}
     out = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": info, "command": " ".join(sys.argv),
-           "model": args.model, "batch": args.batch, "train_gflops_per_step": flops / 1e9, "rows": rows}
+           "model": args.model, "batch": args.batch, "machinery": rows, "small_batch": small}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"throughput-{dev.type}.json").write_text(json.dumps(out, indent=2))
-    lines = [f"# Training step, {args.model}, batch {args.batch}×{args.channels}×{args.image_size}², {dev.type}", "",
-             f"machine: {json.dumps(info)}  ", f"when: {out['when']}  ", f"command: `{out['command']}`", "",
-             "| variant | ms/step | images/s | overhead vs uniform | MFU |", "|---|---|---|---|---|"]
+    (RESULTS / f"throughput-{dev}.json").write_text(json.dumps(out, indent=2))
+    lines = [f"# Training step on the trainer, {dev}", "", f"machine: {json.dumps(info)}  ", f"when: {out['when']}  ",
+             f"command: `{out['command']}`", "",
+             f"## Timestep machinery ({args.model}, digits, batch {args.batch}, medians of interleaved rounds)", "",
+             "| variant | ms/step | images/s | overhead vs plain |", "|---|---|---|---|"]
     for r in rows:
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a (no GPU peak)"
-        lines.append(f"| {r['variant']} | {r['ms_per_step']:.2f} | {r['images_per_s']:.0f} | "
-                     f"{100 * r['overhead_vs_uniform']:+.1f}% | {mfu} |")
-    (RESULTS / f"throughput-{dev.type}.md").write_text("\n".join(lines) + "\n")
+        lines.append(f"| {r['variant']} | {r['ms_per_step']:.2f} | {r['images_per_s']:.0f} | {100 * r['overhead']:+.1f}% |")
+    if small:
+        lines += ["", "## Small batch, one GPU (bf16)", "", "| model | batch | mode | ms/step | images/s | MFU | × eager |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in small:
+            mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a"
+            lines.append(f"| {r['model']} | {r['batch']} | {r['mode']} | {r['ms_per_step']:.2f} | {r['images_per_s']:.0f} | "
+                         f"{mfu} | {r['speedup_vs_eager']:.2f} |")
+    (RESULTS / f"throughput-{dev}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -43,7 +43,7 @@ class DataSpec:
 
     @property
     def is_images(self) -> bool:
-        return self.image_size is not None and self.name != "latents"
+        return self.image_size is not None and self.name not in ("latents", "synthetic")
 
 
 def build_network(cfg: DictConfig, spec: DataSpec) -> Denoiser:

@@ -25,14 +25,14 @@ def _f(default, help: str, **kw):
 
 @dataclass
 class DataConfig:
-    name: str = _f("digits", "digits | moons | 8gaussians | checkerboard | folder | latents")
+    name: str = _f("digits", "the data set: built in (digits, 2-D toys, synthetic Gaussian latents for benchmarks) or a folder")
     root: Optional[str] = _f(None, "image folder or .npy latent folder (class subfolders give labels)")
     backend: str = _f("auto", "loader for folders: auto (DALI where installed) | dali | torch")
     manifest: Optional[str] = _f(None, "manifest from `fasttrain data prepare` (default ROOT/fasttrain-manifest.json)")
     crop: str = _f("center", "center | random crop after resizing the shorter side (image folders)")
     flip: bool = _f(True, "random horizontal flips (image folders)")
     image_size: int = _f(8, "side of the square training images (digits are 8×8 natively)")
-    channels: int = _f(3, "image channels for name=folder (1 = grey)")
+    channels: int = _f(3, "image channels for name=folder (1 = grey, 3 = RGB) and name=synthetic")
     batch_size: int = _f(16, "micro-batch per process")
     holdout: int = _f(400, "digits held out from training (for evaluation)")
     num_workers: int = _f(0, "loader workers: DataLoader processes or DALI threads (0 = main process / 1 thread)")
@@ -318,7 +318,7 @@ def validate(cfg: DictConfig) -> None:
                           f"(SNR = 0 at t = T-1 makes x̂0 = (x - σ·ε̂)/α undefined); use v, x0 or flow")
     if getattr(SOLVERS.get(cfg.sample.solver), "requires_flow", False) and sched.is_vp:
         raise ConfigError(f"bad value for 'sample.solver': {cfg.sample.solver!r} needs diffusion.schedule=flow")
-    if cfg.data.name in ("digits", "folder"):  # latents bring their own size
+    if cfg.data.name in ("digits", "folder", "synthetic"):  # latents bring their own size
         _check_image_size(cfg)
 
 

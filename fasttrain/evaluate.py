@@ -102,6 +102,8 @@ def reference_for(cfg, spec, ref_path: str | None = None, n: int = 5000) -> Refe
     if ref_path is None and spec.name == "digits":
         test, labels = digits(spec.image_size, "test", holdout=d.holdout)
         return Reference(digits(spec.image_size, "train", holdout=d.holdout)[0][:n], test, "digits", labels)
+    if ref_path is None and spec.name == "synthetic":
+        return Reference(None, None, "none (synthetic data have nothing to compare with)")
     if ref_path is None and spec.name in TOYS:
         return Reference(toy(spec.name, n=n, seed=0), toy(spec.name, n=n, seed=1), spec.name)
     root = ref_path or d.root

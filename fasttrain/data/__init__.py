@@ -17,12 +17,12 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from . import dali
-from .builtin import TOYS, digits, toy
+from .builtin import TOYS, digits, synthetic, toy
 from .order import epoch_order
 from .folder import ImageFolderDataset, LatentFolderDataset
 from .manifest import build_manifest, load_manifest
 
-DATASETS = ("digits", "folder", "latents") + TOYS
+DATASETS = ("digits", "folder", "latents", "synthetic") + TOYS
 BACKENDS = ("auto", "torch", "dali")
 
 
@@ -197,6 +197,10 @@ def build_data(name: str, *, batch_size: int, seed: int = 0, image_size: int = 8
         x, y = digits(image_size, split=split, holdout=holdout, seed=0)
         return (MemoryStream(x, y, batch_size, seed, device, rank, world_size),
                 DataInfo(1, image_size, 10, len(x)))
+    if name == "synthetic":
+        x, y = synthetic(channels, image_size, seed=0 if split == "train" else 1)
+        return (MemoryStream(x, y, batch_size, seed, device, rank, world_size),
+                DataInfo(channels, image_size, 10, len(x)))
     if name in TOYS:
         x = toy(name, seed=0 if split == "train" else 1)
         y = torch.zeros(len(x), dtype=torch.long)

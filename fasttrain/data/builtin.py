@@ -1,4 +1,5 @@
-"""Built-in data sets that need no download: scikit-learn's bundled handwritten digits and 2-D toys."""
+"""Built-in data sets that need no download: scikit-learn's bundled handwritten digits, 2-D toys, and
+synthetic Gaussian "latents" of any shape (for throughput benchmarks: no decoding, no files)."""
 from __future__ import annotations
 
 import math
@@ -50,3 +51,9 @@ def toy(name: str, n: int = 20000, seed: int = 0) -> torch.Tensor:
     else:
         raise ValueError(f"unknown toy data set {name!r}; choose from {', '.join(TOYS)}")
     return torch.from_numpy(x.astype(np.float32))
+
+
+def synthetic(channels: int, image_size: int, n: int = 4096, num_classes: int = 10, seed: int = 0):
+    """[n, C, S, S] float32 N(0, 1) tensors with random labels: the shape of real latents, no content."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, channels, image_size, image_size, generator=g), torch.randint(0, num_classes, (n,), generator=g)
