@@ -263,9 +263,9 @@ class Trainer:
             skip_if_not_finite(self.opt, finite)
             self.opt.step()
         self.lr_sched.step()
-        for h in due:
-            h.after_update(ctx)
         self.opt.zero_grad(set_to_none=True)
+        for h in due:  # after the update, gradients cleared: a hook may run its own backward
+            h.after_update(ctx)
         self.ema.update(self.model, applied=finite)
         self.skipped += (~finite).long()
         self.skipped_run.copy_((self.skipped_run + 1) * (~finite).long())
