@@ -1,0 +1,168 @@
+// Kernels A and B on the CPU: plain loops over float32 buffers of kChunk elements, which gcc
+// vectorises (Philox's 32x32->64 products, the branch-free log/cos of fastmath.h, the dtype casts of
+// convert.h). Compiled once per instruction set, each copy in its own namespace FT_CAP (CMakeLists.txt).
+//
+// The arithmetic is the reference's, operation for operation and without contraction into FMAs
+// (-ffp-contract=off), so x_t and the gradient equal kernels/reference.py bit for bit for the same
+// eps; only the order of the d^2 sum differs (per chunk in float32 lanes, per tile in float64).
+#include <algorithm>
+#include <cstring>
+
+#include "convert.h"
+#include "../fastmath.h"
+#include "kernels.h"
+
+#ifndef FT_CAP
+#error "compile with -DFT_CAP=<namespace>"
+#endif
+
+namespace fasttrain::cpu::FT_CAP {
+namespace {
+
+constexpr int kChunk = 512;  // elements per step: a few float buffers that stay in L1
+constexpr int kLanes = 16;   // independent float32 accumulators of the d^2 sum
+
+void load(const void* src, DType type, int64_t start, int n, float* __restrict out) {
+  switch (type) {
+    case DType::kFloat32:
+      std::memcpy(out, static_cast<const float*>(src) + start, sizeof(float) * n);
+      break;
+    case DType::kBFloat16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src) + start;
+      for (int i = 0; i < n; ++i) out[i] = bf16_to_f32(s[i]);
+      break;
+    }
+    case DType::kFloat16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src) + start;
+      for (int i = 0; i < n; ++i) out[i] = f16_to_f32(s[i]);
+      break;
+    }
+  }
+}
+
+void store(void* dst, DType type, int64_t start, int n, const float* __restrict in) {
+  switch (type) {
+    case DType::kFloat32:
+      std::memcpy(static_cast<float*>(dst) + start, in, sizeof(float) * n);
+      break;
+    case DType::kBFloat16: {
+      uint16_t* d = static_cast<uint16_t*>(dst) + start;
+      for (int i = 0; i < n; ++i) d[i] = f32_to_bf16(in[i]);
+      break;
+    }
+    case DType::kFloat16: {
+      uint16_t* d = static_cast<uint16_t*>(dst) + start;
+      for (int i = 0; i < n; ++i) d[i] = f32_to_f16(in[i]);
+      break;
+    }
+  }
+}
+
+// out[i] = normal(counter lo + i, hi): the high counter word is the same for the whole run.
+void normals_run(uint32_t k0, uint32_t k1, uint32_t lo, uint32_t hi, int n, float* __restrict out) {
+  for (int i = 0; i < n; ++i) {
+    uint32_t w0, w1;
+    philox_w01(lo + static_cast<uint32_t>(i), hi, k0, k1, w0, w1);
+    out[i] = normal_from_words(w0, w1);
+  }
+}
+
+// eps for counters base .. base + n - 1 (mod 2^64), split where the low word wraps.
+void normals_chunk(uint64_t seed, uint64_t base, int n, float* __restrict out) {
+  const uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  int done = 0;
+  while (done < n) {
+    const uint64_t c = base + static_cast<uint64_t>(done);
+    const uint32_t lo = static_cast<uint32_t>(c);
+    const uint64_t room = 0x100000000ull - lo;  // counters before the low word wraps
+    const int m = static_cast<int>(std::min<uint64_t>(room, static_cast<uint64_t>(n - done)));
+    normals_run(k0, k1, lo, static_cast<uint32_t>(c >> 32), m, out + done);
+    done += m;
+  }
+}
+
+struct TileRange {
+  int64_t b, start, end;
+};
+
+TileRange tile_range(int64_t k, int64_t D, int64_t tile) {
+  const int64_t per_sample = (D + tile - 1) / tile;
+  const int64_t b = k / per_sample, start = (k % per_sample) * tile;
+  return {b, start, std::min(D, start + tile)};
+}
+
+void noise_tiles(const NoiseArgs& a, int64_t begin, int64_t end, int64_t tile) {
+  alignas(64) float x[kChunk];
+  alignas(64) float e[kChunk];
+  for (int64_t k = begin; k < end; ++k) {
+    const TileRange r = tile_range(k, a.D, tile);
+    const int64_t tb = a.t[r.b];
+    const float al = a.alpha[tb], sg = a.sigma[tb];
+    for (int64_t s = r.start; s < r.end; s += kChunk) {
+      const int n = static_cast<int>(std::min<int64_t>(kChunk, r.end - s));
+      const int64_t g = r.b * a.D + s;  // global element index: the Philox counter (minus offset)
+      load(a.x0, a.x0_type, g, n, x);
+      if (a.eps != nullptr) {
+        load(a.eps, a.eps_type, g, n, e);
+      } else {
+        normals_chunk(a.seed, a.offset + static_cast<uint64_t>(g), n, e);
+      }
+      for (int i = 0; i < n; ++i) x[i] = al * x[i] + sg * e[i];  // reference.noise
+      store(a.xt, a.xt_type, g, n, x);
+      if (a.eps_out != nullptr) std::memcpy(a.eps_out + g, e, sizeof(float) * n);
+    }
+  }
+}
+
+void loss_tiles(const LossArgs& a, double* partial, int64_t begin, int64_t end, int64_t tile) {
+  alignas(64) float p[kChunk];
+  alignas(64) float e[kChunk];
+  alignas(64) float x[kChunk];
+  for (int64_t k = begin; k < end; ++k) {
+    const TileRange r = tile_range(k, a.D, tile);
+    const int64_t tb = a.t[r.b];
+    const float ce = a.coef[tb], cx = a.coef[a.T + tb];
+    const float scale = a.grad_scale * (a.weight[tb] * a.iw[r.b]);  // reference.loss_and_grad
+    double total = 0.0;
+    for (int64_t s = r.start; s < r.end; s += kChunk) {
+      const int n = static_cast<int>(std::min<int64_t>(kChunk, r.end - s));
+      const int64_t g = r.b * a.D + s;
+      load(a.pred, a.pred_type, g, n, p);
+      if (a.needs_eps) {
+        if (a.eps != nullptr) {
+          load(a.eps, a.eps_type, g, n, e);
+        } else {
+          normals_chunk(a.seed, a.offset + static_cast<uint64_t>(g), n, e);  // kernel A's eps again
+        }
+      }
+      if (a.needs_x0) load(a.x0, a.x0_type, g, n, x);
+      // d = pred - target, target = ce*eps + cx*x0 (reference.target; a term the prediction type
+      // does not use is skipped, as its coefficient is 0)
+      if (a.needs_eps && a.needs_x0) {
+        for (int i = 0; i < n; ++i) p[i] = p[i] - (ce * e[i] + cx * x[i]);
+      } else if (a.needs_eps) {
+        for (int i = 0; i < n; ++i) p[i] = p[i] - ce * e[i];
+      } else if (a.needs_x0) {
+        for (int i = 0; i < n; ++i) p[i] = p[i] - cx * x[i];
+      }
+      const int padded = (n + kLanes - 1) / kLanes * kLanes;
+      for (int i = n; i < padded; ++i) p[i] = 0.0f;
+      float acc[kLanes] = {};
+      for (int j = 0; j < padded; j += kLanes) {
+        for (int l = 0; l < kLanes; ++l) acc[l] += p[j + l] * p[j + l];
+      }
+      double chunk = 0.0;
+      for (int l = 0; l < kLanes; ++l) chunk += acc[l];
+      total += chunk;
+      for (int i = 0; i < n; ++i) p[i] = p[i] * scale;  // dL/dpred, written in the forward pass
+      store(a.grad, a.pred_type, g, n, p);
+    }
+    partial[k] = total;
+  }
+}
+
+}  // namespace
+
+KernelSet kernel_set() { return {FT_CAP_NAME, &noise_tiles, &loss_tiles}; }
+
+}  // namespace fasttrain::cpu::FT_CAP
