@@ -7,7 +7,8 @@ install with `--no-build-isolation` after torch (README). Without a compiler, CM
 install goes on without it, says so in one line, and fasttrain uses the reference backend.
 
 Environment: FASTTRAIN_NATIVE=0 skips the extension, =1 makes a failed build an error;
-FASTTRAIN_CUDA=0 builds the CPU part only; FASTTRAIN_CUDA_ARCHS (CMake list, default "80-real;90").
+FASTTRAIN_CUDA=0 builds the CPU part only; FASTTRAIN_CUDA_ARCHS (CMake list, default "80-real;90");
+FASTTRAIN_BUILD_DIR (default build/native-<interpreter and torch>); CMAKE (the cmake to run).
 """
 import hashlib
 import os
@@ -82,7 +83,7 @@ class CMakeBuild(build_ext):
         # A build folder per interpreter and torch (CMake caches their paths), kept between installs
         # so that a re-install rebuilds only what changed; the log stays there too.
         key = hashlib.sha1(f"{sys.executable} {torch.__version__}".encode()).hexdigest()[:8]
-        build_dir = ROOT / "build" / f"native-{key}"
+        build_dir = Path(os.environ.get("FASTTRAIN_BUILD_DIR") or ROOT / "build" / f"native-{key}")
         build_dir.mkdir(parents=True, exist_ok=True)
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
         cuda = os.environ.get("FASTTRAIN_CUDA", "AUTO")
@@ -103,9 +104,21 @@ class CMakeBuild(build_ext):
                 f.write("$ " + " ".join(cmd) + "\n")
                 f.flush()
                 if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode != 0:
-                    lines = [ln.strip() for ln in log.read_text().splitlines() if "rror" in ln]
-                    return f"{lines[0] if lines else 'CMake failed'} (log: {log})"
+                    return f"{_first_error(log.read_text())} (log: {log})"
         return None
+
+
+def _first_error(text: str) -> str:
+    """The first error of a CMake or compiler log, as one line ("CMake Error at f (message):" is
+    followed by its message on the next lines)."""
+    lines = [ln.strip() for ln in text.splitlines()]
+    for i, ln in enumerate(lines):
+        if "error" in ln.lower():
+            if ln.endswith("(message):"):
+                follow = next((x for x in lines[i + 1:] if x), "")
+                return f"CMake Error: {follow}"
+            return ln
+    return "CMake failed"
 
 
 setup(

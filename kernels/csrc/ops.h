@@ -18,6 +18,8 @@
 
 namespace fasttrain::cpu {
 FT_DECLARE_OPS
+// Words 0 and 1 of Philox4x32-10 for counters offset .. offset + n - 1: int64 [2, n] (tests).
+at::Tensor philox_words(int64_t seed, int64_t offset, int64_t n);
 }
 namespace fasttrain::cuda {
 FT_DECLARE_OPS

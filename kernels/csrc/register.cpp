@@ -28,6 +28,9 @@ TORCH_LIBRARY(fasttrain_C, m) {
     return false;
 #endif
   });
+  // Philox words 0 and 1 of counters offset .. offset + n - 1 on the CPU, int64 [2, n]: the tests
+  // compare them bit for bit with kernels/philox.py.
+  m.def("philox_words(int seed, int offset, int n) -> Tensor", &fasttrain::cpu::philox_words);
   // The CPU kernel set in use (default, avx2, avx512); a non-empty request switches to it (tests).
   m.def("cpu_capability(str request='') -> str",
         [](std::string request) -> std::string { return fasttrain::cpu::set_capability(request); });

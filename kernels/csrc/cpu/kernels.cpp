@@ -1,6 +1,7 @@
-// Kernels A and B on the CPU: plain loops over float32 buffers of kChunk elements, which gcc
-// vectorises (Philox's 32x32->64 products, the branch-free log/cos of fastmath.h, the dtype casts of
-// convert.h). Compiled once per instruction set, each copy in its own namespace FT_CAP (CMakeLists.txt).
+// Kernels A and B on the CPU: loops over float32 buffers of kChunk elements, which gcc vectorises
+// (the branch-free log/cos of fastmath.h, the dtype casts of convert.h), with Philox in SIMD
+// intrinsics (philox_simd.h). Compiled once per instruction set, each copy in its own namespace
+// FT_CAP (CMakeLists.txt); cpu/capability.cpp picks one at run time.
 //
 // The arithmetic is the reference's, operation for operation and without contraction into FMAs
 // (-ffp-contract=off), so x_t and the gradient equal kernels/reference.py bit for bit for the same
@@ -11,6 +12,7 @@
 #include "convert.h"
 #include "../fastmath.h"
 #include "kernels.h"
+#include "philox_simd.h"
 
 #ifndef FT_CAP
 #error "compile with -DFT_CAP=<namespace>"
@@ -58,26 +60,31 @@ void store(void* dst, DType type, int64_t start, int n, const float* __restrict 
   }
 }
 
-// out[i] = normal(counter lo + i, hi): the high counter word is the same for the whole run.
-void normals_run(uint32_t k0, uint32_t k1, uint32_t lo, uint32_t hi, int n, float* __restrict out) {
+// eps for counters base .. base + n - 1 (mod 2^64): Philox words (philox_simd.h where there are x86
+// intrinsics, else a loop gcc vectorises), then Box-Muller (fastmath.h) over the words.
+void words_run(uint64_t seed, uint64_t base, int n, uint32_t* __restrict w0, uint32_t* __restrict w1) {
+  const uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+#if defined(FT_PHILOX_SIMD)
+  philox_words(base, k0, k1, n, w0, w1);
+#else
   for (int i = 0; i < n; ++i) {
-    uint32_t w0, w1;
-    philox_w01(lo + static_cast<uint32_t>(i), hi, k0, k1, w0, w1);
-    out[i] = normal_from_words(w0, w1);
+    const uint64_t c = base + static_cast<uint64_t>(i);
+    philox_w01(static_cast<uint32_t>(c), static_cast<uint32_t>(c >> 32), k0, k1, w0[i], w1[i]);
   }
+#endif
 }
 
-// eps for counters base .. base + n - 1 (mod 2^64), split where the low word wraps.
 void normals_chunk(uint64_t seed, uint64_t base, int n, float* __restrict out) {
-  const uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  int done = 0;
-  while (done < n) {
-    const uint64_t c = base + static_cast<uint64_t>(done);
-    const uint32_t lo = static_cast<uint32_t>(c);
-    const uint64_t room = 0x100000000ull - lo;  // counters before the low word wraps
-    const int m = static_cast<int>(std::min<uint64_t>(room, static_cast<uint64_t>(n - done)));
-    normals_run(k0, k1, lo, static_cast<uint32_t>(c >> 32), m, out + done);
-    done += m;
+  alignas(64) uint32_t w0[kChunk];
+  alignas(64) uint32_t w1[kChunk];
+  words_run(seed, base, n, w0, w1);
+  for (int i = 0; i < n; ++i) out[i] = normal_from_words(w0[i], w1[i]);
+}
+
+void words(uint64_t seed, uint64_t base, int64_t n, uint32_t* w0, uint32_t* w1) {
+  for (int64_t s = 0; s < n; s += kChunk) {
+    words_run(seed, base + static_cast<uint64_t>(s), static_cast<int>(std::min<int64_t>(kChunk, n - s)), w0 + s,
+              w1 + s);
   }
 }
 
@@ -163,6 +170,6 @@ void loss_tiles(const LossArgs& a, double* partial, int64_t begin, int64_t end, 
 
 }  // namespace
 
-KernelSet kernel_set() { return {FT_CAP_NAME, &noise_tiles, &loss_tiles}; }
+KernelSet kernel_set() { return {FT_CAP_NAME, &noise_tiles, &loss_tiles, &words}; }
 
 }  // namespace fasttrain::cpu::FT_CAP

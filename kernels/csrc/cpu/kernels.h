@@ -17,10 +17,14 @@ using NoiseTilesFn = void (*)(const NoiseArgs&, int64_t begin, int64_t end, int6
 // Kernel B on tiles [begin, end): writes the gradient and partial[k] = sum of d^2 over tile k.
 using LossTilesFn = void (*)(const LossArgs&, double* partial, int64_t begin, int64_t end, int64_t tile);
 
+// Philox words 0 and 1 (philox.h) of counters base .. base + n - 1: the tests check them bit for bit.
+using WordsFn = void (*)(uint64_t seed, uint64_t base, int64_t n, uint32_t* w0, uint32_t* w1);
+
 struct KernelSet {
   const char* name;
   NoiseTilesFn noise;
   LossTilesFn loss;
+  WordsFn words;
 };
 
 namespace cap_default { KernelSet kernel_set(); }

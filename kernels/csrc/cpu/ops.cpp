@@ -182,4 +182,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> loss(
   return {mean, per, raw, wl, grad};
 }
 
+at::Tensor philox_words(int64_t seed, int64_t offset, int64_t n) {
+  TORCH_CHECK(n >= 0, "fasttrain native ops: n must be >= 0");
+  std::vector<uint32_t> w(static_cast<size_t>(2 * n));
+  kernels().words(static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), n, w.data(), w.data() + n);
+  at::Tensor out = at::empty({2, n}, at::TensorOptions().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t i = 0; i < 2 * n; ++i) o[i] = w[static_cast<size_t>(i)];  // uint32 values, as philox.py holds them
+  return out;
+}
+
 }  // namespace fasttrain::cpu
