@@ -34,10 +34,11 @@ def pytest_sessionfinish(session, exitstatus):
     if not rows:
         return
     device = rows[0]["device"]
+    name = f"kernels-{device}" + (f"-{rows[0]['threads']}thread" if device == "cpu" and rows[0]["threads"] != 2 else "")
     out = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "command": " ".join(sys.argv),
            "rows": rows}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"kernels-{device}.json").write_text(json.dumps(out, indent=2))
+    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2))
     lines = [f"# Diffusion math per step (forward + backward), {device}", "",
              f"machine: {json.dumps(out['machine'])}  ", f"when: {out['when']}  ", f"command: `{out['command']}`", "",
              "| batch | impl | median ms | min ms | launches | GB/s at the byte floor | × vs eager | × vs compile |",
@@ -49,5 +50,5 @@ def pytest_sessionfinish(session, exitstatus):
     lines += ["", f"{rows[0]['rounds']} interleaved rounds per batch (every implementation once per round, rotating "
               f"order), {rows[0]['threads']} threads on CPU; ratios are of the medians.",
               "launches: CUDA kernels per call on GPU; on CPU, top-level ops dispatched (aten and fasttrain)."]
-    (RESULTS / f"kernels-{device}.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n" + "\n".join(lines))

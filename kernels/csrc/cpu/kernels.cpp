@@ -24,21 +24,22 @@ namespace {
 constexpr int kChunk = 512;  // elements per step: a few float buffers that stay in L1
 constexpr int kLanes = 16;   // independent float32 accumulators of the d^2 sum
 
-void load(const void* src, DType type, int64_t start, int n, float* __restrict out) {
+// The float32 view of elements [start, start + n): the data itself when it is float32, else `buf`
+// filled by conversion (convert.h).
+const float* load(const void* src, DType type, int64_t start, int n, float* __restrict buf) {
   switch (type) {
-    case DType::kFloat32:
-      std::memcpy(out, static_cast<const float*>(src) + start, sizeof(float) * n);
-      break;
     case DType::kBFloat16: {
       const uint16_t* s = static_cast<const uint16_t*>(src) + start;
-      for (int i = 0; i < n; ++i) out[i] = bf16_to_f32(s[i]);
-      break;
+      for (int i = 0; i < n; ++i) buf[i] = bf16_to_f32(s[i]);
+      return buf;
     }
     case DType::kFloat16: {
       const uint16_t* s = static_cast<const uint16_t*>(src) + start;
-      for (int i = 0; i < n; ++i) out[i] = f16_to_f32(s[i]);
-      break;
+      for (int i = 0; i < n; ++i) buf[i] = f16_to_f32(s[i]);
+      return buf;
     }
+    default:
+      return static_cast<const float*>(src) + start;
   }
 }
 
@@ -99,8 +100,9 @@ TileRange tile_range(int64_t k, int64_t D, int64_t tile) {
 }
 
 void noise_tiles(const NoiseArgs& a, int64_t begin, int64_t end, int64_t tile) {
-  alignas(64) float x[kChunk];
-  alignas(64) float e[kChunk];
+  alignas(64) float xbuf[kChunk];
+  alignas(64) float ebuf[kChunk];
+  alignas(64) float y[kChunk];
   for (int64_t k = begin; k < end; ++k) {
     const TileRange r = tile_range(k, a.D, tile);
     const int64_t tb = a.t[r.b];
@@ -108,23 +110,26 @@ void noise_tiles(const NoiseArgs& a, int64_t begin, int64_t end, int64_t tile) {
     for (int64_t s = r.start; s < r.end; s += kChunk) {
       const int n = static_cast<int>(std::min<int64_t>(kChunk, r.end - s));
       const int64_t g = r.b * a.D + s;  // global element index: the Philox counter (minus offset)
-      load(a.x0, a.x0_type, g, n, x);
+      const float* __restrict x = load(a.x0, a.x0_type, g, n, xbuf);
+      const float* __restrict e = ebuf;
       if (a.eps != nullptr) {
-        load(a.eps, a.eps_type, g, n, e);
+        e = load(a.eps, a.eps_type, g, n, ebuf);
       } else {
-        normals_chunk(a.seed, a.offset + static_cast<uint64_t>(g), n, e);
+        normals_chunk(a.seed, a.offset + static_cast<uint64_t>(g), n, ebuf);
       }
-      for (int i = 0; i < n; ++i) x[i] = al * x[i] + sg * e[i];  // reference.noise
-      store(a.xt, a.xt_type, g, n, x);
+      float* __restrict out = a.xt_type == DType::kFloat32 ? static_cast<float*>(a.xt) + g : y;
+      for (int i = 0; i < n; ++i) out[i] = al * x[i] + sg * e[i];  // reference.noise
+      if (out == y) store(a.xt, a.xt_type, g, n, y);
       if (a.eps_out != nullptr) std::memcpy(a.eps_out + g, e, sizeof(float) * n);
     }
   }
 }
 
 void loss_tiles(const LossArgs& a, double* partial, int64_t begin, int64_t end, int64_t tile) {
-  alignas(64) float p[kChunk];
-  alignas(64) float e[kChunk];
-  alignas(64) float x[kChunk];
+  alignas(64) float pbuf[kChunk];
+  alignas(64) float ebuf[kChunk];
+  alignas(64) float xbuf[kChunk];
+  alignas(64) float p[kChunk];  // d = pred - target, then the gradient
   for (int64_t k = begin; k < end; ++k) {
     const TileRange r = tile_range(k, a.D, tile);
     const int64_t tb = a.t[r.b];
@@ -134,23 +139,27 @@ void loss_tiles(const LossArgs& a, double* partial, int64_t begin, int64_t end, 
     for (int64_t s = r.start; s < r.end; s += kChunk) {
       const int n = static_cast<int>(std::min<int64_t>(kChunk, r.end - s));
       const int64_t g = r.b * a.D + s;
-      load(a.pred, a.pred_type, g, n, p);
+      const float* __restrict pv = load(a.pred, a.pred_type, g, n, pbuf);
+      const float* __restrict e = ebuf;
+      const float* __restrict x = xbuf;
       if (a.needs_eps) {
         if (a.eps != nullptr) {
-          load(a.eps, a.eps_type, g, n, e);
+          e = load(a.eps, a.eps_type, g, n, ebuf);
         } else {
-          normals_chunk(a.seed, a.offset + static_cast<uint64_t>(g), n, e);  // kernel A's eps again
+          normals_chunk(a.seed, a.offset + static_cast<uint64_t>(g), n, ebuf);  // kernel A's eps again
         }
       }
-      if (a.needs_x0) load(a.x0, a.x0_type, g, n, x);
+      if (a.needs_x0) x = load(a.x0, a.x0_type, g, n, xbuf);
       // d = pred - target, target = ce*eps + cx*x0 (reference.target; a term the prediction type
       // does not use is skipped, as its coefficient is 0)
       if (a.needs_eps && a.needs_x0) {
-        for (int i = 0; i < n; ++i) p[i] = p[i] - (ce * e[i] + cx * x[i]);
+        for (int i = 0; i < n; ++i) p[i] = pv[i] - (ce * e[i] + cx * x[i]);
       } else if (a.needs_eps) {
-        for (int i = 0; i < n; ++i) p[i] = p[i] - ce * e[i];
+        for (int i = 0; i < n; ++i) p[i] = pv[i] - ce * e[i];
       } else if (a.needs_x0) {
-        for (int i = 0; i < n; ++i) p[i] = p[i] - cx * x[i];
+        for (int i = 0; i < n; ++i) p[i] = pv[i] - cx * x[i];
+      } else {
+        std::memcpy(p, pv, sizeof(float) * n);
       }
       const int padded = (n + kLanes - 1) / kLanes * kLanes;
       for (int i = n; i < padded; ++i) p[i] = 0.0f;
