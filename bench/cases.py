@@ -123,7 +123,8 @@ def count_launches(fn) -> int:
 
 def machine() -> dict:
     info = {"torch": torch.__version__, "python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads(), "cores": os.cpu_count()}
+            "threads": torch.get_num_threads(), "cores": os.cpu_count(),
+            "loadavg_1min": round(os.getloadavg()[0], 2)}  # other processes on a shared machine
     try:
         with open("/proc/cpuinfo") as f:
             info["cpu"] = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))

@@ -7,7 +7,7 @@ uniform t, AdamW), measured on `fasttrain.diffusion.DiffusionObjective` directly
 is what changes between backends: forward, loss, backward, optimizer step, per-timestep statistics.
 The two backends run in interleaved blocks of `--steps` steps (`--rounds` blocks each, alternating
 which goes first), so that load from other processes hits both alike. Writes
-bench/results/step-<device>.{json,md}.
+bench/results/step-cpu[-<threads>thread].{json,md}.
 """
 from __future__ import annotations
 
@@ -76,16 +76,17 @@ def main(argv=None):
            "steps_per_round": args.steps, "ms_per_step": {b: [t * 1e3 for t in ts] for b, ts in times.items()},
            "median_ms": {b: m * 1e3 for b, m in med.items()}, "speedup_native": med["torch"] / med["native"]}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "step-cpu.json").write_text(json.dumps(out, indent=2))
+    name = "step-cpu" + ("" if args.threads == 2 else f"-{args.threads}thread")
+    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2))
     lines = ["# Default run's training step: native ops vs reference backend (cpu)", "",
              f"machine: {json.dumps(out['machine'])}  ", f"when: {out['when']}  ", f"command: `{out['command']}`", "",
              "unet_tiny, batch 16×1×8×8 digits, eps / Min-SNR-5 / uniform, AdamW; "
-             f"{args.rounds} interleaved rounds of {args.steps} steps per backend", "",
+             f"{args.rounds} interleaved rounds of {args.steps} steps per backend, {args.threads} threads", "",
              "| backend | median ms/step | rounds (ms/step) |", "|---|---|---|"]
     for b, ts in times.items():
         lines.append(f"| {b} | {med[b] * 1e3:.2f} | {', '.join(f'{t * 1e3:.2f}' for t in ts)} |")
     lines += ["", f"native is {out['speedup_native']:.2f}× the reference backend's step rate."]
-    (RESULTS / "step-cpu.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -41,3 +41,16 @@ def test_without_the_extension_auto_is_the_reference(monkeypatch):
     assert ops.resolve_backend("auto", torch.device("cpu")) == "torch"
     with pytest.raises(ValueError, match="backend 'native' is not available for cpu tensors: .*simulated"):
         ops.resolve_backend("native", torch.device("cpu"))
+
+
+def test_cuda_part_is_compiled_for_a100_and_h100():
+    """Where nvcc was found, the CUDA ops are in the module as sm_80 and sm_90 code (checked here on
+    a machine without a GPU; tests/kernels/test_gpu.py runs them where there is one)."""
+    if not native.available("cpu"):
+        pytest.skip("fasttrain._C is not built")
+    if not torch.ops.fasttrain_C.has_cuda():
+        pytest.skip("fasttrain._C was built without its CUDA part (no nvcc)")
+    import fasttrain._C as ext
+
+    blob = Path(ext.__file__).read_bytes()
+    assert b"sm_80" in blob and b"sm_90" in blob
