@@ -1,9 +1,26 @@
 """fasttrain: a diffusion-model trainer that treats the timestep as a first-class object.
 
 `kernels/` is installed as the subpackage `fasttrain.kernels` (a top-level `kernels` would collide
-with other packages, see DESIGN.md).
+with other packages, see DESIGN.md). The native extension `fasttrain._C` (C++ CPU ops, and CUDA ops
+where nvcc is found) is built by CMakeLists.txt during the install; it needs torch at build time, so
+install with `--no-build-isolation` after torch (README). Without a compiler, CMake or torch the
+install goes on without it, says so in one line, and fasttrain uses the reference backend.
+
+Environment: FASTTRAIN_NATIVE=0 skips the extension, =1 makes a failed build an error;
+FASTTRAIN_CUDA=0 builds the CPU part only; FASTTRAIN_CUDA_ARCHS (CMake list, default "80-real;90");
+FASTTRAIN_BUILD_DIR (default build/native-<interpreter and torch>); CMAKE (the cmake to run).
 """
-from setuptools import setup
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
 
 # Runtime dependencies a GPU user gets too. torch is left as a range: on CUDA machines pip picks the
 # matching CUDA build; constraints.txt pins the versions CI tests (torch 2.14.1 comes from local disk
@@ -29,6 +46,81 @@ EXTRAS = {
     "dev": ["pytest>=8", "pytest-benchmark>=4", "scipy>=1.10"] + DALI,
 }
 
+
+
+class CMakeBuild(build_ext):
+    """Builds `fasttrain._C` with CMake (Ninja when present) into the place setuptools expects it
+    (the package folder for editable installs). A failure leaves the extension out, with one line,
+    unless FASTTRAIN_NATIVE=1."""
+
+    def build_extensions(self):
+        built = []
+        for ext in self.extensions:
+            why = self._skip_reason() or self._cmake(ext)
+            if why is None:
+                built.append(ext)
+                continue
+            if os.environ.get("FASTTRAIN_NATIVE") == "1":
+                raise RuntimeError(f"fasttrain._C was not built: {why}")
+            print(f"fasttrain: native extension fasttrain._C not built ({why}); "
+                  "fasttrain will use the reference backend", file=sys.stderr, flush=True)
+        self.extensions = built  # so setuptools neither copies nor lists what was not built
+
+    @staticmethod
+    def _skip_reason():
+        if os.environ.get("FASTTRAIN_NATIVE") == "0":
+            return "FASTTRAIN_NATIVE=0"
+        if shutil.which(os.environ.get("CMAKE", "cmake")) is None:
+            return "cmake not found"
+        return None
+
+    def _cmake(self, ext):
+        try:
+            import torch
+            import torch.utils
+        except ImportError:
+            return "torch is not importable at build time: install torch first and use --no-build-isolation"
+        # A build folder per interpreter and torch (CMake caches their paths), kept between installs
+        # so that a re-install rebuilds only what changed; the log stays there too.
+        key = hashlib.sha1(f"{sys.executable} {torch.__version__}".encode()).hexdigest()[:8]
+        build_dir = Path(os.environ.get("FASTTRAIN_BUILD_DIR") or ROOT / "build" / f"native-{key}")
+        build_dir.mkdir(parents=True, exist_ok=True)
+        out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        cuda = os.environ.get("FASTTRAIN_CUDA", "AUTO")
+        cuda = {"0": "OFF", "1": "ON"}.get(cuda, cuda)
+        args = [f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}", f"-DPython_EXECUTABLE={sys.executable}",
+                f"-DFASTTRAIN_OUTPUT_DIR={out_dir}", f"-DFASTTRAIN_CUDA={cuda}",
+                f"-DFASTTRAIN_TORCH_CUDA={'ON' if torch.version.cuda else 'OFF'}",
+                f"-DFASTTRAIN_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}", "-DCMAKE_BUILD_TYPE=Release"]
+        if os.environ.get("FASTTRAIN_CUDA_ARCHS"):
+            args.append(f"-DFASTTRAIN_CUDA_ARCHS={os.environ['FASTTRAIN_CUDA_ARCHS']}")
+        if shutil.which("ninja") and not (build_dir / "CMakeCache.txt").exists():
+            args += ["-G", "Ninja"]
+        cmake = os.environ.get("CMAKE", "cmake")
+        log = build_dir / "build.log"
+        with open(log, "w") as f:
+            for cmd in ([cmake, "-S", str(ROOT), "-B", str(build_dir), *args],
+                        [cmake, "--build", str(build_dir), "-j", str(os.cpu_count() or 1)]):
+                f.write("$ " + " ".join(cmd) + "\n")
+                f.flush()
+                if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode != 0:
+                    return f"{_first_error(log.read_text())} (log: {log})"
+        return None
+
+
+def _first_error(text: str) -> str:
+    """The first error of a CMake or compiler log, as one line ("CMake Error at f (message):" is
+    followed by its message on the next lines)."""
+    lines = [ln.strip() for ln in text.splitlines()]
+    for i, ln in enumerate(lines):
+        if "error" in ln.lower():
+            if ln.endswith("(message):"):
+                follow = next((x for x in lines[i + 1:] if x), "")
+                return f"CMake Error: {follow}"
+            return ln
+    return "CMake failed"
+
+
 setup(
     name="fasttrain",
     version="0.1.0",
@@ -42,6 +134,8 @@ setup(
         "fasttrain.kernels",
     ],
     package_dir={"fasttrain.kernels": "kernels"},
+    ext_modules=[Extension("fasttrain._C", sources=[])],
+    cmdclass={"build_ext": CMakeBuild},
     package_data={"fasttrain": ["presets/*.yaml", "assets/*.pt"]},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

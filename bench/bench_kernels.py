@@ -2,44 +2,59 @@
 
     pytest bench/bench_kernels.py --benchmark-only          # writes bench/results/kernels-<device>.{json,md}
 
-On CPU only the torch backends run (the Triton interpreter is a correctness tool, ~1000× slower);
-on CUDA the fused Triton ops run too. Ratios are computed from the same run (bench/conftest.py).
+Implementations (cases.py): eager reference, torch.compile(reference), and every fused backend that
+runs on the device: on CUDA the Triton kernels, and the native ops of fasttrain._C (C++ on CPU, CUDA
+C++ on GPUs) where they are built. The Triton interpreter is a correctness tool (~1000x slower) and
+is left out on CPU. The variants are interleaved: each benchmark round runs every implementation
+once, in a rotating order, so that load from other processes on a shared machine hits them alike;
+the medians per implementation and their ratios come from the same run (bench/conftest.py).
+On CPU the run uses FASTTRAIN_BENCH_THREADS threads (default 2).
 """
+import os
+import time
+
 import pytest
 import torch
 
-from cases import SHAPES, Case, count_launches
+from cases import SHAPES, Case, count_launches, impls
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-IMPLS = ["eager", "compile_ref"] + (["fused"] if DEVICE == "cuda" else [])
-_cases: dict = {}
+IMPLS = impls(DEVICE)
+if DEVICE == "cpu":
+    torch.set_num_threads(int(os.environ.get("FASTTRAIN_BENCH_THREADS", "2")))
 
 
-def _case(name):
-    if name not in _cases:
-        _cases[name] = Case(SHAPES[name], DEVICE)
-    return _cases[name]
-
-
-def _run(case, impl):
-    fn = getattr(case, impl)
-
+def _timed(fn):
     def call():
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
         fn()
         if DEVICE == "cuda":
             torch.cuda.synchronize()
+        return time.perf_counter() - t0
 
     return call
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("impl", IMPLS)
-def test_diffusion_math(benchmark, shape, impl):
-    case = _case(shape)
-    call = _run(case, impl)
-    launches = count_launches(call)
+def test_diffusion_math(benchmark, shape):
+    case = Case(SHAPES[shape], DEVICE)
+    calls = {impl: _timed(getattr(case, impl)) for impl in IMPLS}
+    launches = {impl: count_launches(getattr(case, impl)) for impl in IMPLS}  # also warms (compiles)
+    for call in calls.values():
+        call()
+    times = {impl: [] for impl in IMPLS}
+    order = list(IMPLS)
+
+    def one_round():
+        for impl in order:
+            times[impl].append(calls[impl]())
+        order.append(order.pop(0))  # rotate, so no implementation always runs first
+
+    rounds = 20 if DEVICE == "cuda" else 7
     benchmark.group = shape
-    benchmark.extra_info.update({"impl": impl, "shape": list(SHAPES[shape]), "launches": launches,
-                                 "floor_bytes": case.floor_bytes, "device": DEVICE})
-    rounds = 20 if DEVICE == "cuda" else 3
-    benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=1)
+    benchmark.pedantic(one_round, rounds=rounds, iterations=1, warmup_rounds=0)
+    benchmark.extra_info.update({"shape": list(SHAPES[shape]), "device": DEVICE, "floor_bytes": case.floor_bytes,
+                                 "threads": torch.get_num_threads(), "launches": launches,
+                                 "times_s": {impl: ts for impl, ts in times.items()}})

@@ -1,21 +1,39 @@
 """Benchmark cases for the per-step diffusion math, shared by the pytest-benchmark module and the
-smoke test: eager reference, torch.compile(reference) and the fused ops, forward + backward.
+smoke test: eager reference, torch.compile(reference) and the fused ops (Triton, native C++/CUDA),
+forward + backward.
 
 One "step" of diffusion math: x_t from x0 (noise), then, for a model output `pred` that requires
-grad, the loss and dL/dpred. The model itself is left out: these benchmarks time what fasttrain fuses.
+grad, the loss, dL/dpred and the per-timestep statistics. The model itself is left out: these
+benchmarks time what fasttrain fuses. The unfused baselines draw eps with torch's generator and keep
+it in memory between the two halves, as a plain PyTorch trainer does; the fused ops draw it from
+the Philox stream in both kernels and never store it.
 Byte floor (performance notes §1.5): x0 read twice, x_t written, pred read, grad written:
 2·s_x + 3·s_m bytes per element (14 with fp32 x0 and a bf16 model).
 """
 from __future__ import annotations
 
+import os
 import platform
 
 import torch
 
 from fasttrain import diffusion as fd
-from fasttrain.kernels import ops, reference as ref
+from fasttrain.diffusion import prediction as P
+from fasttrain.kernels import TimestepBins, native, ops, reference as ref
 
 SHAPES = {"latent-dit": (256, 4, 32, 32), "pixel": (64, 3, 256, 256)}
+
+
+def impls(device) -> list[str]:
+    """What runs on `device`: the torch baselines, and each fused backend available there (on CPU
+    the Triton interpreter is a correctness tool, ~1000x slower, and is left out)."""
+    device = torch.device(device)
+    out = ["eager", "compile_ref"]
+    if device.type == "cuda":
+        out.append("triton")
+    if native.available(device):
+        out.append("native")
+    return out
 
 
 class Case:
@@ -25,14 +43,16 @@ class Case:
         self.a = s.alpha.float().to(device)
         self.s = s.sigma.float().to(device)
         self.w = fd.loss_weight("min_snr", s, prediction=pred_type).float().to(device)
+        self.coef = P.get(pred_type).table(s.alpha, s.sigma).to(device)
+        self.uses = P.get(pred_type).uses
         g = torch.Generator(device).manual_seed(seed)
         self.x0 = torch.rand(shape, generator=g, device=device) * 2 - 1
         self.t = torch.randint(0, 1000, (shape[0],), generator=g, device=device)
         self.iw = torch.ones(shape[0], device=device)
         self.pred = (torch.randn(shape, generator=g, device=device) * 0.5).to(model_dtype).requires_grad_()
-        self.pred_type, self.model_dtype = pred_type, model_dtype
-        self.bins = torch.zeros(5, 1000, dtype=torch.float64, device=device)
-        self.pivots = torch.zeros(2, 1000, dtype=torch.float64, device=device)
+        self.model_dtype = model_dtype
+        self.bins = TimestepBins(1000, 2, device)
+        self.offset = torch.zeros((), dtype=torch.int64, device=device)
         self.compiled = None
 
     @property
@@ -40,18 +60,22 @@ class Case:
         n = self.x0.numel()
         return n * (2 * self.x0.element_size() + 3 * self.pred.element_size())
 
-    # -- the three implementations ---------------------------------------------------------------
+    # -- the implementations ---------------------------------------------------------------------
     def _reference(self, x0, t, iw, pred):
         eps = torch.randn_like(x0)
         x_t = ref.noise(x0, t, self.a, self.s, eps, self.model_dtype)
-        per, raw = ref.loss(pred, x0, eps, t, self.a, self.s, self.w, iw, self.pred_type)
+        per, raw = ref.loss(pred, x0, eps, t, self.w, iw, self.coef)
         return x_t, per.mean(), raw
+
+    def _scatter(self, raw):
+        raw = raw.detach()
+        self.bins.scatter_(self.t, torch.stack([raw, self.w[self.t] * raw]))
 
     def eager(self):
         self.pred.grad = None
         x_t, loss, raw = self._reference(self.x0, self.t, self.iw, self.pred)
         loss.backward()
-        self.bins += ref.scatter_stats(self.t, torch.stack([raw.detach(), raw.detach()]).double(), 1000)
+        self._scatter(raw)
         return loss
 
     def compile_ref(self):
@@ -60,18 +84,23 @@ class Case:
         self.pred.grad = None
         x_t, loss, raw = self.compiled(self.x0, self.t, self.iw, self.pred)
         loss.backward()
-        self.bins += ref.scatter_stats(self.t, torch.stack([raw.detach(), raw.detach()]).double(), 1000)
+        self._scatter(raw)
         return loss
 
     def fused(self, backend="auto"):
         self.pred.grad = None
-        ws = ops.new_workspace(self.x0.shape[0], self.device)
-        ops.noise(self.x0, self.t, self.a, self.s, seed=1, offset=0, workspace=ws, out_dtype=self.model_dtype,
+        ops.noise(self.x0, self.t, self.a, self.s, seed=1, offset=self.offset, out_dtype=self.model_dtype,
                   backend=backend)
-        loss, _, _, _ = ops.loss(self.pred, self.x0, self.t, self.a, self.s, self.w, self.iw, self.pred_type, seed=1,
-                              offset=0, workspace=ws, bins=self.bins, pivots=self.pivots, backend=backend)
+        loss = ops.loss(self.pred, self.x0, self.t, self.w, self.iw, self.coef, uses=self.uses, seed=1,
+                        offset=self.offset, bins=self.bins, backend=backend).loss
         loss.backward()
         return loss
+
+    def triton(self):
+        return self.fused("triton")
+
+    def native(self):
+        return self.fused("native")
 
 
 def count_launches(fn) -> int:
@@ -88,18 +117,27 @@ def count_launches(fn) -> int:
     events = prof.events()
     if cuda:
         return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    return sum(1 for e in events if e.name.startswith("aten::") and e.cpu_parent is None)
+    return sum(1 for e in events if (e.name.startswith("aten::") or e.name.startswith("fasttrain"))
+               and e.cpu_parent is None)
 
 
 def machine() -> dict:
     info = {"torch": torch.__version__, "python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
-            "cores": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "cores": os.cpu_count(),
+            "loadavg_1min": round(os.getloadavg()[0], 2)}  # other processes on a shared machine
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
     try:
         import triton
 
         info["triton"] = triton.__version__
     except ImportError:
         pass
+    if native.available("cpu"):
+        info["native_cpu_kernels"] = torch.ops.fasttrain_C.cpu_capability()
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info

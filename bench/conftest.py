@@ -1,5 +1,8 @@
-"""Collect the kernel benchmarks of one run into bench/results/, with ratios measured side by side."""
+"""Collect the kernel benchmarks of one run into bench/results/, with ratios measured side by side:
+each benchmark round of bench_kernels.py runs every implementation once (interleaved), and the
+ratios are of the medians over those rounds."""
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -17,30 +20,35 @@ def pytest_sessionfinish(session, exitstatus):
 
     rows = []
     for b in bs.benchmarks:
-        if not b.stats or not b.stats.rounds:  # a benchmark that failed or did not run
-            continue
         info = b.extra_info
-        sec = b.stats.median
-        rows.append({"shape": b.group, "impl": info["impl"], "median_ms": sec * 1e3, "launches": info["launches"],
-                     "floor_GBps": info["floor_bytes"] / sec / 1e9, "device": info["device"]})
+        if not b.stats or not b.stats.rounds or "times_s" not in info:  # failed or did not run
+            continue
+        med = {impl: statistics.median(ts) for impl, ts in info["times_s"].items()}
+        for impl, sec in med.items():
+            rows.append({"shape": b.group, "impl": impl, "median_ms": sec * 1e3, "min_ms": min(info["times_s"][impl]) * 1e3,
+                         "rounds": len(info["times_s"][impl]), "launches": info["launches"][impl],
+                         "floor_GBps": info["floor_bytes"] / sec / 1e9, "device": info["device"],
+                         "threads": info["threads"],
+                         "speedup_vs_eager": med["eager"] / sec if "eager" in med else None,
+                         "speedup_vs_compile": med["compile_ref"] / sec if "compile_ref" in med else None})
     if not rows:
         return
-    for r in rows:
-        base = {x["impl"]: x["median_ms"] for x in rows if x["shape"] == r["shape"]}
-        r["speedup_vs_eager"] = base["eager"] / r["median_ms"] if "eager" in base else None
-        r["speedup_vs_compile"] = base["compile_ref"] / r["median_ms"] if "compile_ref" in base else None
     device = rows[0]["device"]
+    name = f"kernels-{device}" + (f"-{rows[0]['threads']}thread" if device == "cpu" and rows[0]["threads"] != 2 else "")
     out = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "command": " ".join(sys.argv),
            "rows": rows}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"kernels-{device}.json").write_text(json.dumps(out, indent=2))
+    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2))
     lines = [f"# Diffusion math per step (forward + backward), {device}", "",
              f"machine: {json.dumps(out['machine'])}  ", f"when: {out['when']}  ", f"command: `{out['command']}`", "",
-             "| batch | impl | median ms | launches | GB/s at the byte floor | × vs eager | × vs compile |",
-             "|---|---|---|---|---|---|---|"]
+             "| batch | impl | median ms | min ms | launches | GB/s at the byte floor | × vs eager | × vs compile |",
+             "|---|---|---|---|---|---|---|---|"]
+    nan = float("nan")
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['impl']} | {r['median_ms']:.3f} | {r['launches']} | {r['floor_GBps']:.1f} | "
-                     f"{r['speedup_vs_eager']:.2f} | {r['speedup_vs_compile'] or float('nan'):.2f} |")
-    lines += ["", "launches: CUDA kernels per call on GPU; on CPU, top-level aten ops dispatched."]
-    (RESULTS / f"kernels-{device}.md").write_text("\n".join(lines) + "\n")
+        lines.append(f"| {r['shape']} | {r['impl']} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {r['launches']} | "
+                     f"{r['floor_GBps']:.1f} | {r['speedup_vs_eager'] or nan:.2f} | {r['speedup_vs_compile'] or nan:.2f} |")
+    lines += ["", f"{rows[0]['rounds']} interleaved rounds per batch (every implementation once per round, rotating "
+              f"order), {rows[0]['threads']} threads on CPU; ratios are of the medians.",
+              "launches: CUDA kernels per call on GPU; on CPU, top-level ops dispatched (aten and fasttrain)."]
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n" + "\n".join(lines))

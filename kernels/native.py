@@ -8,6 +8,8 @@ torch.compile see the same operators as on every other backend.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 _LOADED: bool | None = None
@@ -23,6 +25,9 @@ def _load() -> bool:
             _LOADED = True
         except ImportError as e:
             _LOADED, _ERROR = False, f"fasttrain._C is not built ({e})"
+            # The install said so too, but pip hides build output; one line here, once per process.
+            warnings.warn(f"{_ERROR}: the CPU diffusion math runs on the reference backend "
+                          "(reinstall with a C++ compiler and CMake to build it, README)", stacklevel=3)
     return _LOADED
 
 

@@ -6,14 +6,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 
-from cases import Case, count_launches, machine  # noqa: E402
+from cases import Case, count_launches, impls, machine  # noqa: E402
 
 
 def test_bench_cases_run_on_tiny_shapes():
     case = Case((3, 2, 4, 4), "cpu")
     assert case.floor_bytes == 3 * 2 * 4 * 4 * (2 * 4 + 3 * 2)
-    for fn in (case.eager, lambda: case.fused(backend="torch"), lambda: case.fused(backend="interpret")):
+    runs = [case.eager, lambda: case.fused(backend="torch"), lambda: case.fused(backend="interpret")]
+    runs += [case.native] if "native" in impls("cpu") else []
+    losses = []
+    for fn in runs:
         loss = fn()
-        assert torch.isfinite(loss) and case.pred.grad is not None
+        assert torch.isfinite(loss) and case.pred.grad is not None and case.pred.grad.dtype == torch.bfloat16
+        losses.append(loss)
+    torch.testing.assert_close(losses[2], losses[1], rtol=1e-4, atol=1e-6)  # same stream: Triton = reference
+    if len(losses) > 3:
+        torch.testing.assert_close(losses[3], losses[1], rtol=1e-4, atol=1e-6)  # and native
+    assert case.bins.data[0].sum().item() == 3 * len(runs)
     assert count_launches(case.eager) > count_launches(lambda: case.fused(backend="torch")) / 10
     assert "torch" in machine()

@@ -1,26 +1,29 @@
-"""The ops inside torch.compile(fullgraph=True), and DiffusionObjective on the fused kernels."""
+"""The ops inside torch.compile(fullgraph=True), and DiffusionObjective on the fused kernels: Triton
+(the interpreter on CPU) and the native ops where fasttrain._C is built."""
 import pytest
 import torch
 
 from fasttrain import diffusion as fd
 from fasttrain.diffusion import prediction as P
-from fasttrain.kernels import TimestepBins, ops, philox, reference as ref
+from fasttrain.kernels import TimestepBins, native, ops, philox, reference as ref
 from fasttrain.models import build_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKEND = "triton" if torch.cuda.is_available() else "interpret"
+FUSED = [BACKEND] + (["native"] if native.available(DEVICE) else [])
 
 
-def _step(model, x0, t, iw, a, s, w, coef, bins):
-    x_t = ops.noise(x0, t, a, s, seed=3, offset=99, backend=BACKEND)
+def _step(model, x0, t, iw, a, s, w, coef, bins, backend):
+    x_t = ops.noise(x0, t, a, s, seed=3, offset=99, backend=backend)
     pred = model(x_t, t)
-    loss, per, raw, _ = ops.loss(pred, x0, t, w, iw, coef, seed=3, offset=99, bins=bins, backend=BACKEND)
+    loss, per, raw, _ = ops.loss(pred, x0, t, w, iw, coef, seed=3, offset=99, bins=bins, backend=backend)
     return loss, raw
 
 
+@pytest.mark.parametrize("backend", FUSED)
 @pytest.mark.parametrize("arch", ["dit", "unet"])
 @pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_ops_inside_fullgraph_compile(compiler, arch):
+def test_ops_inside_fullgraph_compile(compiler, arch, backend):
     torch._dynamo.reset()
     s = fd.schedule("cosine", T=100)
     a, sg = s.alpha.float().to(DEVICE), s.sigma.float().to(DEVICE)
@@ -32,12 +35,12 @@ def test_ops_inside_fullgraph_compile(compiler, arch):
     iw = torch.ones(3, device=DEVICE)
     coef = P.get("v").table(s.alpha, s.sigma).to(DEVICE)
     bins_e, bins_c = TimestepBins(100, 2, DEVICE), TimestepBins(100, 2, DEVICE)
-    loss_e, raw_e = _step(model, x0, t, iw, a, sg, w, coef, bins_e)
+    loss_e, raw_e = _step(model, x0, t, iw, a, sg, w, coef, bins_e, backend)
     loss_e.backward()
     g_e = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     compiled = torch.compile(_step, fullgraph=True, backend=compiler)
-    loss_c, raw_c = compiled(model, x0, t, iw, a, sg, w, coef, bins_c)
+    loss_c, raw_c = compiled(model, x0, t, iw, a, sg, w, coef, bins_c, backend)
     loss_c.backward()
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(raw_c, raw_e, rtol=1e-5, atol=1e-6)
@@ -46,11 +49,12 @@ def test_ops_inside_fullgraph_compile(compiler, arch):
         torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", FUSED)
 @pytest.mark.parametrize("pred", fd.PREDICTIONS)
-def test_objective_on_fused_kernels_matches_reference(pred):
+def test_objective_on_fused_kernels_matches_reference(pred, backend):
     s = fd.schedule("flow" if pred == "flow" else "linear", T=1000)
     obj = fd.DiffusionObjective(s, pred, "min_snr", "speed", sampler_args={"dual": pred != "flow"},
-                                backend=BACKEND, seed=4).to(DEVICE)
+                                backend=backend, seed=4).to(DEVICE)
     lin = torch.nn.Linear(6, 6).to(DEVICE)
     model = lambda x, t: lin(x)  # noqa: E731
     x0 = torch.rand(5, 6, device=DEVICE) * 2 - 1

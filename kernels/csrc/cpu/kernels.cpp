@@ -1,0 +1,184 @@
+// Kernels A and B on the CPU: loops over float32 buffers of kChunk elements, which gcc vectorises
+// (the branch-free log/cos of fastmath.h, the dtype casts of convert.h), with Philox in SIMD
+// intrinsics (philox_simd.h). Compiled once per instruction set, each copy in its own namespace
+// FT_CAP (CMakeLists.txt); cpu/capability.cpp picks one at run time.
+//
+// The arithmetic is the reference's, operation for operation and without contraction into FMAs
+// (-ffp-contract=off), so x_t and the gradient equal kernels/reference.py bit for bit for the same
+// eps; only the order of the d^2 sum differs (per chunk in float32 lanes, per tile in float64).
+#include <algorithm>
+#include <cstring>
+
+#include "convert.h"
+#include "../fastmath.h"
+#include "kernels.h"
+#include "philox_simd.h"
+
+#ifndef FT_CAP
+#error "compile with -DFT_CAP=<namespace>"
+#endif
+
+namespace fasttrain::cpu::FT_CAP {
+namespace {
+
+constexpr int kChunk = 512;  // elements per step: a few float buffers that stay in L1
+constexpr int kLanes = 16;   // independent float32 accumulators of the d^2 sum
+
+// The float32 view of elements [start, start + n): the data itself when it is float32, else `buf`
+// filled by conversion (convert.h).
+const float* load(const void* src, DType type, int64_t start, int n, float* __restrict buf) {
+  switch (type) {
+    case DType::kBFloat16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src) + start;
+      for (int i = 0; i < n; ++i) buf[i] = bf16_to_f32(s[i]);
+      return buf;
+    }
+    case DType::kFloat16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src) + start;
+      for (int i = 0; i < n; ++i) buf[i] = f16_to_f32(s[i]);
+      return buf;
+    }
+    default:
+      return static_cast<const float*>(src) + start;
+  }
+}
+
+void store(void* dst, DType type, int64_t start, int n, const float* __restrict in) {
+  switch (type) {
+    case DType::kFloat32:
+      std::memcpy(static_cast<float*>(dst) + start, in, sizeof(float) * n);
+      break;
+    case DType::kBFloat16: {
+      uint16_t* d = static_cast<uint16_t*>(dst) + start;
+      for (int i = 0; i < n; ++i) d[i] = f32_to_bf16(in[i]);
+      break;
+    }
+    case DType::kFloat16: {
+      uint16_t* d = static_cast<uint16_t*>(dst) + start;
+      for (int i = 0; i < n; ++i) d[i] = f32_to_f16(in[i]);
+      break;
+    }
+  }
+}
+
+// eps for counters base .. base + n - 1 (mod 2^64): Philox words (philox_simd.h where there are x86
+// intrinsics, else a loop gcc vectorises), then Box-Muller (fastmath.h) over the words.
+void words_run(uint64_t seed, uint64_t base, int n, uint32_t* __restrict w0, uint32_t* __restrict w1) {
+  const uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+#if defined(FT_PHILOX_SIMD)
+  philox_words(base, k0, k1, n, w0, w1);
+#else
+  for (int i = 0; i < n; ++i) {
+    const uint64_t c = base + static_cast<uint64_t>(i);
+    philox_w01(static_cast<uint32_t>(c), static_cast<uint32_t>(c >> 32), k0, k1, w0[i], w1[i]);
+  }
+#endif
+}
+
+void normals_chunk(uint64_t seed, uint64_t base, int n, float* __restrict out) {
+  alignas(64) uint32_t w0[kChunk];
+  alignas(64) uint32_t w1[kChunk];
+  words_run(seed, base, n, w0, w1);
+  for (int i = 0; i < n; ++i) out[i] = normal_from_words(w0[i], w1[i]);
+}
+
+void words(uint64_t seed, uint64_t base, int64_t n, uint32_t* w0, uint32_t* w1) {
+  for (int64_t s = 0; s < n; s += kChunk) {
+    words_run(seed, base + static_cast<uint64_t>(s), static_cast<int>(std::min<int64_t>(kChunk, n - s)), w0 + s,
+              w1 + s);
+  }
+}
+
+struct TileRange {
+  int64_t b, start, end;
+};
+
+TileRange tile_range(int64_t k, int64_t D, int64_t tile) {
+  const int64_t per_sample = (D + tile - 1) / tile;
+  const int64_t b = k / per_sample, start = (k % per_sample) * tile;
+  return {b, start, std::min(D, start + tile)};
+}
+
+void noise_tiles(const NoiseArgs& a, int64_t begin, int64_t end, int64_t tile) {
+  alignas(64) float xbuf[kChunk];
+  alignas(64) float ebuf[kChunk];
+  alignas(64) float y[kChunk];
+  for (int64_t k = begin; k < end; ++k) {
+    const TileRange r = tile_range(k, a.D, tile);
+    const int64_t tb = a.t[r.b];
+    const float al = a.alpha[tb], sg = a.sigma[tb];
+    for (int64_t s = r.start; s < r.end; s += kChunk) {
+      const int n = static_cast<int>(std::min<int64_t>(kChunk, r.end - s));
+      const int64_t g = r.b * a.D + s;  // global element index: the Philox counter (minus offset)
+      const float* __restrict x = load(a.x0, a.x0_type, g, n, xbuf);
+      const float* __restrict e = ebuf;
+      if (a.eps != nullptr) {
+        e = load(a.eps, a.eps_type, g, n, ebuf);
+      } else {
+        normals_chunk(a.seed, a.offset + static_cast<uint64_t>(g), n, ebuf);
+      }
+      float* __restrict out = a.xt_type == DType::kFloat32 ? static_cast<float*>(a.xt) + g : y;
+      for (int i = 0; i < n; ++i) out[i] = al * x[i] + sg * e[i];  // reference.noise
+      if (out == y) store(a.xt, a.xt_type, g, n, y);
+      if (a.eps_out != nullptr) std::memcpy(a.eps_out + g, e, sizeof(float) * n);
+    }
+  }
+}
+
+void loss_tiles(const LossArgs& a, double* partial, int64_t begin, int64_t end, int64_t tile) {
+  alignas(64) float pbuf[kChunk];
+  alignas(64) float ebuf[kChunk];
+  alignas(64) float xbuf[kChunk];
+  alignas(64) float p[kChunk];  // d = pred - target, then the gradient
+  for (int64_t k = begin; k < end; ++k) {
+    const TileRange r = tile_range(k, a.D, tile);
+    const int64_t tb = a.t[r.b];
+    const float ce = a.coef[tb], cx = a.coef[a.T + tb];
+    const float scale = a.grad_scale * (a.weight[tb] * a.iw[r.b]);  // reference.loss_and_grad
+    double total = 0.0;
+    for (int64_t s = r.start; s < r.end; s += kChunk) {
+      const int n = static_cast<int>(std::min<int64_t>(kChunk, r.end - s));
+      const int64_t g = r.b * a.D + s;
+      const float* __restrict pv = load(a.pred, a.pred_type, g, n, pbuf);
+      const float* __restrict e = ebuf;
+      const float* __restrict x = xbuf;
+      if (a.needs_eps) {
+        if (a.eps != nullptr) {
+          e = load(a.eps, a.eps_type, g, n, ebuf);
+        } else {
+          normals_chunk(a.seed, a.offset + static_cast<uint64_t>(g), n, ebuf);  // kernel A's eps again
+        }
+      }
+      if (a.needs_x0) x = load(a.x0, a.x0_type, g, n, xbuf);
+      // d = pred - target, target = ce*eps + cx*x0 (reference.target; a term the prediction type
+      // does not use is skipped, as its coefficient is 0)
+      if (a.needs_eps && a.needs_x0) {
+        for (int i = 0; i < n; ++i) p[i] = pv[i] - (ce * e[i] + cx * x[i]);
+      } else if (a.needs_eps) {
+        for (int i = 0; i < n; ++i) p[i] = pv[i] - ce * e[i];
+      } else if (a.needs_x0) {
+        for (int i = 0; i < n; ++i) p[i] = pv[i] - cx * x[i];
+      } else {
+        std::memcpy(p, pv, sizeof(float) * n);
+      }
+      const int padded = (n + kLanes - 1) / kLanes * kLanes;
+      for (int i = n; i < padded; ++i) p[i] = 0.0f;
+      float acc[kLanes] = {};
+      for (int j = 0; j < padded; j += kLanes) {
+        for (int l = 0; l < kLanes; ++l) acc[l] += p[j + l] * p[j + l];
+      }
+      double chunk = 0.0;
+      for (int l = 0; l < kLanes; ++l) chunk += acc[l];
+      total += chunk;
+      for (int i = 0; i < n; ++i) p[i] = p[i] * scale;  // dL/dpred, written in the forward pass
+      store(a.grad, a.pred_type, g, n, p);
+    }
+    partial[k] = total;
+  }
+}
+
+}  // namespace
+
+KernelSet kernel_set() { return {FT_CAP_NAME, &noise_tiles, &loss_tiles, &words}; }
+
+}  // namespace fasttrain::cpu::FT_CAP

@@ -1,0 +1,195 @@
+// The CPU implementations of fasttrain_C::noise and fasttrain_C::loss (schemas: register.cpp):
+// argument checks, outputs, at::parallel_for over samples x tiles, then the per-sample reduction,
+// the batch mean and the per-timestep bins (kernels/bins.py), which are O(B) and run serially in a
+// fixed order, so every result is independent of the number of threads.
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+
+#include <cmath>
+#include <vector>
+
+#include "../common.h"
+#include "../ops.h"
+#include "kernels.h"
+
+namespace fasttrain::cpu {
+namespace {
+
+constexpr int64_t kTile = 16384;        // elements per task: a few hundred microseconds of work
+constexpr int64_t kMinPerThread = 65536;  // below this many elements a thread is not worth waking
+
+int64_t tile_for(int64_t D) { return std::max<int64_t>(1, std::min(kTile, D)); }
+
+template <class Fn>
+void for_tiles(int64_t B, int64_t D, Fn&& fn) {
+  const int64_t tile = tile_for(D);
+  const int64_t tiles = B * ((D + tile - 1) / tile);
+  const int64_t grain = std::max<int64_t>(1, kMinPerThread / tile);
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) { fn(begin, end, tile); });
+}
+
+// t as contiguous int64, checked against the table length (cheap on the CPU: no device sync).
+at::Tensor checked_t(const at::Tensor& t, int64_t T) {
+  at::Tensor t64 = t.to(at::kLong).contiguous();
+  const int64_t* p = t64.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < t64.numel(); ++b) {
+    TORCH_CHECK(p[b] >= 0 && p[b] < T, "fasttrain native ops: timestep ", p[b], " outside [0, ", T, ")");
+  }
+  return t64;
+}
+
+uint64_t offset_value(const at::Tensor& offset) {
+  TORCH_CHECK(offset.numel() == 1 && offset.scalar_type() == at::kLong,
+              "fasttrain native ops: offset must be a 0-d int64 tensor");
+  return static_cast<uint64_t>(offset.item<int64_t>());  // a CPU tensor: a plain read
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> noise(const at::Tensor& x0_in, const at::Tensor& t, const at::Tensor& alpha,
+                                         const at::Tensor& sigma, const std::optional<at::Tensor>& eps_in,
+                                         int64_t seed, const at::Tensor& offset, at::ScalarType out_dtype,
+                                         bool write_eps) {
+  const at::Tensor x0 = x0_in.contiguous();
+  const at::Tensor a = f32(alpha), s = f32(sigma);
+  TORCH_CHECK(a.numel() == s.numel(), "fasttrain native ops: alpha and sigma differ in length");
+  const at::Tensor t64 = checked_t(t, a.numel());
+  at::Tensor eps;
+  if (eps_in.has_value()) {
+    check_batch(x0, t, *eps_in, "eps");
+    eps = eps_in->contiguous();
+  } else {
+    check_batch(x0, t, x0, "x0");
+  }
+  at::Tensor xt = at::empty(x0.sizes(), x0.options().dtype(out_dtype));
+  at::Tensor eps_out = at::empty(write_eps ? x0.sizes() : at::IntArrayRef{0}, x0.options().dtype(at::kFloat));
+  NoiseArgs args{};
+  args.x0 = x0.const_data_ptr();
+  args.x0_type = dtype_of(x0.scalar_type(), "x0");
+  args.eps = eps.defined() ? eps.const_data_ptr() : nullptr;
+  args.eps_type = eps.defined() ? dtype_of(eps.scalar_type(), "eps") : DType::kFloat32;
+  args.xt = xt.data_ptr();
+  args.xt_type = dtype_of(out_dtype, "out_dtype");
+  args.eps_out = write_eps ? eps_out.data_ptr<float>() : nullptr;
+  args.t = t64.const_data_ptr<int64_t>();
+  args.alpha = a.const_data_ptr<float>();
+  args.sigma = s.const_data_ptr<float>();
+  args.B = x0.dim() == 0 ? 0 : x0.size(0);
+  args.D = per_sample(x0);
+  args.seed = static_cast<uint64_t>(seed);
+  args.offset = offset_value(offset);
+  if (args.B > 0 && args.D > 0) {
+    const KernelSet& ks = kernels();
+    for_tiles(args.B, args.D, [&](int64_t b, int64_t e, int64_t tile) { ks.noise(args, b, e, tile); });
+  }
+  return {xt, eps_out};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> loss(
+    const at::Tensor& pred_in, const at::Tensor& x0_in, const at::Tensor& t, const at::Tensor& weight,
+    const at::Tensor& iw_in, const at::Tensor& coef_in, const at::Tensor& pivots_in, at::Tensor& bins,
+    const std::optional<at::Tensor>& eps_in, int64_t seed, const at::Tensor& offset, int64_t needs) {
+  const at::Tensor pred = pred_in.contiguous(), x0 = x0_in.contiguous();
+  check_batch(pred, t, x0, "x0");
+  const at::Tensor w = f32(weight), iw = f32(iw_in), coef = f32(coef_in);
+  const int64_t T = w.numel(), B = pred.size(0), D = per_sample(pred);
+  TORCH_CHECK(coef.dim() == 2 && coef.size(0) == 2 && coef.size(1) == T, "fasttrain native ops: coef must be [2, ",
+              T, "], got ", coef.sizes());
+  TORCH_CHECK(iw.numel() == B, "fasttrain native ops: iw must have ", B, " elements");
+  const at::Tensor t64 = checked_t(t, T);
+  at::Tensor eps;
+  if (eps_in.has_value()) {
+    check_batch(pred, t, *eps_in, "eps");
+    eps = eps_in->contiguous();
+  }
+  const bool with_bins = bins.numel() > 0;
+  if (with_bins) {
+    TORCH_CHECK(bins.scalar_type() == at::kDouble && bins.dim() == 2 && bins.size(0) == 5 && bins.size(1) == T,
+                "fasttrain native ops: bins must be float64 [5, ", T, "] (kernels/bins.py, 2 values)");
+    TORCH_CHECK(pivots_in.scalar_type() == at::kDouble && pivots_in.dim() == 2 && pivots_in.size(0) == 2 &&
+                    pivots_in.size(1) == T,
+                "fasttrain native ops: pivots must be float64 [2, ", T, "]");
+  }
+
+  at::Tensor grad = at::empty(pred.sizes(), pred.options());
+  const auto f = pred.options().dtype(at::kFloat);
+  at::Tensor mean = at::empty({}, f), per = at::empty({B}, f), raw = at::empty({B}, f), wl = at::empty({B}, f);
+
+  LossArgs args{};
+  args.pred = pred.const_data_ptr();
+  args.pred_type = dtype_of(pred.scalar_type(), "pred");
+  args.x0 = x0.const_data_ptr();
+  args.x0_type = dtype_of(x0.scalar_type(), "x0");
+  args.eps = eps.defined() ? eps.const_data_ptr() : nullptr;
+  args.eps_type = eps.defined() ? dtype_of(eps.scalar_type(), "eps") : DType::kFloat32;
+  args.t = t64.const_data_ptr<int64_t>();
+  args.weight = w.const_data_ptr<float>();
+  args.iw = iw.const_data_ptr<float>();
+  args.coef = coef.const_data_ptr<float>();
+  args.T = T;
+  args.grad = grad.data_ptr();
+  args.B = B;
+  args.D = D;
+  args.seed = static_cast<uint64_t>(seed);
+  args.offset = offset_value(offset);
+  args.needs_eps = (needs & 1) != 0;
+  args.needs_x0 = (needs & 2) != 0;
+  // reference.loss_and_grad rounds 2/(B*D) to float32 before scaling by w*iw
+  args.grad_scale = B * D > 0 ? static_cast<float>(2.0 / static_cast<double>(D) / static_cast<double>(B)) : 0.0f;
+
+  const int64_t tile = tile_for(D);
+  const int64_t per_b = D > 0 ? (D + tile - 1) / tile : 0;
+  std::vector<double> partial(static_cast<size_t>(B * per_b));
+  if (B > 0 && D > 0) {
+    const KernelSet& ks = kernels();
+    for_tiles(B, D, [&](int64_t b, int64_t e, int64_t tl) { ks.loss(args, partial.data(), b, e, tl); });
+  }
+
+  // Per sample: raw = mean(d^2), wl = w[t]*raw, l = (w[t]*iw)*raw (reference.loss), in float32.
+  const int64_t* tp = args.t;
+  float* rawp = raw.data_ptr<float>();
+  float* wlp = wl.data_ptr<float>();
+  float* perp = per.data_ptr<float>();
+  double total = 0.0;
+  for (int64_t b = 0; b < B; ++b) {
+    double sum = 0.0;
+    for (int64_t k = 0; k < per_b; ++k) sum += partial[b * per_b + k];
+    const float r = static_cast<float>(sum / static_cast<double>(D));
+    const float wb = args.weight[tp[b]];
+    rawp[b] = r;
+    wlp[b] = wb * r;
+    perp[b] = (wb * args.iw[b]) * r;
+    total += perp[b];
+  }
+  *mean.data_ptr<float>() = B > 0 ? static_cast<float>(total / static_cast<double>(B)) : NAN;
+
+  if (with_bins) {  // bins.py: count, then per value v: sum (x_v - c_v[t]), sum (x_v - c_v[t])^2
+    const at::Tensor piv = pivots_in.contiguous();
+    const double* c = piv.const_data_ptr<double>();
+    auto d = bins.accessor<double, 2>();
+    for (int64_t b = 0; b < B; ++b) {
+      if (!std::isfinite(rawp[b]) || !std::isfinite(wlp[b])) continue;  // a bad step must not poison the stats
+      const int64_t tb = tp[b];
+      d[0][tb] += 1.0;
+      const float v[2] = {rawp[b], wlp[b]};
+      for (int j = 0; j < 2; ++j) {
+        const double x = static_cast<double>(v[j]) - c[j * T + tb];
+        d[1 + 2 * j][tb] += x;
+        d[2 + 2 * j][tb] += x * x;
+      }
+    }
+  }
+  return {mean, per, raw, wl, grad};
+}
+
+at::Tensor philox_words(int64_t seed, int64_t offset, int64_t n) {
+  TORCH_CHECK(n >= 0, "fasttrain native ops: n must be >= 0");
+  std::vector<uint32_t> w(static_cast<size_t>(2 * n));
+  kernels().words(static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), n, w.data(), w.data() + n);
+  at::Tensor out = at::empty({2, n}, at::TensorOptions().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t i = 0; i < 2 * n; ++i) o[i] = w[static_cast<size_t>(i)];  // uint32 values, as philox.py holds them
+  return out;
+}
+
+}  // namespace fasttrain::cpu

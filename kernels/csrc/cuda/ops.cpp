@@ -1,0 +1,143 @@
+// The CUDA implementations of fasttrain_C::noise and fasttrain_C::loss (schemas: register.cpp):
+// checks that need no device values, outputs from torch's caching allocator, launches on the
+// current stream (cuda/kernels.cu). Nothing here waits for the device: the noise offset is passed
+// by pointer and timesteps are not range-checked (as in the Triton path, ops.py).
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cmath>
+
+#include "../common.h"
+#include "../ops.h"
+#include "kernels.h"
+
+namespace fasttrain::cuda {
+namespace {
+
+void check_device(const at::Tensor& x, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(x.device() == like.device(), "fasttrain native ops: ", name, " is on ", x.device(), ", expected ",
+              like.device());
+}
+
+// The offset on the device (read there), or a CPU scalar (read here: no device sync either way).
+void set_offset(const at::Tensor& offset, const at::Tensor& like, uint64_t& value, const int64_t*& ptr) {
+  TORCH_CHECK(offset.numel() == 1 && offset.scalar_type() == at::kLong,
+              "fasttrain native ops: offset must be a 0-d int64 tensor");
+  if (offset.is_cuda()) {
+    check_device(offset, like, "offset");
+    ptr = offset.const_data_ptr<int64_t>();
+    value = 0;
+  } else {
+    ptr = nullptr;
+    value = static_cast<uint64_t>(offset.item<int64_t>());
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> noise(const at::Tensor& x0_in, const at::Tensor& t, const at::Tensor& alpha,
+                                         const at::Tensor& sigma, const std::optional<at::Tensor>& eps_in,
+                                         int64_t seed, const at::Tensor& offset, at::ScalarType out_dtype,
+                                         bool write_eps) {
+  const c10::cuda::CUDAGuard guard(x0_in.device());
+  const at::Tensor x0 = x0_in.contiguous();
+  check_batch(x0, t, x0, "x0");
+  check_device(t, x0, "t");
+  check_device(alpha, x0, "alpha");
+  check_device(sigma, x0, "sigma");
+  const at::Tensor a = f32(alpha), s = f32(sigma), t64 = t.to(at::kLong).contiguous();
+  at::Tensor eps;
+  if (eps_in.has_value()) {
+    check_batch(x0, t, *eps_in, "eps");
+    eps = eps_in->contiguous();
+  }
+  at::Tensor xt = at::empty(x0.sizes(), x0.options().dtype(out_dtype));
+  at::Tensor eps_out = at::empty(write_eps ? x0.sizes() : at::IntArrayRef{0}, x0.options().dtype(at::kFloat));
+  NoiseArgs args{};
+  args.x0 = x0.const_data_ptr();
+  args.x0_type = dtype_of(x0.scalar_type(), "x0");
+  args.eps = eps.defined() ? eps.const_data_ptr() : nullptr;
+  args.eps_type = eps.defined() ? dtype_of(eps.scalar_type(), "eps") : DType::kFloat32;
+  args.xt = xt.data_ptr();
+  args.xt_type = dtype_of(out_dtype, "out_dtype");
+  args.eps_out = write_eps ? eps_out.data_ptr<float>() : nullptr;
+  args.t = t64.const_data_ptr<int64_t>();
+  args.alpha = a.const_data_ptr<float>();
+  args.sigma = s.const_data_ptr<float>();
+  args.B = x0.size(0);
+  args.D = per_sample(x0);
+  args.seed = static_cast<uint64_t>(seed);
+  set_offset(offset, x0, args.offset, args.offset_ptr);
+  launch_noise(args, c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {xt, eps_out};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> loss(
+    const at::Tensor& pred_in, const at::Tensor& x0_in, const at::Tensor& t, const at::Tensor& weight,
+    const at::Tensor& iw_in, const at::Tensor& coef_in, const at::Tensor& pivots_in, at::Tensor& bins,
+    const std::optional<at::Tensor>& eps_in, int64_t seed, const at::Tensor& offset, int64_t needs) {
+  const c10::cuda::CUDAGuard guard(pred_in.device());
+  const at::Tensor pred = pred_in.contiguous(), x0 = x0_in.contiguous();
+  check_batch(pred, t, x0, "x0");
+  for (const auto* x : {&t, &weight, &iw_in, &coef_in}) check_device(*x, pred, "a table");
+  const at::Tensor w = f32(weight), iw = f32(iw_in), coef = f32(coef_in), t64 = t.to(at::kLong).contiguous();
+  const int64_t T = w.numel(), B = pred.size(0), D = per_sample(pred);
+  TORCH_CHECK(coef.dim() == 2 && coef.size(0) == 2 && coef.size(1) == T, "fasttrain native ops: coef must be [2, ",
+              T, "], got ", coef.sizes());
+  TORCH_CHECK(iw.numel() == B, "fasttrain native ops: iw must have ", B, " elements");
+  at::Tensor eps;
+  if (eps_in.has_value()) {
+    check_batch(pred, t, *eps_in, "eps");
+    eps = eps_in->contiguous();
+  }
+  const bool with_bins = bins.numel() > 0;
+  at::Tensor pivots;
+  if (with_bins) {
+    check_device(bins, pred, "bins");
+    TORCH_CHECK(bins.scalar_type() == at::kDouble && bins.is_contiguous() && bins.dim() == 2 && bins.size(0) == 5 &&
+                    bins.size(1) == T,
+                "fasttrain native ops: bins must be contiguous float64 [5, ", T, "] (kernels/bins.py, 2 values)");
+    TORCH_CHECK(pivots_in.scalar_type() == at::kDouble && pivots_in.dim() == 2 && pivots_in.size(0) == 2 &&
+                    pivots_in.size(1) == T,
+                "fasttrain native ops: pivots must be float64 [2, ", T, "]");
+    pivots = pivots_in.contiguous();
+  }
+  at::Tensor grad = at::empty(pred.sizes(), pred.options());
+  const auto f = pred.options().dtype(at::kFloat);
+  at::Tensor mean = at::empty({}, f), per = at::empty({B}, f), raw = at::empty({B}, f), wl = at::empty({B}, f);
+  if (B == 0) return {mean.fill_(NAN), per, raw, wl, grad};
+  at::Tensor partial = at::empty({B * tiles_per_sample(D)}, f);
+
+  LossArgs args{};
+  args.pred = pred.const_data_ptr();
+  args.pred_type = dtype_of(pred.scalar_type(), "pred");
+  args.x0 = x0.const_data_ptr();
+  args.x0_type = dtype_of(x0.scalar_type(), "x0");
+  args.eps = eps.defined() ? eps.const_data_ptr() : nullptr;
+  args.eps_type = eps.defined() ? dtype_of(eps.scalar_type(), "eps") : DType::kFloat32;
+  args.t = t64.const_data_ptr<int64_t>();
+  args.weight = w.const_data_ptr<float>();
+  args.iw = iw.const_data_ptr<float>();
+  args.coef = coef.const_data_ptr<float>();
+  args.T = T;
+  args.grad = grad.data_ptr();
+  args.B = B;
+  args.D = D;
+  args.seed = static_cast<uint64_t>(seed);
+  set_offset(offset, pred, args.offset, args.offset_ptr);
+  args.needs_eps = (needs & 1) != 0;
+  args.needs_x0 = (needs & 2) != 0;
+  args.grad_scale = D > 0 ? static_cast<float>(2.0 / static_cast<double>(D) / static_cast<double>(B)) : 0.0f;
+
+  LossOutputs out{partial.data_ptr<float>(), raw.data_ptr<float>(), wl.data_ptr<float>(), per.data_ptr<float>(),
+                  mean.data_ptr<float>(), with_bins ? bins.data_ptr<double>() : nullptr,
+                  with_bins ? pivots.const_data_ptr<double>() : nullptr};
+  launch_loss(args, out, c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {mean, per, raw, wl, grad};
+}
+
+}  // namespace fasttrain::cuda

@@ -1,0 +1,27 @@
+// The ATen entry points of the native ops, one pair per device (cpu/ops.cpp, cuda/ops.cpp), which
+// register.cpp registers as the CPU and CUDA kernels of fasttrain_C::noise and fasttrain_C::loss.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+
+#define FT_DECLARE_OPS                                                                                              \
+  std::tuple<at::Tensor, at::Tensor> noise(const at::Tensor& x0, const at::Tensor& t, const at::Tensor& alpha,     \
+                                           const at::Tensor& sigma, const std::optional<at::Tensor>& eps,          \
+                                           int64_t seed, const at::Tensor& offset, at::ScalarType out_dtype,       \
+                                           bool write_eps);                                                        \
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> loss(                                     \
+      const at::Tensor& pred, const at::Tensor& x0, const at::Tensor& t, const at::Tensor& weight,                 \
+      const at::Tensor& iw, const at::Tensor& coef, const at::Tensor& pivots, at::Tensor& bins,                    \
+      const std::optional<at::Tensor>& eps, int64_t seed, const at::Tensor& offset, int64_t needs);
+
+namespace fasttrain::cpu {
+FT_DECLARE_OPS
+// Words 0 and 1 of Philox4x32-10 for counters offset .. offset + n - 1: int64 [2, n] (tests).
+at::Tensor philox_words(int64_t seed, int64_t offset, int64_t n);
+}
+namespace fasttrain::cuda {
+FT_DECLARE_OPS
+}
+#undef FT_DECLARE_OPS

@@ -1,0 +1,56 @@
+// fasttrain._C: the operator schemas of the native backend and the Python module that loads them.
+//
+// kernels/ops.py wraps these in its torch.library custom ops (fasttrain::noise,
+// fasttrain::diffusion_loss), which own the autograd rules and the fake (meta) implementations for
+// every backend; these operators are their native kernels, dispatched on the device of the inputs:
+// the CPU implementations (cpu/ops.cpp) always, the CUDA ones (cuda/ops.cpp) when nvcc was found.
+// Only this file includes torch/library.h (the slowest header to compile).
+// `bins` is mutated in place (the per-timestep statistics, kernels/bins.py), hence Tensor(a!).
+#include <Python.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "cpu/kernels.h"
+#include "ops.h"
+
+TORCH_LIBRARY(fasttrain_C, m) {
+  m.def(
+      "noise(Tensor x0, Tensor t, Tensor alpha, Tensor sigma, Tensor? eps, int seed, Tensor offset, "
+      "ScalarType out_dtype, bool write_eps) -> (Tensor, Tensor)");
+  m.def(
+      "loss(Tensor pred, Tensor x0, Tensor t, Tensor weight, Tensor iw, Tensor coef, Tensor pivots, "
+      "Tensor(a!) bins, Tensor? eps, int seed, Tensor offset, int needs) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("has_cuda() -> bool", []() -> bool {
+#if defined(FT_WITH_CUDA)
+    return true;
+#else
+    return false;
+#endif
+  });
+  // Philox words 0 and 1 of counters offset .. offset + n - 1 on the CPU, int64 [2, n]: the tests
+  // compare them bit for bit with kernels/philox.py.
+  m.def("philox_words(int seed, int offset, int n) -> Tensor", &fasttrain::cpu::philox_words);
+  // The CPU kernel set in use (default, avx2, avx512); a non-empty request switches to it (tests).
+  m.def("cpu_capability(str request='') -> str",
+        [](std::string request) -> std::string { return fasttrain::cpu::set_capability(request); });
+}
+
+TORCH_LIBRARY_IMPL(fasttrain_C, CPU, m) {
+  m.impl("noise", &fasttrain::cpu::noise);
+  m.impl("loss", &fasttrain::cpu::loss);
+}
+
+#if defined(FT_WITH_CUDA)
+TORCH_LIBRARY_IMPL(fasttrain_C, CUDA, m) {
+  m.impl("noise", &fasttrain::cuda::noise);
+  m.impl("loss", &fasttrain::cuda::loss);
+}
+#endif
+
+// A Python extension module only so that `import fasttrain._C` loads the library (and with it the
+// registrations above); the operators are reached through torch.ops.fasttrain_C.
+static PyModuleDef fasttrain_c_module = {PyModuleDef_HEAD_INIT, "_C",
+                                         "fasttrain native ops: torch.ops.fasttrain_C.{noise,loss}", -1, nullptr};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&fasttrain_c_module); }
