@@ -166,8 +166,7 @@ class Adaptive(TimestepSampler, LookAhead):
         self.micro_step = (self.micro_step + 1) % self.accum_steps
         if not self.unbiased:
             return t, torch.ones(n, dtype=torch.float32, device=t.device)
-        lo, hi = P.timestep_edges(self.T, t)
-        p = P.bin_masses(a, b, lo, hi)  # p(t_b | x0_b) of the exact Beta
+        p = P.timestep_masses(a, b, t, self.T)  # p(t_b | x0_b) of the exact Beta
         return t, (1.0 / (self.T * p.clamp_min(1e-12))).float()
 
     def probs(self, n=None) -> torch.Tensor:

@@ -74,6 +74,28 @@ def lookaheads(*components) -> list[LookAhead]:
     return [c for c in components if isinstance(c, LookAhead)]
 
 
+def reference_step(model, objective, optimizer, micro_batches, step: int, components=(), *, rank: int = 0,
+                   world_size: int = 1, generator: torch.Generator | None = None, before_step=None) -> None:
+    """One optimizer step in the order the trainer calls the hook (tests and benchmarks run this):
+    every micro-batch's loss and backward; `before_step()` (gradient all-reduce, clipping); for each
+    due LookAhead `before_update(ctx)`; `optimizer.step()`; `after_update(ctx)`. `micro_batches` is a
+    list of (x0, labels); ctx carries the first."""
+    for x0, labels in micro_batches:
+        loss, _ = objective(model, x0, labels, generator)
+        (loss / len(micro_batches)).backward()
+    if before_step is not None:
+        before_step()
+    x0, labels = micro_batches[0]
+    ctx = LookAheadContext(model, objective, x0, labels, step, rank, world_size)
+    due = [c for c in lookaheads(*components) if c.due(step)]
+    for c in due:
+        c.before_update(ctx)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for c in due:
+        c.after_update(ctx)
+
+
 # -- probes with common random numbers -----------------------------------------------------------
 @dataclass
 class Probe:
