@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,13 +126,22 @@ class Probe:
                      torch.cat([p.x_t for p in probes]), None if labels[0] is None else torch.cat(labels))
 
 
+_HAS_DROPOUT: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def _has_dropout(model) -> bool:
+    if model not in _HAS_DROPOUT:  # one walk per model (a look-ahead evaluates it twice per update)
+        _HAS_DROPOUT[model] = any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
+                                  for m in model.modules())
+    return _HAS_DROPOUT[model]
+
+
 @contextlib.contextmanager
 def probe_mode(model):
     """Evaluate in eval mode when the model has active dropout (else the before/after forwards would
     draw different masks and CRN would not hold); otherwise leave its mode alone, so that a
     torch.compile'd model is not recompiled for a flag it does not read."""
-    flip = model.training and any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
-                                  for m in model.modules())
+    flip = model.training and _has_dropout(model)
     if flip:
         model.eval()
     try:
