@@ -1,11 +1,18 @@
 """Adaptive non-uniform timestep sampling (Kim, Ki, Shim, Lee; arXiv 2411.09998, CVPR 2025): a policy
 π_φ(t | x0) learns, by REINFORCE, to favour the timesteps whose updates lower the variational bound.
 
-    smp = fd.timestep_sampler("adaptive", schedule)                  # fasttrain's defaults
-    smp = fd.timestep_sampler("adaptive", schedule, tau_grid=0)      # the official setting
+    smp = fd.timestep_sampler("adaptive", schedule)                          # fasttrain's defaults
+    smp = fd.timestep_sampler("adaptive", schedule, tau_grid=0, every=40)    # the official setting
+
+fasttrain's defaults differ from the official setting in two places, both for cost: `tau_grid` = 16
+strata instead of all 1000 timesteps, and `every` = 80 steps between look-ahead updates instead of 40.
+Each look-ahead costs two no-grad forwards of K + 3·B probe elements (the τ-grid and the batch at S),
+about two to four training steps on the CPU tiny models; at every = 40 the batch-at-S part alone is
+5-7% of the step time there (bench/results/adaptive-overhead-cpu.md), so meeting a 5% budget needs
+a longer period. n_select, capacity, lr, entropy and the clip stay official.
 
 The official algorithm (ku-dmlab/Adaptive-Timestep-Sampler, ddpm_torch/utils/train.py:268-358), every
-`every` = 40 optimizer steps, around the model update θ_k → θ_{k+1}:
+f_S = 40 optimizer steps (`every`), around the model update θ_k → θ_{k+1}:
   1. before: single-step VLB terms (vlb.py) L_τ(x0*; θ_k) on the τ-grid for one x0* of the batch,
      and L_s(x0_b; θ_k) for every sample b at the selected set S (|S| = n_select = 3, S₀ = {0, 1, 2});
   2. after: the same with θ_{k+1}; δ_τ = L_τ(θ_k) − L_τ(θ_{k+1}); (δ, Σ_τ δ_τ) into a FIFO of
@@ -80,13 +87,14 @@ def _subseed(seed: int, stream: int) -> int:
 @register("adaptive")
 class Adaptive(TimestepSampler, LookAhead):
     """policy: beta (conditioned on x0) | global (two parameters); unbiased: iw = 1/(T·p(t|x0));
-    tau_grid: strata evaluated per look-ahead (0 = all T, official); every, n_select, capacity, lr,
-    entropy, grad_clip: official defaults; variance: the bound's fixed model variance (large | small);
+    tau_grid: strata evaluated per look-ahead (0 = all T, official); every: steps between look-aheads
+    (official 40); n_select, capacity, lr, entropy, grad_clip: official; variance: the bound's fixed
+    model variance (large, official | small);
     width: channels of the policy's first conv; chunk: probe elements per forward (0 = 4 micro-batches);
     seed: the policy's initialisation and the probes' noise (the same on every rank)."""
 
     def __init__(self, schedule: NoiseSchedule, policy: str = "beta", unbiased: bool = False, tau_grid: int = 16,
-                 every: int = 40, n_select: int = 3, capacity: int = 20, lr: float = 1e-2, entropy: float = 1e-2,
+                 every: int = 80, n_select: int = 3, capacity: int = 20, lr: float = 1e-2, entropy: float = 1e-2,
                  grad_clip: float = 1.0, variance: str = "large", width: int = 16, chunk: int = 0, seed: int = 0):
         super().__init__(schedule)
         if policy not in POLICIES:

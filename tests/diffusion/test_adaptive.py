@@ -80,13 +80,14 @@ def test_selection_is_select_k_best_including_ties():
 
 
 # -- construction ----------------------------------------------------------------------------------
-def test_defaults_are_official_and_the_official_grid_is_one_argument_away():
-    smp = fd.timestep_sampler("adaptive", LIN)
-    assert (smp.every, smp.n_select, smp.capacity, smp.lr, smp.entropy, smp.grad_clip) == (40, 3, 20, 1e-2, 1e-2, 1.0)
-    assert smp.policy_kind == "beta" and smp.biased and smp.variance == "large" and smp.K == 16
+def test_defaults_and_the_official_setting():
+    smp = fd.timestep_sampler("adaptive", LIN)  # fasttrain: 16 strata, every 80 steps; the rest official
+    assert (smp.n_select, smp.capacity, smp.lr, smp.entropy, smp.grad_clip) == (3, 20, 1e-2, 1e-2, 1.0)
+    assert smp.policy_kind == "beta" and smp.biased and smp.variance == "large" and (smp.K, smp.every) == (16, 80)
     assert smp.S.tolist() == [0, 1, 2]
-    official = fd.timestep_sampler("adaptive", LIN, tau_grid=0)
-    assert official.K == 1000 and torch.equal(official._grid(5), torch.arange(1000))
+    official = fd.timestep_sampler("adaptive", LIN, tau_grid=0, every=40)
+    assert official.K == 1000 and official.every == 40 and torch.equal(official._grid(5), torch.arange(1000))
+    assert official.due(40) and not official.due(20) and smp.due(0) and not smp.due(40)
 
 
 def test_stratified_grid_draws_one_timestep_per_stratum_every_update():

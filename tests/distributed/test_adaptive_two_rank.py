@@ -1,6 +1,6 @@
-"""The adaptive sampler under torchrun with two gloo ranks (adaptive_two_rank.py): the policy, S and the
-FIFO stay identical on both ranks, and the ranks evaluate disjoint halves of the τ-grid of one
-shared x0*, which together cover it."""
+"""The adaptive sampler under torchrun with two gloo ranks (adaptive_two_rank.py), on a plain model and
+on an FSDP2 bf16 model: the policy, S and the FIFO stay identical on both ranks, and the ranks
+evaluate disjoint halves of the τ-grid of one shared x0*, which together cover it."""
 import json
 import os
 import subprocess
@@ -19,20 +19,24 @@ def ranks(tmp_path_factory):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(SCRIPT), str(out)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return {kind: [json.loads((out / f"{kind}-rank{r}.json").read_text()) for r in range(2)]
+            for kind in ("plain", "fsdp")}
 
 
-def test_policy_s_and_fifo_identical_on_both_ranks(ranks):
-    r0, r1 = ranks
+@pytest.mark.parametrize("kind", ["plain", "fsdp"])
+def test_policy_s_and_fifo_identical_on_both_ranks(ranks, kind):
+    r0, r1 = ranks[kind]
     assert r0["world"] == 2 and r0["updates"] == r1["updates"] == 4  # steps 0, 2, 4, 6
     assert r0["policy"] == r1["policy"]  # bit-identical: same init, all-reduced gradient
     assert r0["S"] == r1["S"] and r0["fifo_X"] == r1["fifo_X"] and r0["hist_S"] == r1["hist_S"]
     assert r0["reward"] == r1["reward"]  # the mean over the global batch
     assert r0["model"] == r1["model"]
+    assert all(abs(x) < 1e3 for row in r0["fifo_X"] for x in row) and any(x != 0 for row in r0["fifo_X"] for x in row)
 
 
-def test_ranks_split_the_tau_grid_of_one_shared_x0(ranks):
-    r0, r1 = ranks
+@pytest.mark.parametrize("kind", ["plain", "fsdp"])
+def test_ranks_split_the_tau_grid_of_one_shared_x0(ranks, kind):
+    r0, r1 = ranks[kind]
     for e0, e1 in zip(r0["evaluated"], r1["evaluated"]):
         assert e0["per"] == e1["per"] == 5  # the same number of probe forwards on both ranks
         assert set(e0["index"]).isdisjoint(e1["index"])
