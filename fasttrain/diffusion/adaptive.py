@@ -178,12 +178,14 @@ class Adaptive(TimestepSampler, LookAhead):
         return t, (1.0 / (self.T * p.clamp_min(1e-12))).float()
 
     def probs(self, n=None) -> torch.Tensor:
-        """p(t), float64 [T]: the policy's marginal over the step's first micro-batch (its first
-        AB_KEEP samples) for policy='beta'; exact for policy='global'."""
-        if self._ab is not None:
+        """p(t), float64 [T]: exact for policy='global' (its current parameters); for policy='beta' the
+        marginal over the first AB_KEEP samples of the latest step's first micro-batch, under the
+        policy that drew them."""
+        if self.policy_kind == "global":
+            with torch.no_grad():
+                ab = torch.stack(self.net(None, 1), -1)
+        elif self._ab is not None:
             ab = self._ab
-        elif self.net is not None and self.policy_kind == "global":
-            ab = torch.stack(self.net(None, 1), -1).detach()
         else:  # before the first draw: the initial policy (weights 0, bias 0.5 in the last layer)
             init = torch.nn.functional.softplus(torch.tensor(P.INIT_BIAS)) + P.MIN_CONC
             ab = init.expand(1, 2).to(self.device)
