@@ -118,6 +118,14 @@ class ParallelConfig:
 
 
 @dataclass
+class DiagnosticsConfig:
+    interference_every: int = _f(500, "steps between cross-timestep interference measurements on a probe batch (0 = off)")
+    buckets: int = _f(4, "timestep buckets of the interference matrix")
+    probe_size: int = _f(16, "images of the interference probe batch (per rank)")
+    loss_cv_buckets: int = _f(10, "timestep buckets of the logged loss coefficient of variation")
+
+
+@dataclass
 class EvalConfig:
     every: int = _f(1000, "steps between evaluations during training (0 = only at the end)")
     num_samples: int = _f(500, "generated images for FID/KID/precision/recall (0 = no sample metrics)")
@@ -141,6 +149,7 @@ class Config:
     sample: SampleConfig = field(default_factory=SampleConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
 
 
 def presets() -> dict[str, str]:
@@ -280,7 +289,9 @@ def validate(cfg: DictConfig) -> None:
                     ("train.steps", 1), ("train.grad_accum", 1), ("train.log_every", 1), ("train.ckpt_every", 0),
                     ("train.max_nonfinite", 0), ("optim.warmup_steps", 0), ("sample.num", 0), ("sample.steps", 1),
                     ("eval.every", 0), ("eval.num_samples", 0), ("eval.steps", 1), ("eval.bpd_timesteps", 1),
-                    ("eval.bpd_samples", 1), ("data.holdout", 1), ("data.num_workers", 0), ("train.threads", 0)):
+                    ("eval.bpd_samples", 1), ("data.holdout", 1), ("data.num_workers", 0), ("train.threads", 0),
+                    ("diagnostics.interference_every", 0), ("diagnostics.buckets", 2), ("diagnostics.probe_size", 1),
+                    ("diagnostics.loss_cv_buckets", 2)):
         _check(OmegaConf.select(cfg, key) >= lo, key, cfg, f"must be >= {lo}")
     o = cfg.optim
     _check(_finite(o.lr) and o.lr > 0, "optim.lr", cfg, "a finite number > 0")

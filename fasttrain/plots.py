@@ -118,12 +118,51 @@ def save_samples(path, x: torch.Tensor, spec, reference: torch.Tensor | None = N
     return path
 
 
-def plot_run(run_dir, objective=None, title: str = "") -> list[Path]:
-    """The run's figures: timesteps.png (from the objective's statistics), loss.png and eval.png
-    (from metrics.jsonl)."""
+def plot_interference(path, history: list[dict], title: str = "") -> Path | None:
+    """Left: the latest interference matrix M[i, j] (first-order change of bucket j's loss from the
+    optimizer's step on bucket i's gradient alone; red = it raises j's loss). Right: the mean diagonal
+    (own-bucket progress) and off-diagonal entries over training."""
+    if not history:
+        return None
+    m = _np(history[-1]["matrix"])
+    B = m.shape[0]
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.8))
+    lim = np.nanmax(np.abs(m)) or 1.0
+    im = ax[0].imshow(m, cmap="RdBu_r", vmin=-lim, vmax=lim)
+    for i in range(B):
+        for j in range(B):
+            ax[0].text(j, i, f"{m[i, j]:.2g}", ha="center", va="center", fontsize=8)
+    names = [f"{k}/{B}" for k in range(1, B + 1)]
+    ax[0].set_xticks(range(B), names)
+    ax[0].set_yticks(range(B), names)
+    ax[0].set(xlabel="loss of timestep bucket j (low t → high t)", ylabel="update driven by bucket i",
+              title=f"interference at step {history[-1]['step']}")
+    fig.colorbar(im, ax=ax[0], fraction=0.046)
+    steps = [h["step"] for h in history]
+    eye = np.eye(B, dtype=bool)
+    ax[1].plot(steps, [_np(h["matrix"])[eye].mean() for h in history], marker="o", label="own bucket (diagonal)")
+    ax[1].plot(steps, [_np(h["matrix"])[~eye].mean() for h in history], marker="o", label="other buckets (off-diagonal)")
+    ax[1].axhline(0, color="grey", lw=0.8, ls=":")
+    ax[1].set(xlabel="training step", ylabel="mean first-order change of loss", title="interference over training")
+    ax[1].legend(fontsize=8)
+    return _finish(fig, path, title)
+
+
+def plot_run(run_dir, objective=None, title: str = "", interference=None) -> list[Path]:
+    """The run's figures: timesteps.png (from the objective's statistics), adaptive.png (a learned
+    sampler's p(t) over training), interference.png, loss.png and eval.png (from metrics.jsonl)."""
     from .logger import read_jsonl
 
     run_dir, out = Path(run_dir), []
+    history = getattr(objective.sampler, "p_history", None) if objective is not None else None
+    if history is not None:
+        from .plot_adaptive import plot_adaptive
+
+        h = history(bins=100)
+        if len(h["steps"]):
+            out.append(plot_adaptive(run_dir / "adaptive.png", h["steps"], h["p"], h["S"], h["T"], title=title))
+    if interference is not None and interference.history:
+        out.append(plot_interference(run_dir / "interference.png", interference.history, title=title))
     if objective is not None and objective.stats is not None:
         heads = None
         if hasattr(objective, "head_errors"):

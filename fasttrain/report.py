@@ -55,7 +55,13 @@ def objective_from_checkpoint(run: Path):
     if obj.stats is not None and windows:
         obj.load_rank_state({"window": obj.stats.merge_window_states(windows)})
     obj.sync_stats()
-    return obj
+    interference = None
+    if plain.get("interference"):
+        from .diffusion.interference import InterferenceDiagnostic
+
+        interference = InterferenceDiagnostic(obj.T)
+        interference.load_state_dict(plain["interference"])
+    return obj, interference
 
 
 def write_report(run_dir: str | Path) -> Path:
@@ -64,13 +70,15 @@ def write_report(run_dir: str | Path) -> Path:
     if not metrics_file.is_file():
         raise FileNotFoundError(f"{run} is not a fasttrain run directory (no metrics.jsonl)")
     rows = read_jsonl(metrics_file)
-    objective = None
+    objective, interference = None, None
     if not (run / "timesteps.png").is_file() and ckpt.latest(run) is not None:
-        objective = objective_from_checkpoint(run)
-    plots.plot_run(run, objective)
+        objective, interference = objective_from_checkpoint(run)
+    plots.plot_run(run, objective, interference=interference)
     figures = [(title, _b64(run / f)) for title, f in (
         ("Training loss", "loss.png"), ("Evaluation over training", "eval.png"),
-        ("Per-timestep statistics", "timesteps.png"), ("Samples (EMA)", "samples.png")) if (run / f).is_file()]
+        ("Per-timestep statistics", "timesteps.png"), ("Learned timestep distribution", "adaptive.png"),
+        ("Cross-timestep interference", "interference.png"), ("Samples (EMA)", "samples.png"))
+        if (run / f).is_file()]
     last_eval = {}
     for r in rows:
         last_eval.update({k[5:]: v for k, v in r.items() if k.startswith("eval/") and v is not None})

@@ -24,7 +24,9 @@ from . import distributed as dist_utils
 from . import graphs, plots, seeds
 from .bundle import DataSpec, ModelBundle, build_network, build_objective
 from .data import build_data
+from .diffusion.interference import InterferenceDiagnostic
 from .diffusion.lookahead import LookAheadContext, lookaheads
+from .diffusion.variation import loss_cv
 from .evaluate import EvalSettings, reference_for, run_evaluation
 from .logger import MetricLogger, read_jsonl
 from .models import count_params, forward_flops
@@ -98,7 +100,12 @@ class Trainer:
         self.bundle = ModelBundle.build(cfg, self.spec, self.device, net=self.model, objective=self.objective)
         self.ema = self.bundle.ema
         self.objective.sampler.set_partition(rank, world, tc.grad_accum)
-        self.hooks = lookaheads(self.objective.sampler)
+        dg = cfg.diagnostics
+        self.interference = None
+        if dg.interference_every:
+            self.interference = InterferenceDiagnostic(self.objective.T, dg.interference_every, dg.buckets,
+                                                       dg.probe_size, seeds.derive(tc.seed, "probe"))
+        self.hooks = lookaheads(self.objective.sampler, self.interference)
         self.opt = make_optimizer(list(self.model.parameters()), cfg.optim, self.device)
         o = cfg.optim
         self.lr_sched = torch.optim.lr_scheduler.LambdaLR(
@@ -149,6 +156,7 @@ class Trainer:
                 "step": self.step, "images": self.images, "ema_n": self.ema.n, "lr_sched": self.lr_sched.state_dict(),
                 "objective": self.objective.extra_state(), "data": self.data.state_dict(),
                 "skipped": int(self.skipped), "ranks": ranks, "world_size": self.dist.world_size,
+                "interference": self.interference.state_dict() if self.interference else None,
                 "scaler": self.scaler.state_dict() if self.scaler else None}
 
     def save(self, name: str = "last.pt") -> Path | None:
@@ -198,6 +206,8 @@ class Trainer:
         if changed and self.dist.is_main:
             print(f"fasttrain: resume applies the changed {', '.join(changed)}", file=sys.stderr)
         self.objective.load_extra_state(plain["objective"])
+        if self.interference and plain.get("interference"):
+            self.interference.load_state_dict(plain["interference"], self.device)
         ranks, world, rank = plain["ranks"], self.dist.world_size, self.dist.rank
         self._restore_data_position(plain["data"], int(plain.get("world_size", len(ranks))))
         if len(ranks) == world:  # the same layout: continue every rank's streams exactly
@@ -253,7 +263,8 @@ class Trainer:
             gnorm = gnorm.full_tensor()  # a DTensor under FSDP
         finite = torch.isfinite(total) & torch.isfinite(gnorm)
         due = [h for h in self.hooks if h.due(self.step)]
-        ctx = LookAheadContext(self.model, self.objective, *first, self.step, self.dist.rank, self.dist.world_size)
+        ctx = LookAheadContext(self.model, self.objective, *first, self.step, self.dist.rank, self.dist.world_size,
+                               lr=float(self.opt.param_groups[0]["lr"]), optimizer=self.opt)
         for h in due:  # the look-ahead brackets the optimizer step, not a micro-step
             h.before_update(ctx)
         if self.scaler:  # fp16: the scaler skips an overflowing step itself (found_inf) and adapts its scale
@@ -335,12 +346,16 @@ class Trainer:
         stats = self.objective.stats
         buckets = stats.bucketed(10, "raw") if stats is not None else None
         img_s = n_acc * self.images_per_step / dt
-        extra = getattr(self.objective.sampler, "metrics", lambda: {})()
+        extra = {}
+        for h in self.hooks:  # look-ahead components: their own metrics, and the share of time they took
+            extra.update(getattr(h, "metrics", lambda: {})())
+        hook_s = sum(v for k, v in extra.items() if k.endswith("lookahead_s"))
+        cv = None if stats is None else float(loss_cv(stats, self.cfg.diagnostics.loss_cv_buckets))
         log.log(self.step, images=self.images, loss=mean_loss, grad_norm=(acc_gn / n_acc).item(),
                 lr=self.lr_sched.get_last_lr()[0], sec_per_step=dt / n_acc, images_per_sec=img_s,
                 mfu=img_s * self.flops_per_image / self.peak_flops if self.peak_flops else None,
                 skipped_steps=int(self.skipped), loss_by_t_bucket=None if buckets is None else buckets["mean"],
-                **{f"sampler/{k}": v for k, v in extra.items()})
+                loss_cv=cv, lookahead_share=hook_s / dt if self.hooks else None, **extra)
         bar.set_postfix(loss=f"{mean_loss:.4f}")
 
     def _check_nonfinite(self) -> None:
@@ -404,7 +419,7 @@ class Trainer:
             out["eval"] = self.evaluate(log)
         if self.dist.is_main:
             plots.plot_run(self.run_dir, self.objective, title=f"{cfg.diffusion.prediction} · {cfg.diffusion.weighting}"
-                           f" · {cfg.diffusion.sampler}")
+                           f" · {cfg.diffusion.sampler}", interference=self.interference)
             (self.run_dir / "summary.json").write_text(json.dumps(out, indent=2))
         return out
 

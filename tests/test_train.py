@@ -54,6 +54,9 @@ def test_short_run_loss_falls_and_writes_artifacts(tmp_path):
     ["diffusion.sampler=loss_second_moment", "diffusion.sampler_args.history=2", "diffusion.schedule=cosine",
      "diffusion.T=20", "diffusion.weighting=snr", "diffusion.stats_every=2", "diffusion.prediction=v"],
     ["diffusion.sampler=speed", "diffusion.weighting=speed", "diffusion.learned_weighting=true", "diffusion.stats_every=3"],
+    ["diffusion.sampler=adaptive", "diffusion.sampler_args.every=3", "diagnostics.interference_every=4"],
+    ["diffusion.prediction=mixed", "diffusion.mixed.gate=timestep", "diffusion.mixed.mode=argmin",
+     "diffusion.mixed.argmin_buckets=4", "diffusion.stats_every=3"],
 ])
 def test_resume_gives_the_same_next_losses(tmp_path, over):
     common = ["train.log_every=1", "train.ckpt_every=0", "data.batch_size=8"] + over
@@ -64,6 +67,16 @@ def test_resume_gives_the_same_next_losses(tmp_path, over):
     assert len(la) == len(lb) == 16
     assert la == lb  # bit-identical on CPU, and one series in metrics.jsonl
     _assert_same_state(tmp_path / "a" / "last.pt", tmp_path / "b" / "last.pt")
+
+
+def test_lookahead_components_log_and_plot(tmp_path):
+    train(_cfg(tmp_path, "train.steps=12", "train.log_every=6", "diffusion.sampler=adaptive",
+               "diffusion.sampler_args.every=3", "diagnostics.interference_every=4", "diagnostics.buckets=3"))
+    row = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r][-1]
+    assert row["adaptive/updates"] == 4 and 0 < row["lookahead_share"] < 1 and row["loss_cv"] > 0
+    assert row["interference/diag_mean"] < 0 and row["interference/grad_norm_cv"] > 0
+    for f in ("adaptive.png", "interference.png", "timesteps.png"):
+        assert (tmp_path / f).is_file(), f
 
 
 def test_learned_weighting_lives_in_the_network(tmp_path):

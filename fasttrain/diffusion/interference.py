@@ -6,23 +6,27 @@ Probe: P images of the first batch it sees (kept), each at one fixed timestep pe
 of P strata of the bucket: variation.bucket_timesteps) with fixed noise, so every measurement sees
 the same (x0, t, ε) and two measurements differ only by the model (common random numbers).
 
-Measurement at θ (the weights after this step): the training objective's per-sample loss ℓ (its
-weighting, prediction type and learned weighting: `objective.probe_loss`) averaged per bucket, L_j(θ);
-for each bucket i its gradient g_i = ∇θ L_i (one backward), an update of the size an Adam step has
-(‖Δθ‖ = lr·√n for n parameters, since Adam moves each coordinate by about lr) along −g_i,
-the losses again, and the weights restored:
+Measurement, right after the optimizer step, at the new weights θ: the training objective's
+per-sample loss ℓ (its weighting, prediction type and learned weighting: `objective.probe_loss`),
+per bucket L_j, and its gradient g_j = ∇θ L_j (one backward per bucket). The update that bucket i
+alone would drive is the optimizer's step from g_i: Δθ_i = −lr·P·g_i, with P = 1/(sqrt(v̂) + ε) from
+the run's own Adam second moments (Kingma & Ba 2015, Alg. 1; without momentum; P = 1 for an
+optimizer without them). Its effect on bucket j, to first order in the step:
 
-    M[i, j] = L_j(θ − lr·√n · g_i/‖g_i‖) − L_j(θ)
+    M[i, j] = ∇L_j · Δθ_i = −lr · g_jᵀ P g_i
 
 The diagonal is negative (a bucket's own step lowers its loss); M[i, j] > 0 off the diagonal means an
-update driven by bucket i undoes progress in bucket j: the paper's interference. Also logged: the
-coefficient of variation of ‖g_i‖ across buckets (variation.py). Across ranks each rank probes its
-own batch; gradients are averaged by the data-parallel wrapper, losses by one all-reduce.
-Cost: B backward + (B + 1) probe forwards of B·P samples every `every` steps.
+update driven by bucket i raises bucket j's loss, undoing its progress: the paper's interference. The
+normalised form C[i, j] = g_iᵀPg_j / (‖g_i‖_P ‖g_j‖_P) (the gradients' cosine in the optimizer's
+metric) is recorded too. First order, because a finite step of Adam's size along one bucket's noisy
+gradient overshoots (its per-coordinate size is that of the momentum-averaged step, not of one
+gradient), and the sign of an overshoot says nothing about interference.
+Also logged: the coefficient of variation of ‖g_i‖ across buckets (variation.py). Across ranks each
+rank probes its own batch; gradients are averaged by the data-parallel wrapper, so M is the global
+probe's. Cost: B backward passes of P probe samples every `every` steps.
 """
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -33,6 +37,14 @@ from .lookahead import LookAhead, LookAheadContext, all_reduce_sum_
 from .variation import bucket_timesteps, coefficient_of_variation
 
 
+def _dot(a: list, b: list) -> torch.Tensor:
+    """Σ a·b over lists of (possibly FSDP-sharded DTensor) tensors, as a float64 0-d CPU tensor."""
+    s = sum((x.double() * y.double()).sum() for x, y in zip(a, b))
+    if hasattr(s, "full_tensor"):  # a partial sum over shards: the all-reduce gives the whole
+        s = s.full_tensor()
+    return s.detach().cpu()
+
+
 class InterferenceDiagnostic(LookAhead):
     def __init__(self, T: int, every: int = 500, n_buckets: int = 4, probe_size: int = 16, seed: int = 0):
         if every < 1 or n_buckets < 2 or probe_size < 1:
@@ -40,7 +52,7 @@ class InterferenceDiagnostic(LookAhead):
         self.T, self.every, self.n_buckets, self.probe_size, self.seed = T, every, n_buckets, probe_size, seed
         self.probe = None
         self.history: list[dict] = []  # {"step", "matrix" [B, B], "grad_norms" [B], "losses" [B]}
-        self.seconds = 0.0
+        self.seconds = 0.0  # since the last `metrics()`
 
     def due(self, step: int) -> bool:
         return step > 0 and step % self.every == 0
@@ -55,53 +67,56 @@ class InterferenceDiagnostic(LookAhead):
         self.probe = {"x0": x, "t": ts.reshape(-1), "eps": philox.noise(x.shape, self.seed, 0, x.device),
                       "labels": None if labels is None else labels.repeat(self.n_buckets), "P": P}
 
-    def _bucket_losses(self, ctx, grad_bucket: int | None = None) -> torch.Tensor:
-        """Per-bucket mean loss [B] (and, for `grad_bucket`, that bucket's backward into .grad)."""
+    def _bucket_grad(self, ctx, i: int) -> torch.Tensor:
+        """Backward of bucket i's mean probe loss into .grad; returns the loss (detached)."""
         p = self.probe
-        if grad_bucket is not None:
-            sl = slice(grad_bucket * p["P"], (grad_bucket + 1) * p["P"])
-            lab = None if p["labels"] is None else p["labels"][sl]
-            ctx.objective.probe_loss(ctx.model, p["x0"][sl], p["t"][sl], p["eps"][sl], lab).mean().backward()
-            return None
-        with torch.no_grad():
-            per = ctx.objective.probe_loss(ctx.model, p["x0"], p["t"], p["eps"], p["labels"]).float()
-        losses = per.view(self.n_buckets, p["P"]).mean(1)
-        return all_reduce_sum_(losses, ctx.world_size) / max(ctx.world_size, 1)
+        sl = slice(i * p["P"], (i + 1) * p["P"])
+        lab = None if p["labels"] is None else p["labels"][sl]
+        loss = ctx.objective.probe_loss(ctx.model, p["x0"][sl], p["t"][sl], p["eps"][sl], lab).mean()
+        loss.backward()
+        return loss.detach().float()
+
+    @staticmethod
+    def _preconditioner(opt, params) -> list:
+        """1/(sqrt(v̂) + ε) per parameter from an Adam-type optimizer's state (None where absent)."""
+        out = []
+        for q in params:
+            st = opt.state.get(q, {}) if opt is not None else {}
+            if "exp_avg_sq" not in st:
+                out.append(None)
+                continue
+            group = next(g for g in opt.param_groups if any(q is x for x in g["params"]))
+            k = float(st["step"]) if "step" in st else 1.0
+            v_hat = st["exp_avg_sq"] / (1 - group["betas"][1] ** max(k, 1.0))
+            out.append(1.0 / (v_hat.sqrt() + group["eps"]))
+        return out
 
     def after_update(self, ctx: LookAheadContext) -> None:
         t0 = time.perf_counter()
         if self.probe is None:
             self._build_probe(ctx)
-        model = ctx.model
-        params = [q for q in model.parameters() if q.requires_grad]
-        n = sum(q.numel() for q in params)  # local shards under FSDP: sizes sum to the model's over ranks
-        n = all_reduce_sum_(torch.tensor(float(n)), ctx.world_size).item() if ctx.world_size > 1 else n
-        lr = float(ctx.lr) if getattr(ctx, "lr", None) is not None else 1e-3
-        step = lr * math.sqrt(n)
-        saved = [q.detach().clone() for q in params]
-        base = self._bucket_losses(ctx)
-        rows, norms = [], []
+        params = [q for q in ctx.model.parameters() if q.requires_grad]
+        precond = self._preconditioner(ctx.optimizer, params)
+        lr = float(ctx.lr) if ctx.lr is not None else 1e-3
+        grads, losses = [], []
         for i in range(self.n_buckets):
             for q in params:
                 q.grad = None
-            self._bucket_losses(ctx, grad_bucket=i)
-            grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
-            sq = sum((g.detach().float() ** 2).sum() for g in grads)
-            if hasattr(sq, "full_tensor"):
-                sq = sq.full_tensor()
-            norm = sq.sqrt()
-            norms.append(norm)
-            with torch.no_grad():  # θ − lr·√n·g_i/‖g_i‖ (params equal `saved` here)
-                torch._foreach_add_(params, [g.detach().to(q.dtype) for g, q in zip(grads, params)],
-                                    alpha=-step / max(float(norm), 1e-30))
-            rows.append(self._bucket_losses(ctx) - base)
-            with torch.no_grad():
-                torch._foreach_copy_(params, saved)
+            losses.append(self._bucket_grad(ctx, i))
+            grads.append([torch.zeros_like(q) if q.grad is None else q.grad.detach().clone() for q in params])
         for q in params:
             q.grad = None
-        norms = torch.stack(norms).double()
-        self.history.append({"step": ctx.step + 1, "matrix": torch.stack(rows).cpu(), "grad_norms": norms.cpu(),
-                             "losses": base.cpu()})
+        B = self.n_buckets
+        gram = torch.zeros(B, B, dtype=torch.float64)  # g_iᵀ P g_j
+        for i in range(B):
+            pg = [g if c is None else g * c for g, c in zip(grads[i], precond)]
+            for j in range(i, B):
+                gram[i, j] = gram[j, i] = float(_dot(pg, grads[j]))
+        d = gram.diagonal().clamp_min(1e-300).sqrt()
+        norms = torch.stack([_dot(g, g).sqrt() for g in grads]).double().cpu()
+        losses = all_reduce_sum_(torch.stack(losses), ctx.world_size) / max(ctx.world_size, 1)
+        self.history.append({"step": ctx.step + 1, "matrix": -lr * gram, "cosine": gram / (d[:, None] * d[None, :]),
+                             "grad_norms": norms, "losses": losses.double().cpu()})
         self.seconds += time.perf_counter() - t0
 
     def metrics(self) -> dict:
@@ -110,12 +125,19 @@ class InterferenceDiagnostic(LookAhead):
         last = self.history[-1]
         m = last["matrix"]
         off = m[~torch.eye(self.n_buckets, dtype=torch.bool)]
-        return {"interference_offdiag_mean": float(off.mean()), "interference_diag_mean": float(m.diagonal().mean()),
-                "grad_norm_cv": float(coefficient_of_variation(last["grad_norms"])),
-                "interference_seconds": self.seconds}
+        seconds, self.seconds = self.seconds, 0.0
+        cos = last["cosine"][~torch.eye(self.n_buckets, dtype=torch.bool)]
+        return {"interference/offdiag_mean": float(off.mean()), "interference/diag_mean": float(m.diagonal().mean()),
+                "interference/cosine_offdiag_mean": float(cos.mean()),
+                "interference/grad_norm_cv": float(coefficient_of_variation(last["grad_norms"])),
+                "interference/lookahead_s": seconds}
 
     def state_dict(self) -> dict:
-        return {"history": self.history, "probe": self.probe, "seconds": self.seconds}
+        probe = None if self.probe is None else {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
+                                                 for k, v in self.probe.items()}
+        return {"history": self.history, "probe": probe}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.history, self.probe, self.seconds = list(state["history"]), state["probe"], float(state["seconds"])
+    def load_state_dict(self, state: dict, device=None) -> None:
+        self.history = list(state["history"])
+        p = state["probe"]
+        self.probe = None if p is None else {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in p.items()}

@@ -54,6 +54,8 @@ class LookAheadContext:
     step: int                       # the optimizer step about to be taken (0-based)
     rank: int = 0
     world_size: int = 1
+    lr: float | None = None         # the step's learning rate (for components that imitate an update)
+    optimizer: Any = None           # the training optimizer (its state: read, never changed)
 
 
 class LookAhead:

@@ -13,7 +13,7 @@ every prediction type (mixed or not):
                 trainer calls it every K steps.
 
 The cross-timestep interference matrix (how a step on one bucket changes the loss of another) needs
-the look-ahead around the optimizer step and lives with it (lookahead.py).
+the look-ahead around the optimizer step: interference.py.
 """
 from __future__ import annotations
 
