@@ -17,6 +17,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 
+from .plots import _finish  # noqa: E402
+
 
 def plot_adaptive(path, steps, p, S, T: int, title: str = "") -> Path:
     """Left: T·p(t) (density relative to uniform, log colour scale centred on 1) per timestep bin (y)
@@ -51,11 +53,3 @@ def plot_adaptive(path, steps, p, S, T: int, title: str = "") -> Path:
     ax[2].legend(fontsize=8)
     return _finish(fig, path, title)
 
-
-def _finish(fig, path, title: str) -> Path:
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return Path(path)

@@ -226,16 +226,7 @@ class MixedObjective(DiffusionObjective):
 
     def forward(self, model, x0: torch.Tensor, cond=None, generator: torch.Generator | None = None,
                 t: torch.Tensor | None = None):
-        B = x0.shape[0]
-        if t is None:
-            t, iw = self.sampler.sample(B, generator, x0)
-        else:
-            iw = torch.ones(B, device=x0.device)
-        backend = ops.resolve_backend(self.backend, x0.device)
-        offset = self.offset.clone()  # this step's counter; the buffer moves on in place
-        self.offset += x0.numel()
-        x_t = ops.noise(x0, t, self.alpha, self.sigma, seed=self.seed, offset=offset, out_dtype=self.input_dtype,
-                        backend=backend)
+        t, iw, backend, offset, x_t = self.draw(x0, generator, t)
         out, logvar, gate = self._network(model, x_t, t, cond)
         st = self.stats
         res = ops_mixed.mixed_loss(out, x0, t, self.weight, iw, self.tab, gate=gate, seed=self.seed, offset=offset,

@@ -76,18 +76,24 @@ class DiffusionObjective(nn.Module):
         self.offset += like.numel()
         return eps
 
-    def forward(self, model, x0: torch.Tensor, cond=None, generator: torch.Generator | None = None,
-                t: torch.Tensor | None = None):
+    def draw(self, x0: torch.Tensor, generator: torch.Generator | None = None, t: torch.Tensor | None = None):
+        """The step's (t, iw, backend, noise offset, x_t): timesteps from the sampler (or given, iw = 1),
+        kernel A at this step's counter; the device counter moves on in place."""
         B = x0.shape[0]
         if t is None:
             t, iw = self.sampler.sample(B, generator, x0)
         else:
             iw = torch.ones(B, device=x0.device)
         backend = ops.resolve_backend(self.backend, x0.device)
-        offset = self.offset.clone()  # this step's counter; the buffer moves on in place
+        offset = self.offset.clone()
         self.offset += x0.numel()
         x_t = ops.noise(x0, t, self.alpha, self.sigma, seed=self.seed, offset=offset, out_dtype=self.input_dtype,
                         backend=backend)
+        return t, iw, backend, offset, x_t
+
+    def forward(self, model, x0: torch.Tensor, cond=None, generator: torch.Generator | None = None,
+                t: torch.Tensor | None = None):
+        t, iw, backend, offset, x_t = self.draw(x0, generator, t)
         kw = {} if cond is None else {"y": cond}
         if self.learned_weighting:
             pred, logvar = model(x_t, t, return_logvar=True, **kw)
