@@ -10,11 +10,15 @@ order, `lookahead.reference_step`) with a different sampler:
   adaptive, fasttrain defaults  fd.timestep_sampler("adaptive", s)
   adaptive, official setting    tau_grid=0, every=40: all T = 1000 timesteps per look-ahead, every 40 steps
   (+ any --extra variants, as name=key:value,key:value)
-The variants are interleaved in rounds of the longest look-ahead period (80 steps with the defaults:
-one look-ahead per round for the defaults, two for the official setting), on one thread. The wall
-overhead is the median over rounds of each round's time against the uniform round next to it (pairing
-cancels slow drifts of the machine's load); beside it the sampler's own time: the look-ahead inside
-the hooks (its HookTimer) plus the per-step policy draw, against uniform's step.
+The overhead is measured in two parts, in this process's CPU time (one thread; on a shared 2-core
+machine other processes inflate wall time, hardly CPU time):
+  draw        the per-step cost of drawing t from the policy, with the look-ahead switched off
+              (every = 10⁹): the median over short interleaved rounds of each round's time against the
+              uniform round beside it;
+  look-ahead  the time inside the hooks (the sampler's HookTimer) per training step, from rounds of
+              the longest look-ahead period (100 steps with the defaults), against uniform's step.
+The same rounds give the direct comparison (each full-period round against the uniform round beside
+it), reported as a cross-check: it measures the same thing whole and is noisier.
 
 CRN: on a fixed model (after a short warm-up) and one fixed update θ_k → θ_{k+1}, the per-sample reward
 Σ_{s∈S} [L_s(θ_k) − L_s(θ_{k+1})] is measured over repeated probe draws with the same x_s before and
@@ -40,6 +44,7 @@ from fasttrain.diffusion.vlb import vlb_tables
 from fasttrain.models import build_model
 
 RESULTS = Path(__file__).parent / "results"
+DEFAULT_EVERY = fd.SAMPLERS.args("adaptive")["every"]
 CASES = {"unet8": ("unet_tiny", 1, 8), "dit8": ("dit_tiny", 1, 8), "unet32": ("unet_tiny", 3, 32),
          "dit32": ("dit_tiny", 3, 32)}
 VARIANTS = {"uniform": None, "adaptive, fasttrain defaults": {},
@@ -71,14 +76,15 @@ class Runner:
         self.gen = torch.Generator().manual_seed(2)
         self.step = 0
 
-    def steps(self, n: int) -> float:
-        t0 = time.perf_counter()
+    def steps(self, n: int) -> tuple[float, float]:
+        """(wall seconds, process CPU seconds) per step over n steps."""
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(n):
             x0 = self.data[self.step % len(self.data)]
             reference_step(self.model, self.obj, self.opt, [(x0, self.labels)], self.step, self.components,
                            generator=self.gen)
             self.step += 1
-        return (time.perf_counter() - t0) / n
+        return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
 
 
 def sample_cost(runner: Runner, n: int = 200) -> float:
@@ -90,6 +96,21 @@ def sample_cost(runner: Runner, n: int = 200) -> float:
     for _ in range(n):
         runner.obj.sampler.sample(x0.shape[0], g, x0)
     return (time.perf_counter() - t0) / n * 1e3
+
+
+def draw_overhead(case: str, batch: int, rounds: int, steps: int = 20) -> dict:
+    """Per-step cost of drawing t from each policy, with no look-ahead (every = 10⁹), as the median
+    over short interleaved rounds of each round's CPU time against the uniform round beside it."""
+    runners = {"uniform": Runner(case, None, batch), "beta": Runner(case, {"every": 10**9}, batch),
+               "global": Runner(case, {"every": 10**9, "policy": "global"}, batch)}
+    for r in runners.values():
+        r.steps(3)
+    cpu = {k: [] for k in runners}
+    for _ in range(rounds):
+        for k, r in runners.items():
+            cpu[k].append(r.steps(steps)[1])
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return {k: med([a / b for a, b in zip(cpu[k], cpu["uniform"])]) - 1 for k in ("beta", "global")}
 
 
 def crn_variance(case: str, batch: int, draws: int = 24) -> dict:
@@ -139,6 +160,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--periods", type=int, default=5, help="interleaved rounds per case, one look-ahead period each")
     ap.add_argument("--periods-32", type=int, default=3, help="rounds for the 32×32 cases (slower)")
+    ap.add_argument("--draw-rounds", type=int, default=30, help="rounds of 20 steps for the per-step draw cost")
     ap.add_argument("--extra", nargs="*", default=[], help="more variants: name=key:value,key:value")
     ap.add_argument("--out", default="adaptive-overhead")
     args = ap.parse_args()
@@ -146,34 +168,47 @@ def main() -> None:
     variants = dict(VARIANTS, **parse_extra(args.extra))
     rows = []
     for case in args.cases.split(","):
+        small = CASES[case][2] <= 8
+        draw = draw_overhead(case, args.batch, args.draw_rounds if small else max(5, args.draw_rounds // 3))
+        print(json.dumps({"case": case, "draw_overhead": draw}), flush=True)
         runners = {v: Runner(case, a, args.batch) for v, a in variants.items()}
         period = max((r.obj.sampler.every for r in runners.values() if hasattr(r.obj.sampler, "timer")), default=40)
         for r in runners.values():
             r.steps(2)  # warm-up: builds the policy, the tables, the first look-ahead
-        times = {v: [] for v in runners}
+        times = {v: [] for v in runners}   # wall
+        cpu = {v: [] for v in runners}     # this process's CPU time: what other processes cannot inflate
         for r in runners.values():
             if hasattr(r.obj.sampler, "timer"):
                 r.obj.sampler.timer.read()
         rounds = args.periods_32 if CASES[case][2] > 8 else args.periods
         for _ in range(rounds):
             for v, r in runners.items():
-                times[v].append(r.steps(period))
+                w, c = r.steps(period)
+                times[v].append(w)
+                cpu[v].append(c)
         base = sorted(times["uniform"])[len(times["uniform"]) // 2] * 1e3
-        base_sample = sample_cost(runners["uniform"])
         for v, r in runners.items():
             ms = sorted(times[v])[len(times[v]) // 2] * 1e3
             smp = r.obj.sampler
             la = smp.timer.read() / (rounds * period) * 1e3 if hasattr(smp, "timer") else 0.0
             paired = sorted(a / b for a, b in zip(times[v], times["uniform"]))  # each round against uniform's
+            paired_cpu = sorted(a / b for a, b in zip(cpu[v], cpu["uniform"]))
+            kind = "global" if (variants[v] or {}).get("policy") == "global" else "beta"
+            base_cpu = sorted(cpu["uniform"])[len(cpu["uniform"]) // 2] * 1e3
+            draw_v = 0.0 if variants[v] is None else draw[kind]
             rows.append({"case": case, "model": CASES[case][0], "shape": [args.batch, *CASES[case][1:], CASES[case][2]],
+                         "draw_overhead": draw_v, "lookahead_share": la / base_cpu,
+                         "overhead_decomposed": draw_v + la / base_cpu,
                          "variant": v, "args": variants[v], "ms_per_step": base if v == "uniform" else ms,
                          "rounds_ms": [t * 1e3 for t in times[v]], "overhead": paired[len(paired) // 2] - 1,
-                         "lookahead_ms_per_step": la, "sample_ms": (sm := sample_cost(r)),
-                         "overhead_parts": (la + sm - base_sample) / base,
+                         "cpu_ms_per_step": sorted(cpu[v])[len(cpu[v]) // 2] * 1e3,
+                         "overhead_cpu": paired_cpu[len(paired_cpu) // 2] - 1,
+                         "lookahead_ms_per_step": la, "sample_ms_isolated": sample_cost(r),
                          "probe_elements_per_update": (None if variants[v] is None else
                                                        2 * (smp.K + args.batch * smp.n_select))})
-            print(json.dumps({k: rows[-1][k] for k in ("case", "variant", "ms_per_step", "overhead", "overhead_parts",
-                                                         "lookahead_ms_per_step", "sample_ms")}), flush=True)
+            print(json.dumps({k: rows[-1][k] for k in ("case", "variant", "ms_per_step", "overhead", "overhead_cpu",
+                                                         "overhead_decomposed", "draw_overhead", "lookahead_share",
+                                                         "lookahead_ms_per_step")}), flush=True)
     crn = crn_variance("unet8", args.batch)
     print(json.dumps(crn), flush=True)
     dev = "cpu"
@@ -186,17 +221,21 @@ def main() -> None:
     lines = [f"# Adaptive timestep sampler: step-time overhead against uniform, {dev}", "",
              f"machine: {json.dumps(info)}  ", f"when: {out['when']}  ", f"command: `{out['command']}`", "",
              "Interleaved rounds of the longest look-ahead period each, one thread; median ms/step over rounds. "
-             "`overhead (wall)` is the median over rounds of each round's time against the uniform round beside "
-             "it; `overhead (parts)` adds what the sampler itself spends "
-             "(time inside the hooks per step, amortised, plus the per-step policy draw minus uniform's draw) and "
-             "divides by uniform's step: the same quantity, less exposed to other processes on a shared machine.", "",
-             "| case | variant | ms/step | overhead (wall) | overhead (parts) | look-ahead ms/step | sample ms | "
-             "probe forwards/update |", "|---|---|---|---|---|---|---|---|"]
+             "**overhead** = per-step draw + look-ahead: the draw is the median, over short interleaved rounds "
+             "with no look-ahead, of each round's process CPU time against the uniform round beside it; the "
+             "look-ahead is the time inside the hooks (the sampler's HookTimer) per step, against uniform's "
+             "CPU step. **direct** is the median over full-period rounds of each round's CPU time against the "
+             "uniform round beside it (the same quantity, measured whole: noisier, ±2% here). On a shared "
+             "2-core machine other processes inflate wall time, not this process's CPU time; one thread, so "
+             "CPU time is the step's compute.", "",
+             "| case | variant | ms/step (CPU) | overhead | draw | look-ahead | direct (CPU) | direct (wall) | "
+             "look-ahead ms/update | probe forwards/update |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} {'×'.join(map(str, r['shape']))} | {r['variant']} | {r['ms_per_step']:.2f} | "
-                     f"{100 * r['overhead']:+.1f}% | {100 * r['overhead_parts']:+.1f}% | "
-                     f"{r['lookahead_ms_per_step']:.2f} | {r['sample_ms']:.3f} | "
-                     f"{r['probe_elements_per_update'] or '-'} |")
+        every = (r["args"] or {}).get("every", DEFAULT_EVERY) if r["args"] is not None else None
+        lines.append(f"| {r['model']} {'×'.join(map(str, r['shape']))} | {r['variant']} | {r['cpu_ms_per_step']:.2f} | "
+                     f"**{100 * r['overhead_decomposed']:+.1f}%** | {100 * r['draw_overhead']:+.1f}% | "
+                     f"{100 * r['lookahead_share']:+.1f}% | {100 * r['overhead_cpu']:+.1f}% | {100 * r['overhead']:+.1f}% | "
+                     f"{(r['lookahead_ms_per_step'] * every if every else 0):.0f} | {r['probe_elements_per_update'] or '-'} |")
     lines += ["", f"## Common random numbers ({crn['case']}, {crn['draws']} probe draws, S = {crn['S']})", "",
               "| reward | variance, fresh noise (official) | variance, CRN | reduction |", "|---|---|---|---|",
               f"| per sample | {crn['var_per_sample_fresh']:.3e} | {crn['var_per_sample_crn']:.3e} | "

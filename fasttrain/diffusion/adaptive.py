@@ -5,7 +5,7 @@
     smp = fd.timestep_sampler("adaptive", schedule, tau_grid=0, every=40)    # the official setting
 
 fasttrain's defaults differ from the official setting in two places, both for cost: `tau_grid` = 16
-strata instead of all 1000 timesteps, and `every` = 80 steps between look-ahead updates instead of 40.
+strata instead of all 1000 timesteps, and `every` = 100 steps between look-ahead updates instead of 40.
 Each look-ahead costs two no-grad forwards of K + 3·B probe elements (the τ-grid and the batch at S),
 about two to four training steps on the CPU tiny models; at every = 40 the batch-at-S part alone is
 5-7% of the step time there (bench/results/adaptive-overhead-cpu.md), so meeting a 5% budget needs
@@ -94,7 +94,7 @@ class Adaptive(TimestepSampler, LookAhead):
     seed: the policy's initialisation and the probes' noise (the same on every rank)."""
 
     def __init__(self, schedule: NoiseSchedule, policy: str = "beta", unbiased: bool = False, tau_grid: int = 16,
-                 every: int = 80, n_select: int = 3, capacity: int = 20, lr: float = 1e-2, entropy: float = 1e-2,
+                 every: int = 100, n_select: int = 3, capacity: int = 20, lr: float = 1e-2, entropy: float = 1e-2,
                  grad_clip: float = 1.0, variance: str = "large", width: int = 16, chunk: int = 0, seed: int = 0):
         super().__init__(schedule)
         if policy not in POLICIES:
@@ -130,7 +130,7 @@ class Adaptive(TimestepSampler, LookAhead):
         self.opt: torch.optim.Optimizer | None = None
         self.in_shape: tuple[int, ...] | None = None
         self._u = None                           # u of the step's first micro-batch
-        self._ab = None                          # its (α, β), ≤ AB_KEEP of them, for probs()
+        self._conc = None                        # its (α, β) [B, 2], for probs()
         self._pending = None                     # (probe, split, before-values) between the hooks
         self._tables: dict = {}
         self._metrics: dict = {}
@@ -151,30 +151,35 @@ class Adaptive(TimestepSampler, LookAhead):
         self.net = net.to(self.device)
         self.opt = torch.optim.Adam(self.net.parameters(), lr=self.lr, betas=(0.9, 0.999))
 
-    def _ab_of(self, x0: torch.Tensor | None, n: int):
+    def _conc_of(self, x0: torch.Tensor | None, n: int) -> torch.Tensor:
+        """The policy's (α, β) per sample, [n, 2] fp32 (outside any autocast region)."""
         if self.policy_kind == "global":
             return self.net(None, n)
         if x0 is None:
             raise ValueError("the adaptive sampler with policy='beta' is conditioned on x0: pass sample(n, generator, x0)")
         if self.net is None:
             self._build(x0.shape[1:])
-        with torch.autocast(x0.device.type, enabled=False):
-            return self.net(x0)
+        if torch.is_autocast_enabled(x0.device.type):
+            with torch.autocast(x0.device.type, enabled=False):
+                return self.net(x0)
+        return self.net(x0)
 
     def set_partition(self, rank=0, world_size=1, accum_steps=1):
         self.rank, self.world_size, self.accum_steps = int(rank), int(world_size), int(accum_steps)
 
     def sample(self, n, generator=None, x0=None):
+        # Every op here runs once per micro-batch: on CPU each costs ~20-40 µs right after a training
+        # step (cold caches), so the path is kept short (no clamps, stacks or copies it does not need).
         with torch.no_grad():
-            a, b = self._ab_of(x0, n)
-            u = P.sample(a, b, generator)
+            conc = self._conc_of(x0, n)
+            u = P.sample(conc, generator)
         t = P.to_timestep(u, self.T)
         if self.micro_step == 0:  # the draws the look-ahead's reward will be credited to
-            self._u, self._ab = u, torch.stack([a[:AB_KEEP], b[:AB_KEEP]], -1)
+            self._u, self._conc = u, conc
         self.micro_step = (self.micro_step + 1) % self.accum_steps
         if not self.unbiased:
             return t, torch.ones(n, dtype=torch.float32, device=t.device)
-        p = P.timestep_masses(a, b, t, self.T)  # p(t_b | x0_b) of the exact Beta
+        p = P.timestep_masses(conc[:, 0], conc[:, 1], t, self.T)  # p(t_b | x0_b) of the exact Beta
         return t, (1.0 / (self.T * p.clamp_min(1e-12))).float()
 
     def probs(self, n=None) -> torch.Tensor:
@@ -183,9 +188,9 @@ class Adaptive(TimestepSampler, LookAhead):
         policy that drew them."""
         if self.policy_kind == "global":
             with torch.no_grad():
-                ab = torch.stack(self.net(None, 1), -1)
-        elif self._ab is not None:
-            ab = self._ab
+                ab = self.net(None, 1)
+        elif self._conc is not None:
+            ab = self._conc[:AB_KEEP]
         else:  # before the first draw: the initial policy (weights 0, bias 0.5 in the last layer)
             init = torch.nn.functional.softplus(torch.tensor(P.INIT_BIAS)) + P.MIN_CONC
             ab = init.expand(1, 2).to(self.device)
@@ -286,8 +291,8 @@ class Adaptive(TimestepSampler, LookAhead):
         B = reward.shape[0]
         params = list(self.net.parameters())
         with torch.enable_grad():
-            a, b = self._ab_of(x0, B)
-            logp, H = P.log_prob(self._u, a, b), P.entropy(a, b)
+            a, b = self._conc_of(x0, B).unbind(-1)
+            logp, H = P.log_prob(P.clamp_u(self._u), a, b), P.entropy(a, b)
             r = reward.detach().float() + self.entropy * H
             loss = -(logp * r).sum() / (B * world_size)
             grads = torch.autograd.grad(loss, params)
@@ -353,7 +358,7 @@ class Adaptive(TimestepSampler, LookAhead):
                 "policy": None if self.net is None else {k: cpu(v) for k, v in self.net.state_dict().items()},
                 "opt": opt, "fifo_X": cpu(self.fifo_X), "fifo_y": cpu(self.fifo_y), "fifo_count": self.fifo_count,
                 "S": cpu(self.S), "updates": self.updates, "micro_step": self.micro_step,
-                "ab": None if self._ab is None else cpu(self._ab),
+                "ab": None if self._conc is None else cpu(self._conc[:AB_KEEP]),
                 "hist_steps": list(self.hist_steps), "hist_ab": [cpu(v) for v in self.hist_ab],
                 "hist_S": [cpu(v) for v in self.hist_S]}
 
@@ -368,7 +373,7 @@ class Adaptive(TimestepSampler, LookAhead):
         self.fifo_count, self.updates = int(state["fifo_count"]), int(state["updates"])
         self.micro_step = int(state["micro_step"])
         self.S = state["S"].to(dev)
-        self._ab = None if state["ab"] is None else state["ab"].to(dev)
+        self._conc = None if state["ab"] is None else state["ab"].to(dev)
         self.hist_steps = list(state["hist_steps"])
         self.hist_ab = [v.to(dev) for v in state["hist_ab"]]
         self.hist_S = [v.to(dev) for v in state["hist_S"]]

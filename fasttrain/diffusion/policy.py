@@ -39,13 +39,14 @@ def _head(hidden: int) -> nn.Linear:
     return head
 
 
-def _concentrations(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    ab = F.softplus(out.float()) + MIN_CONC
-    return ab[..., 0], ab[..., 1]
+def _concentrations(out: torch.Tensor) -> torch.Tensor:
+    """[..., 2] raw outputs → (α, β) as the last dimension (the Dirichlet sampler's input as it is)."""
+    return F.softplus(out.float()) + MIN_CONC
 
 
 class ConditionalBeta(nn.Module):
-    """(α_b, β_b) = f_φ(x0_b) for x0 of shape `in_shape`: (C, H, W) images/latents or (D,) vectors."""
+    """(α_b, β_b) = f_φ(x0_b) for x0 of shape `in_shape`: (C, H, W) images/latents or (D,) vectors.
+    Returns the concentrations [B, 2]; `.unbind(-1)` gives α and β."""
 
     def __init__(self, in_shape: tuple[int, ...], width: int = 16, hidden: int = 64):
         super().__init__()
@@ -65,7 +66,7 @@ class ConditionalBeta(nn.Module):
         # official `mlp(input, hidden, hidden_depth=2, 2)`: Linear-ReLU-Linear-ReLU-Linear
         self.mlp = nn.Sequential(nn.Linear(feat, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), _head(hidden))
 
-    def forward(self, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
         x = x0.float()
         if x.ndim == 4:
             if x.shape[-1] > POOL or x.shape[-2] > POOL:
@@ -75,16 +76,16 @@ class ConditionalBeta(nn.Module):
 
 
 class GlobalBeta(nn.Module):
-    """One (α, β) for all samples: two parameters, softplus as above, initialised to the same values."""
+    """One (α, β) for all samples: two parameters, softplus as above, initialised to the same values.
+    Returns the concentrations [n, 2] (an expanded view)."""
 
     def __init__(self):
         super().__init__()
         self.raw = nn.Parameter(torch.full((2,), INIT_BIAS))
 
-    def forward(self, x0: torch.Tensor | None = None, n: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        a, b = _concentrations(self.raw)
+    def forward(self, x0: torch.Tensor | None = None, n: int = 1) -> torch.Tensor:
         n = n if x0 is None else x0.shape[0]
-        return a.expand(n), b.expand(n)
+        return _concentrations(self.raw).expand(n, 2)
 
 
 # -- Beta distribution ---------------------------------------------------------------------------
@@ -101,9 +102,13 @@ def entropy(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             + (a + b - 2) * torch.digamma(a + b))
 
 
-def sample(a: torch.Tensor, b: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """u ~ Beta(a, b) as the first coordinate of a Dirichlet([a, b]) draw, kept in [U_EPS, 1−U_EPS]."""
-    u = torch._sample_dirichlet(torch.stack([a.detach(), b.detach()], dim=-1).float(), generator)[..., 0]
+def sample(conc: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """u ~ Beta(α, β) for concentrations [..., 2]: the first coordinate of a Dirichlet([α, β]) draw.
+    (Clamp into [U_EPS, 1 − U_EPS] before taking log π(u): `clamp_u`.)"""
+    return torch._sample_dirichlet(conc.detach().float(), generator)[..., 0]
+
+
+def clamp_u(u: torch.Tensor) -> torch.Tensor:
     return u.clamp(U_EPS, 1 - U_EPS)
 
 

@@ -81,9 +81,9 @@ def test_selection_is_select_k_best_including_ties():
 
 # -- construction ----------------------------------------------------------------------------------
 def test_defaults_and_the_official_setting():
-    smp = fd.timestep_sampler("adaptive", LIN)  # fasttrain: 16 strata, every 80 steps; the rest official
+    smp = fd.timestep_sampler("adaptive", LIN)  # fasttrain: 16 strata, every 100 steps; the rest official
     assert (smp.n_select, smp.capacity, smp.lr, smp.entropy, smp.grad_clip) == (3, 20, 1e-2, 1e-2, 1.0)
-    assert smp.policy_kind == "beta" and smp.biased and smp.variance == "large" and (smp.K, smp.every) == (16, 80)
+    assert smp.policy_kind == "beta" and smp.biased and smp.variance == "large" and (smp.K, smp.every) == (16, 100)
     assert smp.S.tolist() == [0, 1, 2]
     official = fd.timestep_sampler("adaptive", LIN, tau_grid=0, every=40)
     assert official.K == 1000 and official.every == 40 and torch.equal(official._grid(5), torch.arange(1000))
@@ -229,7 +229,7 @@ def test_gradient_accumulation_credits_the_first_micro_batch():
     first, second = batch(0, 6, (1, 8, 8)), batch(1, 4, (1, 8, 8))
     probe_gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        u0 = P.sample(*smp._ab_of(first[0], 6), probe_gen)  # what micro-step 0 draws
+        u0 = P.sample(smp._conc_of(first[0], 6), probe_gen)  # what micro-step 0 draws
     reference_step(net, obj, opt, [first, second], 0, [smp], generator=gen)
     assert smp.updates == 1 and torch.equal(smp._u, u0) and smp.micro_step == 0
     # without the partition the last micro-batch's draws would be credited: refused, not silently wrong

@@ -43,8 +43,8 @@ def test_log_prob_and_entropy_match_torch_distributions():
 
 def test_draws_follow_the_generator_and_the_timestep_masses():
     a, b = torch.full((50_000,), 2.0), torch.full((50_000,), 5.0)
-    u1 = P.sample(a, b, torch.Generator().manual_seed(3))
-    u2 = P.sample(a, b, torch.Generator().manual_seed(3))
+    u1 = P.sample(torch.stack([a, b], -1), torch.Generator().manual_seed(3))
+    u2 = P.sample(torch.stack([a, b], -1), torch.Generator().manual_seed(3))
     assert torch.equal(u1, u2) and ((u1 > 0) & (u1 < 1)).all()
     t = P.to_timestep(u1, T)
     torch.testing.assert_close(t, torch.round(u1 * (T - 1)).long())  # the official mapping
@@ -58,7 +58,7 @@ def test_initial_policies_are_the_official_near_uniform_beta():
     for net, x in [(P.ConditionalBeta((3, 32, 32)), torch.randn(5, 3, 32, 32)),
                    (P.ConditionalBeta((4, 16, 16)), torch.randn(5, 4, 16, 16)),
                    (P.ConditionalBeta((2,)), torch.randn(5, 2)), (P.GlobalBeta(), torch.randn(5, 2))]:
-        a, b = net(x)
+        a, b = net(x).unbind(-1)
         assert a.shape == b.shape == (5,)
         torch.testing.assert_close(a, torch.full((5,), init))
         torch.testing.assert_close(b, torch.full((5,), init))
@@ -69,8 +69,8 @@ def test_initial_policies_are_the_official_near_uniform_beta():
 def test_conditional_policy_takes_any_resolution_and_channel_count():
     net = P.ConditionalBeta((4, 16, 16))
     torch.nn.init.normal_(net.mlp[-1].weight)  # leave the zero init so that the output depends on x0
-    a1, _ = net(torch.randn(3, 4, 16, 16))
+    a1, _ = net(torch.randn(3, 4, 16, 16)).unbind(-1)
     assert torch.isfinite(a1).all() and (a1 > 0).all() and a1.std() > 0
     for shape in [(1, 8, 8), (3, 32, 32), (3, 64, 48), (8, 1, 1)]:
-        a, b = P.ConditionalBeta(shape)(torch.randn(2, *shape))
+        a, b = P.ConditionalBeta(shape)(torch.randn(2, *shape)).unbind(-1)
         assert a.shape == (2,) and (a > 0).all() and (b > 0).all()
