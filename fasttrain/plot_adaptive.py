@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.colors import LogNorm
 
-matplotlib.use("Agg")  # files only; no display on training machines
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.colors import LogNorm  # noqa: E402
+from .plots import _finish  # (importing plots selects the Agg backend: files only)
 
 
 def plot_adaptive(path, steps, p, S, T: int, title: str = "") -> Path:
@@ -51,11 +50,3 @@ def plot_adaptive(path, steps, p, S, T: int, title: str = "") -> Path:
     ax[2].legend(fontsize=8)
     return _finish(fig, path, title)
 
-
-def _finish(fig, path, title: str) -> Path:
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return Path(path)
