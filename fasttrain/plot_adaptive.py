@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib.pyplot as plt
-import numpy as np
-from matplotlib.colors import LogNorm
+from .plots import _finish  # first: importing plots selects the Agg backend (files only) before pyplot loads
 
-from .plots import _finish  # (importing plots selects the Agg backend: files only)
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.colors import LogNorm  # noqa: E402
 
 
 def plot_adaptive(path, steps, p, S, T: int, title: str = "") -> Path:
