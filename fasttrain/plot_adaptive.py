@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+from .plots import _finish  # first: importing plots selects the Agg backend (files only) before pyplot loads
 
-matplotlib.use("Agg")  # files only; no display on training machines
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402

@@ -7,9 +7,9 @@
 fasttrain's defaults differ from the official setting in two places, both for cost: `tau_grid` = 16
 strata instead of all 1000 timesteps, and `every` = 100 steps between look-ahead updates instead of 40.
 Each look-ahead costs two no-grad forwards of K + 3·B probe elements (the τ-grid and the batch at S),
-about two to four training steps on the CPU tiny models; at every = 40 the batch-at-S part alone is
-5-7% of the step time there (bench/results/adaptive-overhead-cpu.md), so meeting a 5% budget needs
-a longer period. n_select, capacity, lr, entropy and the clip stay official.
+about 1.5-3 training steps on the CPU tiny models, so at every = 40 it alone is 5-7% of the step time
+there, and the per-step policy draw adds 1-4% (bench/results/adaptive-overhead-cpu.md); a 5% budget
+needs the longer period. n_select, capacity, lr, entropy and the clip stay official.
 
 The official algorithm (ku-dmlab/Adaptive-Timestep-Sampler, ddpm_torch/utils/train.py:268-358), every
 f_S = 40 optimizer steps (`every`), around the model update θ_k → θ_{k+1}:
