@@ -266,7 +266,8 @@ class Trainer:
         ctx = LookAheadContext(self.model, self.objective, *first, self.step, self.dist.rank, self.dist.world_size,
                                lr=float(self.opt.param_groups[0]["lr"]), optimizer=self.opt)
         for h in due:  # the look-ahead brackets the optimizer step, not a micro-step
-            h.before_update(ctx)
+            with self.precision.context():  # probes see the model as the forward does
+                h.before_update(ctx)
         if self.scaler:  # fp16: the scaler skips an overflowing step itself (found_inf) and adapts its scale
             self.scaler.step(self.opt)
             self.scaler.update()
@@ -276,7 +277,8 @@ class Trainer:
         self.lr_sched.step()
         self.opt.zero_grad(set_to_none=True)
         for h in due:  # after the update, gradients cleared: a hook may run its own backward
-            h.after_update(ctx)
+            with self.precision.context():
+                h.after_update(ctx)
         self.ema.update(self.model, applied=finite)
         self.skipped += (~finite).long()
         self.skipped_run.copy_((self.skipped_run + 1) * (~finite).long())
