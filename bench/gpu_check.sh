@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# On a CUDA machine: the GPU tests, then the kernel benchmarks; numbers land in bench/results/.
-# Budget: under 8 minutes on one H100/H200 (native build ~1 min, tests ~2-3 min, benchmarks ~2 min).
+# On a CUDA machine: the GPU tests, the kernel benchmarks and the throughput tables (timestep machinery;
+# small batch on one GPU: eager, compiled, compiled + CUDA graph); numbers land in bench/results/gpu-*.
+# Budget: under 10 minutes on one H100/H200 (native build ~1 min, tests ~2-3 min, kernels ~2 min,
+# throughput ~4 min; each part has its own timeout so a slow one cannot starve the rest).
 # The install builds fasttrain._C with its CUDA ops where nvcc is present (FASTTRAIN_CUDA_ARCHS, default
 # sm_80 + sm_90); the native CUDA tests and the benchmark's native column skip or drop out without it.
 # Uses a python3 that already has a CUDA torch (the lent GPU machines have one and no network),
@@ -23,9 +25,11 @@ $PY -c "from fasttrain.kernels import native; print('fasttrain._C:', 'CUDA ops b
   2>&1 | tee bench/results/native-cuda.txt
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.inductor-cache}"
 rc=0
-timeout 240 $PY -m pytest -q -p no:cacheprovider tests/kernels tests/diffusion -m "not slow" \
+timeout 200 $PY -m pytest -q -p no:cacheprovider tests/kernels tests/diffusion tests/test_graphs.py -m "not slow" \
   2>&1 | tee bench/results/gpu-tests.txt || rc=1
-timeout 200 $PY -m pytest -q -p no:cacheprovider bench/bench_kernels.py --benchmark-only \
-  2>&1 | tee bench/results/kernels-cuda.txt || rc=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> bench/results/kernels-cuda.txt 2>&1
+timeout 150 $PY -m pytest -q -p no:cacheprovider bench/bench_kernels.py --benchmark-only \
+  2>&1 | tee bench/results/gpu-kernels.txt || rc=1
+timeout 240 $PY bench/throughput.py --small-batch --threads 8 --steps 60 --round 20 --warmup 8 \
+  2>&1 | tee bench/results/gpu-throughput.txt || rc=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> bench/results/gpu-tests.txt 2>&1
 exit $rc

@@ -9,7 +9,8 @@ update (decay read from a device tensor) and the skipped-step counters. Everythi
 between steps lives on the device and is updated in place: the batch is copied into static input
 buffers, the noise offset and the statistics window are advanced by the kernels themselves, the
 learning rate and EMA decay are written into their tensors before each replay. Statistics syncs,
-sampler updates, logging and checkpoints stay outside the graph, every K steps.
+sampler updates, the interference diagnostic (after the replay, on its own probe), logging and
+checkpoints stay outside the graph, every K steps.
 
 The first `WARMUP` steps run eagerly on a side stream (what capture needs: allocator and cuDNN
 warm-up), the next step is captured and replayed. Where something in the step cannot be captured
@@ -34,7 +35,7 @@ def unsupported(trainer) -> str | None:
         return "collectives of FSDP/DDP are not captured (one process only)"
     if cfg.train.grad_accum != 1:
         return "gradient accumulation changes the step's structure (train.grad_accum must be 1)"
-    if trainer.hooks:
+    if any(h is not trainer.interference for h in trainer.hooks):
         return f"the {cfg.diffusion.sampler} sampler's look-ahead runs host logic around the optimizer step"
     st = trainer.objective.stats
     if st is not None and st.history > 0:

@@ -35,8 +35,10 @@ from .parallel import parallelize
 from .precision import resolve as resolve_precision
 from .stopping import GracefulStop
 
-# Sections that must match for a checkpoint to be resumed (optim and train may change and are applied).
+# Sections that must match for a checkpoint to be resumed (optim and train may change and are applied),
+# except keys that change how, not what, is computed (every backend draws the same noise and batches).
 RESUME_MUST_MATCH = ("data", "model", "diffusion")
+RESUME_MAY_CHANGE = ("diffusion.backend", "data.backend", "data.num_workers")
 
 
 def config_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
@@ -75,7 +77,14 @@ class Trainer:
         self.device = torch.device(f"cuda:{self.dist.local_rank}" if want_cuda else "cpu")
         self.run_dir = Path(cfg.run_dir)
         self.lock = self._claim_run_dir(resume, restart) if self.dist.is_main else None
+        try:
+            self._set_up(cfg, rank, world, want_cuda)
+        except BaseException:
+            self.close()  # a failed set-up leaves the run directory free
+            raise
 
+    def _set_up(self, cfg, rank: int, world: int, want_cuda: bool) -> None:
+        tc = cfg.train
         d = cfg.data
         self.data, info = build_data(d.name, batch_size=d.batch_size, seed=tc.seed, image_size=d.image_size,
                                      root=d.root, channels=d.channels, holdout=d.holdout, device=self.device,
@@ -192,7 +201,8 @@ class Trainer:
             model_sd, optim_sd, ema_sd, full = plain["model"], plain["optimizer"], plain["ema"], True
         mine = OmegaConf.to_container(self.cfg)
         for section in RESUME_MUST_MATCH:
-            diff = config_diff(plain["config"][section], mine[section], section + ".")
+            diff = [k for k in config_diff(plain["config"][section], mine[section], section + ".")
+                    if k not in RESUME_MAY_CHANGE]
             if diff:
                 raise ValueError(f"cannot resume {path}: config key '{diff[0]}' differs from the checkpoint")
         opts = StateDictOptions(full_state_dict=full and self.dist.world_size > 1)
@@ -242,6 +252,11 @@ class Trainer:
             total, gnorm = self.graph(next(self.data))
             self.lr_sched.step()
             self.graph.sync_lr()
+            if self.interference is not None and self.interference.due(self.step):  # outside the graph
+                ctx = LookAheadContext(self.model, self.objective, self.graph.x0, None, self.step, 0, 1,
+                                       lr=float(self.graph.lr), optimizer=self.opt)
+                with self.precision.context():
+                    self.interference.after_update(ctx)
             return self._after_step(total, gnorm)
         accum = self.cfg.train.grad_accum
         total = torch.zeros((), device=self.device)
