@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import checkpoint as ckpt
 from . import seeds
-from .diffusion import DiffusionObjective, mixed, schedule as make_schedule
+from .diffusion import SAMPLERS, DiffusionObjective, mixed, schedule as make_schedule
 from .diffusion import prediction as P
 from .diffusion.denoiser import Denoiser
 from .diffusion.solvers import generate as run_solver
@@ -63,7 +63,10 @@ def build_network(cfg: DictConfig, spec: DataSpec) -> Denoiser:
 def build_objective(cfg: DictConfig, rank: int = 0, stats: bool = True) -> DiffusionObjective:
     df = cfg.diffusion
     sched = make_schedule(df.schedule, df.T, df.zero_terminal_snr)
-    kw = dict(weighting_args=dict(df.weighting_args), sampler_args=dict(df.sampler_args), stats=stats,
+    sampler_args = dict(df.sampler_args)
+    if "seed" in SAMPLERS.args(df.sampler) and "seed" not in sampler_args:  # a learned sampler's own weights
+        sampler_args["seed"] = seeds.derive(cfg.train.seed, "policy")
+    kw = dict(weighting_args=dict(df.weighting_args), sampler_args=sampler_args, stats=stats,
               learned_weighting=df.learned_weighting, backend=df.backend, seed=seeds.derive(cfg.train.seed, "noise", rank))
     if df.prediction == "mixed":
         m = df.mixed

@@ -1,6 +1,7 @@
 import os
 
-# The Triton interpreter must be chosen before anything imports triton (shared/research/platform.md §1).
+# The Triton interpreter must be chosen before anything imports triton (triton jits its tl.rand helpers
+# at import time); fasttrain itself never sets it, so the tests choose it here, once.
 try:
     import torch
 

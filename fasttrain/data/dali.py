@@ -1,8 +1,8 @@
 """NVIDIA DALI pipelines (the `dali` data backend): image folders and .npy latent folders.
 
 Decoding runs in DALI's worker threads: on a GPU machine images are decoded by nvJPEG ("mixed") and
-batches arrive on the GPU; without one the pipeline is CPU-only (`device_id=None`, shared/research
-platform.md §4). Order and sharding are explicit, so that they are exact and resumable: each epoch
+batches arrive on the GPU; without one the pipeline is CPU-only (`device_id=None`: DALI 2.4 treats
+its old CPU_ONLY_DEVICE_ID as a GPU request). Order and sharding are explicit, so that they are exact and resumable: each epoch
 is a permutation of the file list drawn from (seed, epoch); rank r of W takes every W-th file of it
 (all ranks get the same count, the remainder is dropped); pipelines read this rank's files in that
 order from the saved position, with `random_shuffle=False`; flips and random crop positions are

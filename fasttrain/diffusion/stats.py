@@ -48,7 +48,6 @@ class TimestepStats:
         self._pending_samples: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.ring = torch.zeros(T, max(history, 1), dtype=torch.float32, device=self.device)
         self.ring_count = torch.zeros(T, dtype=torch.long, device=self.device)
-        self.syncs = 0
 
     @property
     def device(self) -> torch.device:
@@ -94,7 +93,6 @@ class TimestepStats:
         if samples is not None:
             self._push_ring(*samples)
         self._pending_samples = []
-        self.syncs += 1
 
     def _local_samples(self):
         if not self._pending_samples:
@@ -176,8 +174,7 @@ class TimestepStats:
     def state_dict(self) -> dict:
         """The totals: identical on every rank after `all_reduce`."""
         return {"kinds": list(self.kinds), "count": self.count, "mean": dict(self.mean), "m2": dict(self.m2),
-                "ema": dict(self.ema), "ema_seen": self.ema_seen, "ring": self.ring, "ring_count": self.ring_count,
-                "syncs": self.syncs}
+                "ema": dict(self.ema), "ema_seen": self.ema_seen, "ring": self.ring, "ring_count": self.ring_count}
 
     def load_state_dict(self, state: dict) -> None:
         def own(x):  # copies: a loaded state must not alias the tensors of the object it came from
@@ -190,7 +187,6 @@ class TimestepStats:
         self.m2 = {k: own(v) for k, v in state["m2"].items()}
         self.ema = {k: own(v) for k, v in state["ema"].items()}
         self.ring, self.ring_count = own(state["ring"]), own(state["ring_count"])
-        self.syncs = int(state["syncs"])
         self.window.set_pivots(torch.stack([self.mean[k] for k in self.kinds]))
 
     def window_state(self) -> dict:
