@@ -89,17 +89,21 @@ def from_tensor(t: torch.Tensor, where) -> dict:
 
 
 # -- DCP folders ---------------------------------------------------------------------------------
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
-_DCP_CLASSES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-                ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-                ("pathlib", "PureWindowsPath")}
+_MD = "torch.distributed.checkpoint.metadata"
+_DCP_CLASSES = {(_MD, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                                   "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
+    """Exact (module, name) pairs only: pickle protocol 4 resolves dotted names through a module's
+    attributes (`metadata.os.system`), so admitting a whole module would admit what it imports."""
+
     def find_class(self, module, name):
-        ok = (module in _DCP_MODULES or (module, name) in _DCP_CLASSES
-              or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+        ok = "." not in name and ((module, name) in _DCP_CLASSES
+                                  or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
         if not ok:
             raise CheckpointError(f"it references {module}.{name}, which is not part of a checkpoint's metadata")
         return super().find_class(module, name)

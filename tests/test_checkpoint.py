@@ -45,6 +45,27 @@ def test_malicious_dcp_metadata_is_refused_and_runs_nothing(tmp_path):
     assert not marker.exists()
 
 
+def test_dotted_names_through_an_allowed_module_are_refused(tmp_path):
+    """Protocol 4 resolves `module.attr.attr`: metadata's own module imports os, so an allow-list of
+    whole modules would let `os.system` in."""
+    folder = _dcp_folder(tmp_path)
+    marker = tmp_path / "pwned-dotted"
+    def short(text: str) -> bytes:  # SHORT_BINUNICODE + MEMOIZE
+        raw = text.encode()
+        return b"\x8c" + bytes([len(raw)]) + raw + b"\x94"
+
+    payload = (b"\x80\x04" + short("torch.distributed.checkpoint.metadata") + short("os.system") + b"\x93\x94"
+               + short(f"touch {marker}") + b"\x85\x94R\x94.")  # STACK_GLOBAL, TUPLE1, REDUCE, STOP
+    (folder / ".metadata").write_bytes(payload)
+    with pytest.raises(ckpt.CheckpointError, match="refusing to read"):
+        ckpt.read_dcp_metadata(folder)
+    assert main(["sample", "--ckpt", str(folder.parent), "--out", str(tmp_path / "s")]) == 1
+    assert not marker.exists()
+    import pickletools
+    ops = [op.name for op, _, _ in pickletools.genops(payload)]
+    assert "STACK_GLOBAL" in ops and "REDUCE" in ops  # the payload is well-formed: it would have run
+
+
 def test_pickled_entries_inside_dcp_shards_are_refused(tmp_path):
     """DCP loads non-tensor entries with torch.load(weights_only=False): fasttrain stores none and
     its planner refuses them, so a tampered shard cannot run code either."""
