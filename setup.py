@@ -1,7 +1,7 @@
 """fasttrain: a diffusion-model trainer that treats the timestep as a first-class object.
 
 `kernels/` is installed as the subpackage `fasttrain.kernels` (a top-level `kernels` would collide
-with other packages, see DESIGN.md). The native extension `fasttrain._C` (C++ CPU ops, and CUDA ops
+with other installed packages of that name). The native extension `fasttrain._C` (C++ CPU ops, and CUDA ops
 where nvcc is found) is built by CMakeLists.txt during the install; it needs torch at build time, so
 install with `--no-build-isolation` after torch (README). Without a compiler, CMake or torch the
 install goes on without it, says so in one line, and fasttrain uses the reference backend.
@@ -123,7 +123,7 @@ def _first_error(text: str) -> str:
 
 setup(
     name="fasttrain",
-    version="0.1.0",
+    version="0.2.0",
     description="Fast diffusion-model training: fused per-step diffusion math and timestep strategies",
     python_requires=">=3.10",
     packages=[

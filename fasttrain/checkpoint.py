@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import UserError
+
 FORMAT = 2
 REQUIRED = ("config", "data_spec", "step", "model", "ema")
 
@@ -263,7 +265,7 @@ class RunLock:
             fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             self._f.close()
-            raise RuntimeError(f"another fasttrain process is using {self.path.parent} "
+            raise UserError(f"another fasttrain process is using {self.path.parent} "
                                f"(wait for it or choose another run_dir)") from None
         self._f.seek(0)
         self._f.truncate()

@@ -17,8 +17,13 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError, keys, load_config, presets
+from .errors import UserError
 
-USER_ERRORS = (ValueError, FileNotFoundError, RuntimeError, FloatingPointError, ImportError, OSError)
+# What the user can fix: bad values and configs (ValueError, with ConfigError and CheckpointError), our
+# UserErrors, missing or unwritable paths, a run stopped by non-finite steps, a missing module
+# (--encoder). Anything else keeps its traceback; FASTTRAIN_DEBUG=1 keeps it for these too.
+USER_ERRORS = (ValueError, UserError, FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError,
+               FileExistsError, FloatingPointError, ImportError)
 
 
 def _help_epilog() -> str:
@@ -144,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return {"sample": _sample, "eval": _eval, "report": _report, "data": _data}[args.command](args)
         except USER_ERRORS as e:
+            if os.environ.get("FASTTRAIN_DEBUG") == "1":
+                raise
             print(f"fasttrain: error: {_first_line(e)}", file=sys.stderr)
             return 1
     if args.command != "train":
@@ -173,12 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = train(cfg, resume=args.resume, restart=args.restart)
     except USER_ERRORS as e:
+        if os.environ.get("FASTTRAIN_DEBUG") == "1":
+            raise
         print(f"fasttrain: error: {_first_line(e)}", file=sys.stderr)
         shutdown(1)
         return 1
     except KeyboardInterrupt:
-        print(f"fasttrain: stopped; the run continues with: fasttrain train {' '.join(argv[1:])} --resume"
-              .replace(" --resume --resume", " --resume"), file=sys.stderr)
+        again = " ".join(a for a in argv[1:] if a not in ("--resume", "--restart"))
+        print(f"fasttrain: stopped; the run continues with: fasttrain train {again} --resume", file=sys.stderr)
         shutdown(130)
         return 130
     if int(os.environ.get("RANK", "0")) != 0:
@@ -261,6 +270,9 @@ def _eval(args) -> int:
     path = out or resolve(args.ckpt).parent / "eval.json"  # beside the checkpoint: the run directory
     path.write_text(json.dumps(metrics, indent=2))
     print(json.dumps(metrics, indent=2))
+    if "fidelity_error" in metrics:  # asked for, not computed: the command failed (training only notes it)
+        print(f"fasttrain: error: no FID: {metrics['fidelity_error']}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -306,8 +306,6 @@ def validate(cfg: DictConfig) -> None:
            "a finite number >= 0")
     _check(cfg.sample.eta is None or "eta" in SOLVERS.args(cfg.sample.solver), "sample.eta", cfg,
            f"solver {cfg.sample.solver} takes no eta")
-    if d.learned_weighting and d.prediction == "mixed" and d.mixed.gate == "timestep":
-        pass  # both are network parameters; supported together
     if cfg.data.name in ("folder", "latents"):
         _check(bool(cfg.data.root), "data.root", cfg, f"a folder is needed for data.name={cfg.data.name}")
     if cfg.data.name == "folder":

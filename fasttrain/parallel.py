@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .errors import UserError
+
 
 STRATEGIES = ("none", "ddp", "fsdp")
 AC_MODES = ("none", "full", "selective")
@@ -122,7 +124,7 @@ def parallelize(model: nn.Module, strategy: str = "none", ac: str = "none", comp
     if strategy == "none":
         return model
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(f"parallel.strategy={strategy} needs torch.distributed initialised (launch with torchrun)")
+        raise UserError(f"parallel.strategy={strategy} needs torch.distributed initialised (launch with torchrun)")
     if strategy == "ddp":
         from torch.distributed._composable.replicate import replicate
 

@@ -27,6 +27,7 @@ from .data import build_data
 from .diffusion.interference import InterferenceDiagnostic
 from .diffusion.lookahead import LookAheadContext, lookaheads
 from .diffusion.variation import loss_cv
+from .errors import UserError
 from .evaluate import EvalSettings, reference_for, run_evaluation
 from .logger import MetricLogger, read_jsonl
 from .models import count_params, forward_flops
@@ -71,7 +72,7 @@ class Trainer:
             torch.set_num_threads(tc.threads)
         want_cuda = tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())
         if want_cuda and not torch.cuda.is_available():
-            raise RuntimeError("train.device=cuda but no CUDA device is available")
+            raise UserError("train.device=cuda but no CUDA device is available")
         self.dist = dist_utils.init(tc.device)
         rank, world = self.dist.rank, self.dist.world_size
         self.device = torch.device(f"cuda:{self.dist.local_rank}" if want_cuda else "cpu")
@@ -152,7 +153,7 @@ class Trainer:
             print(f"fasttrain: moved the earlier run to {moved}", file=sys.stderr)
         elif earlier:
             lock.release()
-            raise RuntimeError(f"{self.run_dir} already holds a run ({', '.join(earlier)}): continue it with --resume, "
+            raise UserError(f"{self.run_dir} already holds a run ({', '.join(earlier)}): continue it with --resume, "
                                f"or start over with --restart (which moves it to {self.run_dir}/previous-N/)")
         return lock
 

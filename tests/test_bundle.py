@@ -35,8 +35,10 @@ def test_train_on_a_folder_delete_it_then_sample_and_evaluate(tmp_path, capsys):
                  "--extractor", "fasttrain-digits"]) == 0
     ev = json.loads((run / "eval.json").read_text())
     assert ev["fid"] > 0 and "bpd" in ev and ev["bpd_se"] > 0
-    # without --ref the missing folder is reported, not fatal
-    assert main(["eval", "--ckpt", str(run), "--n", "8", "--steps", "3", "--extractor", "fasttrain-digits"]) == 0
+    # without --ref the missing folder is an error of the command (the bits/dim still written)
+    capsys.readouterr()
+    assert main(["eval", "--ckpt", str(run), "--n", "8", "--steps", "3", "--extractor", "fasttrain-digits"]) == 1
+    assert "pass --ref" in capsys.readouterr().err.strip().splitlines()[-1]
     assert "pass --ref" in json.loads((run / "eval.json").read_text())["fidelity_error"]
     assert main(["eval", "--ckpt", str(run), "--ref", str(tmp_path / "nope")]) == 1
 

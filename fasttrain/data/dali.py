@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .. import seeds
+from ..errors import UserError
 from .order import epoch_order
 
 LAST_BATCH = ("drop", "partial", "pad")
@@ -99,7 +100,7 @@ class DaliStream:
                  seed: int = 0, rank: int = 0, world_size: int = 1, device="cpu", num_threads: int = 2,
                  crop: str = "center", flip: bool = True, last_batch: str = "drop", chunk: int = 8192):
         if not available():
-            raise RuntimeError("data.backend=dali needs NVIDIA DALI: pip install 'fasttrain[dali]'")
+            raise UserError("data.backend=dali needs NVIDIA DALI: pip install 'fasttrain[dali]'")
         if last_batch not in LAST_BATCH:
             raise ValueError(f"last_batch must be one of {', '.join(LAST_BATCH)}, got {last_batch!r}")
         if kind not in ("images", "latents"):

@@ -9,7 +9,7 @@ so a prediction type is its two coefficient tables, and everything else follows 
   * the fused loss kernel gathers coef = [ce, cx] by t (fasttrain.kernels: no per-type code paths);
   * conversion to (x̂0, ε̂) solves [x_t; pred] = [[a, s], [cx, ce]]·[x0; eps], determinant
     det = a·ce − s·cx:  x̂0 = (ce·x_t − s·pred)/det,  ε̂ = (a·pred − cx·x_t)/det;
-  * c(t), which turns an x0-space MSE into this type's MSE at fixed x_t (research notes §0):
+  * c(t), which turns an x0-space MSE into this type's MSE at fixed x_t (Hang et al. 2023, §4):
     ‖pred − target‖² = c·‖x̂0 − x0‖² with c = (det/s)² (eps: SNR, x0: 1, v: (a²+s²)²/s², flow: (a+s)²/s²).
 Where det = 0 (eps at a step with a = 0: zero-terminal SNR, the last flow step) x̂0 is undefined;
 `conditioning(schedule)` exposes that so configs can refuse it.

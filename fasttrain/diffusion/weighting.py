@@ -4,7 +4,7 @@
 training loss is w[t]·mean((pred - target)²). Every weighting is an x0-space weight w_x0(t),
 registered as a function of the schedule, and w = w_x0 / c(t) (prediction.c_factor), so the
 *effective* x0-space weight p(t)·iw(t)·w(t)·c(t) of a strategy does not depend on the prediction
-type (research notes §0). A new weighting is one registered function.
+type (Hang et al. 2023, §4 and appendix). A new weighting is one registered function.
 
 Where SNR = 0 (zero-terminal schedules, the last flow step) the weight is 1: the official Min-SNR
 code sets `mse_loss_weight[snr == 0] = 1.0` (Min-SNR PR #4), which also avoids 0/0 and inf.

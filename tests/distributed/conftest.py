@@ -1,4 +1,4 @@
-"""Two-rank tests: `torchrun --standalone --nproc_per_node=2` with gloo on CPU (platform notes: FSDP2,
+"""Two-rank tests: `torchrun --standalone --nproc_per_node=2` with gloo on CPU (FSDP2,
 DCP and compile work there). Each launch costs a few seconds of process start-up, so checks are
 grouped per launch."""
 import json
