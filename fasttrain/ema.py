@@ -46,9 +46,14 @@ class EMA:
         _reshard(model)
         params = [p.detach() for p in model.parameters()]
         w = 1 - self.current_decay() if weight is None else weight
-        if applied is not None:
-            w = applied.to(self.shadow[0].dtype) * w
-        torch._foreach_lerp_(self.shadow, params, w)
+        if applied is None and not isinstance(w, torch.Tensor):
+            torch._foreach_lerp_(self.shadow, params, w)
+        else:  # a device weight: _foreach_lerp_ would read it on the host (its Scalar overload)
+            if applied is not None:
+                w = applied.to(self.shadow[0].dtype) * w
+            delta = torch._foreach_sub(params, self.shadow)
+            torch._foreach_mul_(delta, w)
+            torch._foreach_add_(self.shadow, delta)
         if weight is None:
             self.n += 1
 

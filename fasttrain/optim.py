@@ -31,8 +31,8 @@ def skip_if_not_finite(opt: torch.optim.Optimizer, finite: torch.Tensor) -> None
         opt.found_inf = (~finite).float()
         return
     grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
-    if grads:
-        torch._foreach_mul_(grads, finite.to(grads[0].dtype))
+    if grads:  # zero, not NaN·0: torch.where also clears the non-finite entries
+        torch._foreach_copy_(grads, [torch.where(finite, g, torch.zeros_like(g)) for g in grads])
 
 
 def apply_optimizer_config(opt, sched, old: dict, new: dict) -> list[str]:

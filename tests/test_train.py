@@ -218,3 +218,32 @@ def test_apex_optimizer_is_a_clear_error_when_missing(tmp_path):
     tr = Trainer(_cfg(tmp_path / "t", "optim.impl=torch"))
     assert isinstance(tr.opt, torch.optim.AdamW)
     tr.close()
+
+
+@pytest.mark.parametrize("over", [[], ["diffusion.sampler=loss_second_moment", "diffusion.stats_every=1"],
+                                  ["diffusion.prediction=mixed", "diffusion.stats_every=1"]])
+def test_the_step_reads_nothing_back_to_the_host(tmp_path, over):
+    """A CPU proxy of the GPU no-sync test: no `.item()`-style read (aten::_local_scalar_dense) in a
+    whole trainer step, data, statistics sync and EMA included, except inside kernels whose CPU
+    implementation reads its scalar arguments (fused AdamW's lr/found_inf, the native ops' noise
+    offset), which their CUDA implementations read on the device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    tr = Trainer(_cfg(tmp_path, "train.steps=10", "diagnostics.interference_every=0", *over))
+    try:
+        for _ in range(2):
+            tr.train_step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                tr.train_step()
+        def inside_kernel(e):
+            while e is not None:
+                if e.name.startswith(("aten::_fused_adam", "fasttrain_C::")):
+                    return True
+                e = e.cpu_parent
+            return False
+
+        reads = [e.name for e in prof.events() if e.name == "aten::item" and not inside_kernel(e)]
+        assert not reads, reads
+    finally:
+        tr.close()
