@@ -181,7 +181,8 @@ class ModelBundle:
     def generate(self, n: int, labels: torch.Tensor | None = None, *, seed: int = 0, steps: int = 50,
                  solver: str = "ddim", guidance: float = 1.0, ema: bool = True, progress: bool = False,
                  eta: float | None = None, chunk: int = 1024) -> torch.Tensor:
-        """n samples in chunks of bounded memory; chunk i uses seed + i, so results do not depend on n.
+        """n samples in chunks of bounded memory; chunk i draws from seeds.derive(seed, "eval", i), so the
+        results do not depend on n.
         Under FSDP every rank must call this in lockstep (forwards gather weights)."""
         if n < 1:
             raise ValueError(f"the number of samples must be >= 1, got {n}")
@@ -195,7 +196,7 @@ class ModelBundle:
             for i, lo in enumerate(range(0, n, chunk)):
                 m = min(chunk, n - lo)
                 lab = None if labels is None else labels[lo:lo + m].to(self.device)
-                g = torch.Generator(self.device).manual_seed(seed + i)
+                g = torch.Generator(self.device).manual_seed(seeds.derive(seed, "eval", i))
                 outs.append(run_solver(self.denoiser(lab, guidance, clip), self.schedule, (m,) + self.spec.shape,
                                        solver=solver, steps=min(steps, self.schedule.T), generator=g,
                                        device=self.device, progress=progress, **opts))

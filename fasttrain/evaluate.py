@@ -125,6 +125,8 @@ def _folder_items(root: str, spec, d, n: int) -> torch.Tensor:
         files = [tuple(f) for f in manifest["files"]] if manifest else scan(root, IMAGE_EXTENSIONS)[0]
         ds = ImageFolderDataset(root, spec.image_size, spec.channels, flip=False, files=files)
     items = [ds[i][0] for i in range(min(n, len(ds)))]
+    if not items:
+        raise ValueError(f"reference {root} holds no {'.npy latents' if spec.name == 'latents' else 'images'}")
     x = torch.stack(items)
     if tuple(x.shape[1:]) != spec.shape:
         raise ValueError(f"reference {root} holds items of shape {tuple(x.shape[1:])}, the model makes {spec.shape}")

@@ -54,21 +54,25 @@ class GraphedStep:
         dev = trainer.device
         self.lr = torch.tensor(trainer.opt.param_groups[0]["lr"], dtype=torch.float32, device=dev)
         self.ema_weight = torch.zeros((), dtype=torch.float32, device=dev)
-        for g in trainer.opt.param_groups:
-            g["lr"] = self.lr  # fused AdamW reads a tensor learning rate (capturable)
-            if "capturable" in g:
-                g["capturable"] = True
+        self.arm()
         self.x0 = self.y = None
         self.out = None
         self.graph = None
         self.calls = 0
 
-    def sync_lr(self) -> None:
-        """After the host-side scheduler stepped: its float into the device tensor the graph reads."""
+    def arm(self) -> None:
+        """Fused AdamW reads a tensor learning rate and runs capturable. Called again before every
+        step: a resumed optimizer state (its param groups) or a changed learning rate replaces both."""
         for g in self.tr.opt.param_groups:
             if not isinstance(g["lr"], torch.Tensor):
                 self.lr.fill_(float(g["lr"]))
                 g["lr"] = self.lr
+            if "capturable" in g:
+                g["capturable"] = True
+
+    def sync_lr(self) -> None:
+        """After the host-side scheduler stepped: its float into the device tensor the graph reads."""
+        self.arm()
 
     def _body(self):
         tr = self.tr
@@ -89,6 +93,7 @@ class GraphedStep:
 
     def __call__(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         x0, y = batch
+        self.arm()
         if self.x0 is None:
             self.x0, self.y = torch.empty_like(x0), torch.empty_like(y)
         self.x0.copy_(x0, non_blocking=True)

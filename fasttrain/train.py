@@ -3,8 +3,9 @@
 Reads top to bottom: set-up (process group, data, network, parallelism, objective, optimizer),
 checkpoint state out and in, one optimizer step, the run loop, the end of the run. Progress is
 counted in images as well as steps (EDM2). The step never syncs with the host: losses, gradient
-norms and skipped-step counters stay on the device and are read once per `train.log_every` steps;
-a non-finite step is skipped on the device (fused AdamW's `found_inf`, the EMA weight set to 0).
+norms and skipped-step counters stay on the device and are read once per `train.log_every` steps
+(the run of skipped steps every min(train.max_nonfinite, log_every) steps); a non-finite step is
+skipped on the device (fused AdamW's `found_inf`, the EMA weight set to 0).
 """
 from __future__ import annotations
 
@@ -378,9 +379,7 @@ class Trainer:
 
     def _check_nonfinite(self) -> None:
         run = int(self.skipped_run)
-        if run >= self.cfg.train.max_nonfinite:
-            if self.dist.world_size == 1:
-                self.save("crash.pt")
+        if run >= self.cfg.train.max_nonfinite:  # fit's handler writes crash.pt
             raise FloatingPointError(f"stopped at step {self.step}: {run} non-finite steps in a row (skipped, weights "
                                      f"kept); the last good checkpoint is kept, crash.pt holds this state "
                                      f"(try a lower optim.lr)")
@@ -412,9 +411,15 @@ class Trainer:
         self.save()
 
     # -- the end of a run: samples, evaluation, plots -------------------------------------------------
+    def reference(self):
+        """The real data evaluations compare with: read (and for folders decoded) once per run."""
+        if getattr(self, "_reference", None) is None:
+            self._reference = reference_for(self.cfg, self.spec)
+        return self._reference
+
     def evaluate(self, log) -> dict:
         metrics = run_evaluation(self.bundle, EvalSettings.from_config(self.cfg),
-                                 reference_for(self.cfg, self.spec))  # on every rank (FSDP forwards are collective)
+                                 self.reference())  # on every rank (FSDP forwards are collective)
         log.log(self.step, images=self.images, **{f"eval/{k}": v for k, v in metrics.items()})
         return metrics
 
@@ -429,7 +434,7 @@ class Trainer:
             x = self.bundle.generate(n, labels, steps=cfg.sample.steps, solver=cfg.sample.solver,
                                      guidance=cfg.sample.guidance, eta=cfg.sample.eta, progress=cfg.train.progress)
             if self.dist.is_main:
-                ref = reference_for(cfg, self.spec).train if not self.spec.image_size else None
+                ref = self.reference().train if not self.spec.image_size else None
                 plots.save_samples(self.run_dir / "samples.png", x, self.spec, reference=ref)
                 if not self.spec.image_size:
                     out["sample_mean"], out["sample_std"] = x.mean(0).tolist(), x.std(0).tolist()

@@ -46,6 +46,7 @@ import copy
 
 import torch
 
+from fasttrain import seeds
 from fasttrain.kernels import philox
 
 from . import policy as P
@@ -81,7 +82,7 @@ def select_k_best(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def _subseed(seed: int, stream: int) -> int:
     """A Philox key per (sampler seed, stream): grid draws, x0* choice, probe noise of each rank."""
-    return (seed * 0x9E3779B97F4A7C15 + stream * 0xBF58476D1CE4E5B9 + 1) % philox.SEED_LIMIT
+    return seeds.derive(seed, "probe", stream)
 
 
 @register("adaptive")

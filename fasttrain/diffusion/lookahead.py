@@ -24,12 +24,12 @@ The machinery (what both components share):
                all-reduce (`all_reduce_sum_`) assembles the whole grid on every rank.
   HookTimer    seconds spent in the hooks (CUDA events on GPU: no sync until they are read).
 
-How the interference diagnostic reuses it (every K steps, on a fixed probe batch): build one Probe
-from a fixed x0 batch × one t per bucket (fixed seed/offset, so it is the same probe every time),
-take this rank's share with `RankSplit`, and in `before_update`/`after_update` evaluate `x0_mse` on it;
-δ_j = Σ_{t∈bucket j} w[t]·(mse_before − mse_after), `scatter` + `all_reduce_sum_` → per-bucket δ on
-every rank. Attributing the update to a bucket i (its gradient alone) is that component's own
-business; the measurement is this one.
+Who uses what: the adaptive sampler evaluates Probes with `x0_mse` before and after the update,
+split over ranks with `RankSplit`, timed with `HookTimer`. The cross-timestep interference diagnostic
+(interference.py) is a LookAhead on the same hook, called after the update; it keeps its own fixed
+probe (fixed images, timesteps and noise, so measurements are comparable) and measures first-order
+effects through per-bucket gradients rather than before/after losses, since one optimizer step
+cannot be attributed to a single bucket.
 """
 from __future__ import annotations
 

@@ -285,10 +285,12 @@ class MixedObjective(DiffusionObjective):
 
     # -- statistics, argmin, persistence ---------------------------------------------------------
     def head_errors(self) -> torch.Tensor:
-        """[H, T]: each head's running (EMA) x0 error per timestep; NaN where unseen."""
+        """[H, T]: each head's running (EMA) x0 error per timestep; NaN where unseen, and where the head
+        cannot recover x0 (the kernel's residual there is −x0, not an error of the head)."""
         if self.stats is None:
             return torch.full((self.H, self.T), torch.nan, dtype=torch.float64, device=self.alpha.device)
-        return torch.stack([self.stats.ema_view(k) for k in self.stat_kinds[2:]])
+        err = torch.stack([self.stats.ema_view(k) for k in self.stat_kinds[2:]])
+        return torch.where(self.usable.to(err.device).reshape(err.shape), err, torch.nan)
 
     def update_choice(self) -> None:
         self.choice.copy_(argmin_heads(self.head_errors().to(self.usable.device), self.usable, self.argmin_buckets))
