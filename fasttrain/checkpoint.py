@@ -7,8 +7,9 @@ Formats
                                complete in RUN/dcp.tmp first, then renamed over the old one
 `latest(run_dir)` is whichever of the two was written last.
 
-Contents (`TrainState` keys; `Trainer.state` builds them, `Trainer.restore` applies them)
-  config, data_spec, step, images, model, ema, ema_n, optimizer, lr_sched, objective, data,
+Contents (`CheckpointManager` below builds and applies them; the trainer calls it)
+  config, data_spec, step, images, model, ema, ema_n, optimizer, lr_sched, objective (sampler and
+  statistics), data position, skipped-step count, interference history, gradient-scaler state,
   ranks (one entry per process: generator and RNG states, that rank's pending statistics window)
 The bundle (bundle.py) needs only config, data_spec, model, ema and step: `read_bundle_state`.
 
@@ -295,3 +296,137 @@ def archive_previous_run(run_dir: str | os.PathLike) -> Path | None:
     for p in items:
         p.rename(dest / p.name)
     return dest
+
+
+# -- what goes into a training checkpoint, and back -----------------------------------------------
+# Sections that must match for a checkpoint to be resumed (optim and train may change and are applied),
+# except keys that change how, not what, is computed (every backend draws the same noise and batches).
+RESUME_MUST_MATCH = ("data", "model", "diffusion")
+RESUME_MAY_CHANGE = ("diffusion.backend", "data.backend", "data.num_workers")
+
+
+def config_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += config_diff(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class CheckpointManager:
+    """Saves a trainer's state in the format its process layout calls for and restores it, on this or
+    another number of processes. The trainer (fasttrain/train.py) provides the pieces as attributes:
+    cfg, spec, dist, model, opt, lr_sched, ema, objective, data, gen, scaler, interference, step, images,
+    skipped (a device counter)."""
+
+    def __init__(self, run_dir: str | os.PathLike, dist):
+        self.run_dir, self.dist = Path(run_dir), dist
+
+    def latest(self) -> Path | None:
+        return latest(self.run_dir)
+
+    def _plain(self, tr) -> dict:
+        """Everything but the weights and optimizer tensors; per-rank parts gathered from every rank."""
+        from dataclasses import asdict
+
+        from omegaconf import OmegaConf
+
+        from . import distributed as dist_utils
+
+        ranks = dist_utils.all_gather_objects({"gen": tr.gen.get_state(), "rng": _rng_state(),
+                                               "objective": tr.objective.rank_state()})
+        return {"format": FORMAT, "config": OmegaConf.to_container(tr.cfg), "data_spec": asdict(tr.spec),
+                "step": tr.step, "images": tr.images, "ema_n": tr.ema.n, "lr_sched": tr.lr_sched.state_dict(),
+                "objective": tr.objective.extra_state(), "data": tr.data.state_dict(),
+                "skipped": int(tr.skipped), "ranks": ranks, "world_size": self.dist.world_size,
+                "interference": tr.interference.state_dict() if tr.interference else None,
+                "scaler": tr.scaler.state_dict() if tr.scaler else None}
+
+    def save(self, tr, name: str = "last.pt") -> Path | None:
+        """RUN/last.pt (one process) or RUN/dcp (several ranks; another `name` is then skipped: a
+        collective save could hang on a rank that died)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        ema = dict(zip(tr.ema.names, tr.ema.shadow))
+        if self.dist.world_size > 1:
+            if name != "last.pt":
+                return None
+            state = {"model": get_model_state_dict(tr.model), "optim": get_optimizer_state_dict(tr.model, tr.opt),
+                     "ema": ema, "extra": to_tensor(self._plain(tr))}
+            return save_dcp(self.run_dir / "dcp", state, self.dist.is_main)
+        return save_file(self.run_dir / name, {**self._plain(tr), "model": get_model_state_dict(tr.model), "ema": ema,
+                                               "optimizer": get_optimizer_state_dict(tr.model, tr.opt)})
+
+    def restore(self, tr, path) -> list[str]:
+        """Load a checkpoint into the trainer's pieces; returns the optimizer keys whose new values
+        were applied (the config may change them on resume)."""
+        from omegaconf import OmegaConf
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        from . import seeds
+        from .optim import apply_optimizer_config
+
+        path = Path(path)
+        if path.is_dir():
+            plain = read_dcp_extra(path)
+            holder = {"model": get_model_state_dict(tr.model), "optim": get_optimizer_state_dict(tr.model, tr.opt),
+                      "ema": dict(zip(tr.ema.names, tr.ema.shadow))}
+            load_dcp(path, holder)
+            model_sd, optim_sd, ema_sd, full = holder["model"], holder["optim"], holder["ema"], False
+        else:
+            plain = load_file(path)
+            model_sd, optim_sd, ema_sd, full = plain["model"], plain["optimizer"], plain["ema"], True
+        mine = OmegaConf.to_container(tr.cfg)
+        for section in RESUME_MUST_MATCH:
+            diff = [k for k in config_diff(plain["config"][section], mine[section], section + ".")
+                    if k not in RESUME_MAY_CHANGE]
+            if diff:
+                raise ValueError(f"cannot resume {path}: config key '{diff[0]}' differs from the checkpoint")
+        world, rank = self.dist.world_size, self.dist.rank
+        opts = StateDictOptions(full_state_dict=full and world > 1)
+        set_model_state_dict(tr.model, model_sd, options=opts)
+        set_optimizer_state_dict(tr.model, tr.opt, optim_sd, options=opts)
+        tr.ema.load_state_dict({"n": plain["ema_n"], "shadow": ema_sd})
+        tr.lr_sched.load_state_dict(plain["lr_sched"])
+        if tr.scaler and plain.get("scaler"):
+            tr.scaler.load_state_dict(plain["scaler"])
+        changed = apply_optimizer_config(tr.opt, tr.lr_sched, plain["config"]["optim"], mine["optim"])
+        tr.objective.load_extra_state(plain["objective"])
+        if tr.interference and plain.get("interference"):
+            tr.interference.load_state_dict(plain["interference"], tr.device)
+        ranks = plain["ranks"]
+        data = dict(plain["data"])
+        old_world = int(plain.get("world_size", len(ranks)))
+        if old_world != world:  # shards of another size (n // world): keep the fraction of the epoch
+            data["pos"] = int(data["pos"]) * old_world // world
+        tr.data.load_state_dict(data)
+        if len(ranks) == world:  # the same layout: continue every rank's streams exactly
+            tr.gen.set_state(ranks[rank]["gen"])
+            _set_rng_state(ranks[rank]["rng"])
+            tr.objective.load_rank_state(ranks[rank]["objective"])
+        else:  # another world size: fresh per-rank streams; rank 0 takes every rank's pending statistics
+            tr.gen.manual_seed(seeds.derive(tr.cfg.train.seed, "reseed", rank, int(plain["step"])))
+            windows = [r["objective"]["window"] for r in ranks if r["objective"]["window"] is not None]
+            merged = {"window": tr.objective.stats.merge_window_states(windows)} if windows and rank == 0 else None
+            tr.objective.load_rank_state(merged)
+        tr.step, tr.images = int(plain["step"]), int(plain.get("images", 0))
+        tr.skipped.fill_(int(plain.get("skipped", 0)))
+        return changed

@@ -116,7 +116,7 @@ def reference_for(cfg, spec, ref_path: str | None = None, n: int = 5000) -> Refe
 def _folder_items(root: str, spec, d, n: int) -> torch.Tensor:
     """The first n items of a folder (images unflipped, resized like the training data)."""
     from .data.folder import ImageFolderDataset, LatentFolderDataset
-    from .data.manifest import load_manifest, scan, LATENT_EXTENSIONS, IMAGE_EXTENSIONS
+    from .data.manifest import IMAGE_EXTENSIONS, load_manifest, scan
 
     manifest = load_manifest(root, d.manifest if root == d.root else None)
     if spec.name == "latents":

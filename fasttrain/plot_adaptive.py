@@ -16,8 +16,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 
-from .plots import _finish  # noqa: E402
-
 
 def plot_adaptive(path, steps, p, S, T: int, title: str = "") -> Path:
     """Left: T·p(t) (density relative to uniform, log colour scale centred on 1) per timestep bin (y)

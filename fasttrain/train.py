@@ -13,7 +13,6 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -30,29 +29,12 @@ from .diffusion.lookahead import LookAheadContext, lookaheads
 from .diffusion.variation import loss_cv
 from .errors import UserError
 from .evaluate import EvalSettings, reference_for, run_evaluation
-from .logger import MetricLogger, read_jsonl
+from .logger import MetricLogger
 from .models import count_params, forward_flops
-from .optim import apply_optimizer_config, make_optimizer, skip_if_not_finite
+from .optim import make_optimizer, skip_if_not_finite
 from .parallel import parallelize
 from .precision import resolve as resolve_precision
 from .stopping import GracefulStop
-
-# Sections that must match for a checkpoint to be resumed (optim and train may change and are applied),
-# except keys that change how, not what, is computed (every backend draws the same noise and batches).
-RESUME_MUST_MATCH = ("data", "model", "diffusion")
-RESUME_MAY_CHANGE = ("diffusion.backend", "data.backend", "data.num_workers")
-
-
-def config_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k in sorted(set(a) | set(b)):
-        va, vb = a.get(k), b.get(k)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            out += config_diff(va, vb, f"{prefix}{k}.")
-        elif va != vb:
-            out.append(f"{prefix}{k}")
-    return out
-
 
 class _NoLog:
     """What ranks other than 0 log to."""
@@ -78,6 +60,7 @@ class Trainer:
         rank, world = self.dist.rank, self.dist.world_size
         self.device = torch.device(f"cuda:{self.dist.local_rank}" if want_cuda else "cpu")
         self.run_dir = Path(cfg.run_dir)
+        self.checkpoints = ckpt.CheckpointManager(self.run_dir, self.dist)
         self.lock = self._claim_run_dir(resume, restart) if self.dist.is_main else None
         try:
             self._set_up(cfg, rank, world, want_cuda)
@@ -158,89 +141,15 @@ class Trainer:
                                f"or start over with --restart (which moves it to {self.run_dir}/previous-N/)")
         return lock
 
-    # -- checkpoint state --------------------------------------------------------------------------
-    def _plain_state(self) -> dict:
-        """Everything but the weights and optimizer tensors (see checkpoint.py for the layout)."""
-        ranks = dist_utils.all_gather_objects({"gen": self.gen.get_state(), "rng": _rng_state(),
-                                               "objective": self.objective.rank_state()})
-        return {"format": ckpt.FORMAT, "config": OmegaConf.to_container(self.cfg), "data_spec": asdict(self.spec),
-                "step": self.step, "images": self.images, "ema_n": self.ema.n, "lr_sched": self.lr_sched.state_dict(),
-                "objective": self.objective.extra_state(), "data": self.data.state_dict(),
-                "skipped": int(self.skipped), "ranks": ranks, "world_size": self.dist.world_size,
-                "interference": self.interference.state_dict() if self.interference else None,
-                "scaler": self.scaler.state_dict() if self.scaler else None}
-
+    # -- checkpoints (the manager in checkpoint.py owns formats and contents) -----------------------
     def save(self, name: str = "last.pt") -> Path | None:
-        """last.pt (one process) or RUN/dcp (several ranks; `name` other than last.pt is then skipped:
-        a collective save could hang on a rank that died)."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        if self.dist.world_size > 1:
-            if name != "last.pt":
-                return None
-            state = {"model": get_model_state_dict(self.model), "optim": get_optimizer_state_dict(self.model, self.opt),
-                     "ema": dict(zip(self.ema.names, self.ema.shadow)), "extra": ckpt.to_tensor(self._plain_state())}
-            return ckpt.save_dcp(self.run_dir / "dcp", state, self.dist.is_main)
-        return ckpt.save_file(self.run_dir / name, {
-            **self._plain_state(), "model": get_model_state_dict(self.model),
-            "ema": dict(zip(self.ema.names, self.ema.shadow)), "optimizer": get_optimizer_state_dict(self.model, self.opt)})
+        return self.checkpoints.save(self, name)
 
     def restore(self, path) -> None:
         """Resume from last.pt or a DCP folder, on this or another number of processes."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict, set_model_state_dict,
-                                                             set_optimizer_state_dict)
-
-        path = Path(path)
-        if path.is_dir():
-            plain = ckpt.read_dcp_extra(path)
-            holder = {"model": get_model_state_dict(self.model), "optim": get_optimizer_state_dict(self.model, self.opt),
-                      "ema": dict(zip(self.ema.names, self.ema.shadow))}
-            ckpt.load_dcp(path, holder)
-            model_sd, optim_sd, ema_sd, full = holder["model"], holder["optim"], holder["ema"], False
-        else:
-            plain = ckpt.load_file(path)
-            model_sd, optim_sd, ema_sd, full = plain["model"], plain["optimizer"], plain["ema"], True
-        mine = OmegaConf.to_container(self.cfg)
-        for section in RESUME_MUST_MATCH:
-            diff = [k for k in config_diff(plain["config"][section], mine[section], section + ".")
-                    if k not in RESUME_MAY_CHANGE]
-            if diff:
-                raise ValueError(f"cannot resume {path}: config key '{diff[0]}' differs from the checkpoint")
-        opts = StateDictOptions(full_state_dict=full and self.dist.world_size > 1)
-        set_model_state_dict(self.model, model_sd, options=opts)
-        set_optimizer_state_dict(self.model, self.opt, optim_sd, options=opts)
-        self.ema.load_state_dict({"n": plain["ema_n"], "shadow": ema_sd})
-        self.lr_sched.load_state_dict(plain["lr_sched"])
-        if self.scaler and plain.get("scaler"):
-            self.scaler.load_state_dict(plain["scaler"])
-        changed = apply_optimizer_config(self.opt, self.lr_sched, plain["config"]["optim"], mine["optim"])
+        changed = self.checkpoints.restore(self, path)
         if changed and self.dist.is_main:
             print(f"fasttrain: resume applies the changed {', '.join(changed)}", file=sys.stderr)
-        self.objective.load_extra_state(plain["objective"])
-        if self.interference and plain.get("interference"):
-            self.interference.load_state_dict(plain["interference"], self.device)
-        ranks, world, rank = plain["ranks"], self.dist.world_size, self.dist.rank
-        self._restore_data_position(plain["data"], int(plain.get("world_size", len(ranks))))
-        if len(ranks) == world:  # the same layout: continue every rank's streams exactly
-            self.gen.set_state(ranks[rank]["gen"])
-            _set_rng_state(ranks[rank]["rng"])
-            self.objective.load_rank_state(ranks[rank]["objective"])
-        else:  # another world size: fresh per-rank streams; rank 0 takes every rank's pending statistics
-            self.gen.manual_seed(seeds.derive(self.cfg.train.seed, "reseed", rank, int(plain["step"])))
-            windows = [r["objective"]["window"] for r in ranks if r["objective"]["window"] is not None]
-            merged = {"window": self.objective.stats.merge_window_states(windows)} if windows and rank == 0 else None
-            self.objective.load_rank_state(merged)
-        self.step, self.images = int(plain["step"]), int(plain.get("images", 0))
-        self.skipped.fill_(int(plain.get("skipped", 0)))
-
-    def _restore_data_position(self, state: dict, old_world: int) -> None:
-        """The same epoch; on another world size the shards have another size (n // world), so the
-        position keeps its fraction of the epoch."""
-        state = dict(state)
-        if old_world != self.dist.world_size:
-            state["pos"] = int(state["pos"]) * old_world // self.dist.world_size
-        self.data.load_state_dict(state)
 
     # -- one optimizer step --------------------------------------------------------------------------
     def _labels(self, y: torch.Tensor) -> torch.Tensor | None:
@@ -451,24 +360,11 @@ class Trainer:
             self.lock.release()
 
 
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def train(cfg: DictConfig, resume: bool = False, restart: bool = False) -> dict:
     trainer = Trainer(cfg, resume=resume, restart=restart)
     try:
         if resume:
-            last = ckpt.latest(trainer.run_dir)
+            last = trainer.checkpoints.latest()
             if last is None:
                 raise FileNotFoundError(f"--resume: no checkpoint at {trainer.run_dir / 'last.pt'} or "
                                         f"{trainer.run_dir / 'dcp'}")

@@ -1,7 +1,6 @@
 """FID sanity, the digits feature extractor, and the eval/sample/report commands on a tiny checkpoint."""
 import json
 
-import pytest
 import torch
 
 from fasttrain.cli import main
