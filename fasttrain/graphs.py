@@ -80,16 +80,8 @@ class GraphedStep:
         with tr.precision.context(cache=False):
             loss, _ = tr.objective(tr.model, self.x0, labels, tr.gen)
         loss.backward()
-        clip = tr.cfg.optim.grad_clip
-        gnorm = torch.nn.utils.clip_grad_norm_(tr.model.parameters(), clip if clip > 0 else float("inf"))
-        finite = torch.isfinite(loss.detach()) & torch.isfinite(gnorm)
-        tr.opt.grad_scale = None
-        tr.opt.found_inf = (~finite).float()
-        tr.opt.step()
-        tr.ema.update(tr.model, applied=finite, weight=self.ema_weight)
-        tr.skipped += (~finite).long()
-        tr.skipped_run.copy_((tr.skipped_run + 1) * (~finite).long())
-        return loss.detach(), gnorm.detach()
+        gnorm = tr.update(loss.detach(), ema_weight=self.ema_weight)  # the trainer's own update (no hooks)
+        return loss.detach(), gnorm
 
     def __call__(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         x0, y = batch

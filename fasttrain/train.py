@@ -183,14 +183,21 @@ class Trainer:
             total += loss.detach() / accum
         if self.scaler:
             self.scaler.unscale_(self.opt)  # true gradients before clipping (fp16)
+        ctx = LookAheadContext(self.model, self.objective, *first, self.step, self.dist.rank, self.dist.world_size,
+                               lr=float(self.opt.param_groups[0]["lr"]), optimizer=self.opt)
+        gnorm = self.update(total, [h for h in self.hooks if h.due(self.step)], ctx)
+        return self._after_step(total, gnorm)
+
+    def update(self, total: torch.Tensor, due=(), ctx=None, ema_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Everything after the backward, shared by the eager step and the CUDA-graph body (graphs.py,
+        which passes no hooks and a device EMA weight, and steps the scheduler outside the graph):
+        clip, the finite check, the look-ahead hooks around the optimizer step (or its skip), the EMA
+        and the skipped-step counters. Returns the gradient norm."""
         clip = self.cfg.optim.grad_clip
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else math.inf)
         if hasattr(gnorm, "full_tensor"):
             gnorm = gnorm.full_tensor()  # a DTensor under FSDP
         finite = torch.isfinite(total) & torch.isfinite(gnorm)
-        due = [h for h in self.hooks if h.due(self.step)]
-        ctx = LookAheadContext(self.model, self.objective, *first, self.step, self.dist.rank, self.dist.world_size,
-                               lr=float(self.opt.param_groups[0]["lr"]), optimizer=self.opt)
         for h in due:  # the look-ahead brackets the optimizer step, not a micro-step
             with self.precision.context():  # probes see the model as the forward does
                 h.before_update(ctx)
@@ -200,15 +207,16 @@ class Trainer:
         else:
             skip_if_not_finite(self.opt, finite)
             self.opt.step()
-        self.lr_sched.step()
-        self.opt.zero_grad(set_to_none=True)
+        if ema_weight is None:  # eager: the scheduler and the gradients' reset belong to the step
+            self.lr_sched.step()
+            self.opt.zero_grad(set_to_none=True)
         for h in due:  # after the update, gradients cleared: a hook may run its own backward
             with self.precision.context():
                 h.after_update(ctx)
-        self.ema.update(self.model, applied=finite)
+        self.ema.update(self.model, applied=finite, weight=ema_weight)
         self.skipped += (~finite).long()
         self.skipped_run.copy_((self.skipped_run + 1) * (~finite).long())
-        return self._after_step(total, gnorm)
+        return gnorm.detach()
 
     def _after_step(self, total, gnorm):
         self.step += 1
