@@ -45,14 +45,7 @@ class TimestepBins:
 
     def scatter_(self, t: torch.Tensor, values: torch.Tensor) -> "TimestepBins":
         """Add per-sample values [V, B] at timesteps t [B] (the reference of the kernels' scatter)."""
-        v = values.detach().to(self.data.device, torch.float64).reshape(self.n_values, -1)
-        t = t.to(self.data.device)
-        ok = torch.isfinite(v).all(0).to(torch.float64)  # [B]: non-finite samples are left out
-        d = torch.where(ok.bool(), v - self.pivots[:, t], 0.0)
-        rows = [ok]
-        for r in d:
-            rows += [r, r * r]
-        self.data.index_add_(1, t, torch.stack(rows))
+        scatter_into(self.data, self.pivots, t, values)
         return self
 
     def add_(self, other: "TimestepBins") -> "TimestepBins":
@@ -78,3 +71,16 @@ class TimestepBins:
             raise ValueError(f"bins of shape {tuple(data.shape)} do not fit {tuple(self.data.shape)}")
         self.data.copy_(data.to(self.data.device, torch.float64))
         self.pivots.copy_(pivots.to(self.data.device, torch.float64))
+
+
+def scatter_into(data: torch.Tensor, pivots: torch.Tensor, t: torch.Tensor, values: torch.Tensor) -> None:
+    """The layout above on raw tensors (what the custom ops receive): add per-sample values [V, B] at
+    timesteps t [B] into `data` [1 + 2V, T], shifted by `pivots` [V, T]; non-finite samples left out."""
+    v = values.detach().to(data.device, torch.float64).reshape(pivots.shape[0], -1)
+    t = t.to(data.device)
+    ok = torch.isfinite(v).all(0).to(torch.float64)  # [B]
+    d = torch.where(ok.bool(), v - pivots[:, t], 0.0)
+    rows = [ok]
+    for r in d:
+        rows += [r, r * r]
+    data.index_add_(1, t, torch.stack(rows))

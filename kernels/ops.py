@@ -21,7 +21,7 @@ import torch
 
 from . import native, philox
 from . import reference as ref
-from .bins import TimestepBins
+from .bins import TimestepBins, scatter_into
 
 BACKENDS = ("auto", "triton", "native", "interpret", "torch")
 NEEDS_EPS, NEEDS_X0 = 1, 2  # bits of `needs`: which inputs the target reads
@@ -79,13 +79,14 @@ def _block(D: int, backend: str, block: int) -> int:
 _WORKSPACES: dict = {}
 
 
-def _workspace(B: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kernel B's accumulators, [B + 1] fp32 sums and int32 tile counters, per (device, stream, B).
-    Zeroed once here; every launch of kernel B leaves them zeroed again (triton_kernels.py)."""
+def workspace(B: int, device: torch.device, width: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """A loss kernel's accumulators: [(B + 1)·width] fp32 sums and [B + 1] int32 tile counters, per
+    (device, stream, B, width). Zeroed once here; every launch of a loss kernel leaves them zeroed
+    again (triton_kernels.py, triton_mixed.py), so there is no memset launch and no call order."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream, B)
+    key = (str(device), stream, B, width)
     if key not in _WORKSPACES:
-        _WORKSPACES[key] = (torch.zeros(B + 1, dtype=torch.float32, device=device),
+        _WORKSPACES[key] = (torch.zeros((B + 1) * width, dtype=torch.float32, device=device),
                             torch.zeros(B + 1, dtype=torch.int32, device=device))
     return _WORKSPACES[key]
 
@@ -150,14 +151,12 @@ def _loss_op(pred: torch.Tensor, x0: torch.Tensor, t: torch.Tensor, weight: torc
         per, raw, grad = ref.loss_and_grad(pred, x0, e, t, weight, iw, coef)
         wl = weight.float()[t] * raw
         if bins.numel():
-            window = TimestepBins(T, pivots.shape[0], bins.device)
-            window.pivots = pivots
-            bins += window.scatter_(t, torch.stack([raw, wl])).data
+            scatter_into(bins, pivots, t, torch.stack([raw, wl]))
         return per.mean(), per, raw, wl, grad
     triton, tk = _triton()
     BLOCK = _block(D, backend, block)
     nch = triton.cdiv(D, BLOCK)
-    acc, cnt = _workspace(B, pred.device)
+    acc, cnt = workspace(B, pred.device)
     grad = torch.empty_like(pred, memory_format=torch.contiguous_format)
     f32 = dict(dtype=torch.float32, device=pred.device)
     raw, wl, per, mean = torch.empty(B, **f32), torch.empty(B, **f32), torch.empty(B, **f32), torch.empty((), **f32)

@@ -14,21 +14,7 @@ import torch
 
 from . import mixed_reference as mref
 from . import ops, philox
-from .bins import TimestepBins
-
-_WORKSPACES: dict = {}
-
-
-def _workspace(B: int, nacc: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[(B + 1)·nacc] fp32 sums and [B + 1] int32 counters per (device, stream, B, nacc); zeroed once
-    here, left zeroed by every launch (triton_mixed.py)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream, B, nacc)
-    if key not in _WORKSPACES:
-        _WORKSPACES[key] = (torch.zeros((B + 1) * nacc, dtype=torch.float32, device=device),
-                            torch.zeros(B + 1, dtype=torch.int32, device=device))
-    return _WORKSPACES[key]
-
+from .bins import TimestepBins, scatter_into
 
 def _budget(backend: str, block: int) -> int:
     # Interpreter: few large programs (each op costs Python time); GPU: 2048-element tiles, as kernel B
@@ -50,9 +36,7 @@ def _mixed_op(out: torch.Tensor, x0: torch.Tensor, t: torch.Tensor, weight: torc
         e = eps if eps is not None else philox.noise(x0.shape, seed, offset, x0.device)
         per, raw, wl, x0e, grad, ggrad = mref.loss_and_grad(out, x0, e, t, weight, iw, tab, gate)
         if bins.numel():
-            window = TimestepBins(T, pivots.shape[0], bins.device)
-            window.pivots = pivots
-            bins += window.scatter_(t, torch.cat([raw[None], wl[None], x0e.T])).data
+            scatter_into(bins, pivots, t, torch.cat([raw[None], wl[None], x0e.T]))
         return per.mean(), per, raw, wl, x0e, grad, ggrad
     triton, tk = ops._triton()
     from . import triton_mixed as tm
@@ -61,7 +45,7 @@ def _mixed_op(out: torch.Tensor, x0: torch.Tensor, t: torch.Tensor, weight: torc
     HP, CB, BP = tm.tile(H, C, P, _budget(backend, block))
     nch = triton.cdiv(P, BP)
     nacc = 1 + 3 * HP
-    acc, cnt = _workspace(B, nacc, out.device)
+    acc, cnt = ops.workspace(B, out.device, nacc)
     f32 = dict(dtype=torch.float32, device=out.device)
     grad = torch.empty(out.shape, dtype=out.dtype, device=out.device)
     ggrad = torch.empty((B, H) if gate is not None else (0,), dtype=gate.dtype if gate is not None else out.dtype,
