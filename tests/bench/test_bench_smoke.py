@@ -23,5 +23,8 @@ def test_bench_cases_run_on_tiny_shapes():
     if len(losses) > 3:
         torch.testing.assert_close(losses[3], losses[1], rtol=1e-4, atol=1e-6)  # and native
     assert case.bins.data[0].sum().item() == 3 * len(runs)
-    assert count_launches(case.eager) > count_launches(lambda: case.fused(backend="torch")) / 10
+    # the fused path dispatches its two ops and the backward's one scale (what the GPU test counts in
+    # kernels); the eager reference dispatches dozens
+    fused = count_launches(lambda: case.fused(backend="torch"))
+    assert fused <= 4 and count_launches(case.eager) >= 10 * fused
     assert "torch" in machine()
