@@ -10,8 +10,8 @@ the official setting, mixed prediction, and the interference diagnostic at its d
 Small batch (CUDA): the tiny UNet on digits and DiT-S/2, DiT-B/2 on 4×32×32 latents at batch 8, 32,
 256, each eager, compiled, and compiled + the whole step in one CUDA graph, in images/s and MFU.
 
-Variants are interleaved in short rounds and medians taken, so that load changes on a shared
-machine hit all of them alike. Writes bench/results/throughput-<device>.{json,md}.
+Variants are interleaved in short rounds and the mean over rounds taken (a cost paid every K steps
+counts), so that load changes on a shared machine hit all of them alike. Writes bench/results/throughput-<device>.{json,md}.
 """
 from __future__ import annotations
 
@@ -99,6 +99,22 @@ def machinery(args, tmp: Path) -> list[dict]:
     return rows
 
 
+def interference_default(args, tmp: Path) -> dict:
+    """Plain against the diagnostic at its default period, long enough to hold several measurements."""
+    base = [f"model.name={args.model}", f"data.batch_size={args.batch}", f"train.threads={args.threads}",
+            "data.name=digits", "diffusion.weighting=simple", "diffusion.sampler=uniform",
+            "diffusion.stats_every=1000000"] + (["model.args.ch=16"] if args.model == "unet_tiny" else [])
+    trainers = {"plain": trainer(base + ["diagnostics.interference_every=0"], tmp),
+                "diag": trainer(base + [f"diagnostics.interference_every={INTERFERENCE_DEFAULT}"], tmp)}
+    rnd = 100
+    med = interleaved(trainers, args.interference_steps, args.warmup, rnd)
+    n = len(trainers["diag"].interference.history)
+    for tr in trainers.values():
+        tr.close()
+    return {"ms_plain": med["plain"] * 1e3, "ms_diag": med["diag"] * 1e3, "overhead": med["diag"] / med["plain"] - 1,
+            "steps": args.interference_steps, "round": rnd, "measurements": n}
+
+
 SMALL = [("unet_tiny", ["data.name=digits"], 1, 8), ("dit_s2", ["data.name=synthetic", "data.channels=4",
                                                                 "data.image_size=32"], 4, 32),
          ("dit_b2", ["data.name=synthetic", "data.channels=4", "data.image_size=32"], 4, 32)]
@@ -136,17 +152,21 @@ def main() -> None:
     ap.add_argument("--round", type=int, default=20, help="steps per round")
     ap.add_argument("--warmup", type=int, default=10, help="steps before timing")
     ap.add_argument("--small-batch", action="store_true", help="also the small-batch single-GPU table (CUDA)")
+    ap.add_argument("--interference-steps", type=int, default=2000,
+                    help="steps per variant for the direct measurement at the diagnostic's default period (0 = skip)")
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 32, 256])
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         rows = machinery(args, tmp)
+        direct = interference_default(args, tmp) if args.interference_steps else None
         small = small_batch(args, tmp) if args.small_batch and dev == "cuda" else []
     info = {"torch": torch.__version__, "python": platform.python_version(), "threads": args.threads, "device": dev,
             "gpu": torch.cuda.get_device_name() if dev == "cuda" else None}
     out = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": info, "command": " ".join(sys.argv),
-           "model": args.model, "batch": args.batch, "machinery": rows, "small_batch": small}
+           "model": args.model, "batch": args.batch, "machinery": rows, "interference_default": direct,
+           "small_batch": small}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"throughput-{dev}.json").write_text(json.dumps(out, indent=2))
     lines = [f"# Training step on the trainer, {dev}", "", f"machine: {json.dumps(info)}  ", f"when: {out['when']}  ",
@@ -156,6 +176,10 @@ def main() -> None:
              "| variant | ms/step | images/s | overhead vs plain |", "|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['variant']} | {r['ms_per_step']:.2f} | {r['images_per_s']:.0f} | {100 * r['overhead']:+.1f}% |")
+    if direct:
+        lines += ["", f"Interference diagnostic at its default period, measured directly: {direct['ms_plain']:.2f} → "
+                      f"{direct['ms_diag']:.2f} ms/step, **{100 * direct['overhead']:+.1f}%** ({direct['steps']} steps "
+                      f"each in interleaved rounds of {direct['round']}, {direct['measurements']} measurements)."]
     if small:
         lines += ["", "## Small batch, one GPU (bf16)", "", "| model | batch | mode | ms/step | images/s | MFU | × eager |",
                   "|---|---|---|---|---|---|---|"]

@@ -76,3 +76,11 @@ def test_compiled_dit_with_selective_ac_and_bf16_trains(tmp_path):
          "parallel.precision=bf16"] + BASE + DIT, timeout=900)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 3 and all(l == l for l in _losses(run))
+
+
+def test_ddp_with_bf16_autocast_trains_and_saves_fp32(tmp_path):
+    run = tmp_path / "run"
+    cli(["train", f"run_dir={run}", "train.steps=4", "parallel.strategy=ddp", "parallel.precision=bf16"] + BASE + DIT)
+    assert all(l == l for l in _losses(run)) and len(_losses(run)) == 4
+    b = ModelBundle.load(run)
+    assert all(p.dtype == torch.float32 for p in b.net.parameters()) and all(s.dtype == torch.float32 for s in b.ema.shadow)

@@ -1,0 +1,60 @@
+"""The presets' own runs, as a user runs them: `fasttrain train PRESET`, timed end to end (training,
+evaluations, samples, plots), with the final evaluation. Writes bench/results/presets-<device>.{json,md}.
+
+    python bench/presets.py                          # default, digits-adaptive, digits-mixed, digits-mixed-small
+    python bench/presets.py default digits-speed
+"""
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+RUNS = Path(__file__).parent / ".presets"
+PRESETS = ["default", "digits-adaptive", "digits-mixed", "digits-mixed-small"]
+
+
+def main(argv=None) -> None:
+    import torch
+
+    presets = (argv if argv is not None else sys.argv[1:]) or PRESETS
+    rows = []
+    for name in presets:
+        run = RUNS / name
+        t0 = time.time()
+        out = subprocess.run([sys.executable, "-m", "fasttrain.cli", "train", name, f"run_dir={run}",
+                              "train.progress=false", "--restart"], capture_output=True, text=True)
+        seconds = time.time() - t0
+        if out.returncode != 0:
+            raise SystemExit(f"{name} failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
+        summary = json.loads((run / "summary.json").read_text())
+        ev = summary.get("eval", {})
+        rows.append({"preset": name, "seconds": seconds, "steps": summary["steps"], **{k: ev.get(k) for k in (
+            "fid", "precision", "recall", "bpd", "bpd_se", "digits_confidence", "digits_classes_present",
+            "digits_label_agreement")}})
+        print(rows[-1], flush=True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+            "device": dev}
+    meta = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": info, "command": " ".join(sys.argv)}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"presets-{dev}.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
+    lines = [f"# Preset runs (`fasttrain train PRESET`, end to end), {dev}", "", f"machine: {json.dumps(info)}  ",
+             f"when: {meta['when']}  ", f"command: `{meta['command']}`", "",
+             "| preset | steps | wall time | FID | precision / recall | bits/dim | classifier confidence | classes | agrees with label |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m, s = divmod(int(round(r["seconds"])), 60)
+        lines.append(f"| {r['preset']} | {r['steps']} | {m} min {s:02d} s | {r['fid']:.2f} | {r['precision']:.2f} / "
+                     f"{r['recall']:.2f} | {r['bpd']:.2f} ± {r['bpd_se']:.2f} | {r['digits_confidence']:.3f} | "
+                     f"{r['digits_classes_present']}/10 | {100 * r['digits_label_agreement']:.0f}% |")
+    (RESULTS / f"presets-{dev}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
