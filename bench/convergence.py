@@ -12,7 +12,8 @@ cores), evaluated every `--eval-every` steps with the digits FID (the project's 
 and the digit classifier's agreement with the requested label. Results: bench/results/convergence
 .{json,md,png} with the machine and versions; the runs themselves under bench/.convergence/.
 The "best combination" arm is chosen by the harness after the single-knob arms at batch 16: the
-best weighting arm's weighting with the best sampler arm's sampler (by median steps-to-target).
+best weighting arm's weighting with the best sampler arm's sampler (by median steps-to-target); it
+then runs at every batch size.
 """
 from __future__ import annotations
 
@@ -113,9 +114,26 @@ def run_grid(jobs: list[tuple], parallel: int, resume: bool) -> None:
         list(pool.map(one, todo))
 
 
-def analyse(batch: int, arms: list[str], seeds: list[int]) -> dict:
+def step_costs(arms: dict, batch: int, steps: int) -> dict:
+    """Seconds per training step of every arm, measured side by side (the trainer's own step, one
+    thread, interleaved rounds: bench/throughput.py), so that the seconds-to-target compare the arms'
+    costs and not the load other processes put on a shared machine while each run trained."""
+    import tempfile
+
+    from throughput import interleaved, trainer
+
+    with tempfile.TemporaryDirectory() as d:
+        trs = {a: trainer(BASE + arms[a][0] + [f"data.batch_size={batch}", "train.seed=0"], Path(d)) for a in arms}
+        cost = interleaved(trs, steps, warmup=10, round_steps=25)
+        for tr in trs.values():
+            tr.close()
+    return cost
+
+
+def analyse(batch: int, arms: list[str], seeds: list[int], cost: dict | None = None) -> dict:
     """Per arm: steps and seconds to each seed's baseline final FID (ratios to the baseline), FID and
-    label agreement at the baseline's last step."""
+    label agreement at the baseline's last step. Seconds are steps × the arm's side-by-side step cost
+    where `cost` is given, else the run's own clock (evaluations excluded)."""
     curves = {a: {s: curve(run_dir(batch, a, s)) for s in seeds} for a in arms}
     out = {}
     for arm in arms:
@@ -127,8 +145,11 @@ def analyse(batch: int, arms: list[str], seeds: list[int]) -> dict:
             target = base["fid"][-1]
             mine, theirs = first_crossing(c["steps"], c["fid"], target), first_crossing(base["steps"], base["fid"], target)
             r = mine.ratio_to(theirs)
-            t_mine = seconds_at(mine.steps, c["clock_steps"], c["clock"])
-            t_base = seconds_at(theirs.steps, base["clock_steps"], base["clock"])
+            if cost:
+                t_mine, t_base = mine.steps * cost[arm], theirs.steps * cost["baseline"]
+            else:
+                t_mine = seconds_at(mine.steps, c["clock_steps"], c["clock"])
+                t_base = seconds_at(theirs.steps, base["clock_steps"], base["clock"])
             steps_r.append(r)
             secs_r.append((t_base / t_mine if t_mine > 0 else math.inf, r[1]))
             end = base["steps"][-1]
@@ -137,6 +158,7 @@ def analyse(batch: int, arms: list[str], seeds: list[int]) -> dict:
             per_seed.append({"seed": s, "target_fid": target, "steps_to_target": mine.steps, "censored": mine.censored,
                              "ratio": r[0], "bound": r[1], "seconds_to_target": t_mine})
         out[arm] = {"steps_ratio": summarize(steps_r), "seconds_ratio": summarize(secs_r),
+                    "ms_per_step": None if not cost else cost[arm] * 1e3,
                     "fid_at_end": sorted(fid_end), "agreement_at_end": agree_end, "seeds": per_seed,
                     "curves": {s: curves[arm][s] for s in seeds if curves[arm][s]}}
     return out
@@ -171,18 +193,23 @@ def write_outputs(results: dict, meta: dict, out: Path) -> None:
              f"{meta['eval_n']} samples; {meta.get('combo_note', '')}", ""]
     for batch, res in results.items():
         lines += [f"## batch {batch} ({meta['steps'][str(batch)]} steps)", "",
-                  "| arm | steps-to-target × vs baseline (median, range) | seconds × | FID at the baseline's last step "
-                  "(seeds) | label agreement at the end |", "|---|---|---|---|---|"]
+                  "| arm | steps-to-target × vs baseline (median, range over seeds) | ms/step | seconds-to-target × "
+                  "| FID at the baseline's last step (seeds) | label agreement at the end |", "|---|---|---|---|---|---|"]
         for arm, r in res.items():
             sr, tr = r["steps_ratio"], r["seconds_ratio"]
-            bound = f" ({sr['bounds']} bound{'s' if sr['bounds'] != 1 else ''})" if sr["bounds"] else ""
+            bound = ""
+            if sr["bounds"]:
+                bound = f" ({sr['bounds']} of {len(r['seeds'])} seeds never reached the target: an upper bound)"
             fids = ", ".join(f"{f:.2f}" for f in r["fid_at_end"])
             agree = ", ".join(f"{100 * a:.0f}%" for a in r["agreement_at_end"] if a is not None)
-            lines.append(f"| {arm} | {sr['median']:.2f} ({sr['min']:.2f}–{sr['max']:.2f}){bound} | "
+            ms = f"{r['ms_per_step']:.1f}" if r.get("ms_per_step") else "—"
+            lines.append(f"| {arm} | {sr['median']:.2f} ({sr['min']:.2f}–{sr['max']:.2f}){bound} | {ms} | "
                          f"{tr['median']:.2f} | {fids} | {agree} |")
         lines.append("")
-    lines += ["Ratios above 1 reach the baseline's final FID in fewer steps; a bound marks a seed where one side "
-              "never reached it within the run (steps-to-target then known only to exceed the run's length)."]
+    lines += ["Ratios above 1 reach the baseline's final FID (per seed: the same seed's baseline) in fewer steps; "
+              "steps-to-target is read off the FID curve, linear between evaluations. ms/step is each arm's training "
+              "step measured side by side (interleaved rounds, one thread); seconds-to-target = steps × ms/step, so the "
+              "seconds ratio includes each strategy's step overhead."]
     (out / "convergence.md").write_text("\n".join(lines) + "\n")
     plot(results, out / "convergence.png")
 
@@ -232,6 +259,8 @@ def main(argv=None) -> None:
     ap.add_argument("--parallel", type=int, default=2, help="runs side by side (one thread each)")
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--eval-n", type=int, default=256)
+    ap.add_argument("--timing-steps", type=int, default=300, help="steps per arm of the side-by-side step-cost "
+                                                                 "measurement (0 = use each run's own clock)")
     ap.add_argument("--out", default=None, help="results folder (default bench/results; --quick: bench/.convergence-quick)")
     args = ap.parse_args(argv)
     global RUNS
@@ -241,7 +270,7 @@ def main(argv=None) -> None:
     if args.quick:
         RUNS = ROOT / ".convergence-quick"
         arms = {"baseline": ARMS["baseline"], "min_snr_eps": ARMS["min_snr_eps"]}
-        seeds, steps, args.eval_every, args.eval_n = [0], {16: 300}, 100, 128
+        seeds, steps, args.eval_every, args.eval_n, args.timing_steps = [0], {16: 300}, 100, 128, 50
     args.out = args.out or str(RUNS if args.quick else RESULTS)
     t0 = time.time()
     results, meta = {}, {"machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
@@ -260,7 +289,13 @@ def main(argv=None) -> None:
                 jobs = [(16, "best_combination", s, overrides("best_combination", 16, s, steps[16], args.eval_every,
                                                               args.eval_n, arms)) for s in seeds]
                 run_grid(jobs, args.parallel, True)
-                results[16] = analyse(16, list(arms), seeds)
+    for batch in steps:  # the arms' step costs side by side, then the tables
+        if batch != 16 and "best_combination" in arms:  # the combination chosen at batch 16 runs at every batch
+            jobs = [(batch, "best_combination", s, overrides("best_combination", batch, s, steps[batch], args.eval_every,
+                                                             args.eval_n, arms)) for s in seeds]
+            run_grid(jobs, args.parallel, True)
+        cost = step_costs(arms, batch, args.timing_steps) if args.timing_steps else None
+        results[batch] = analyse(batch, list(arms), seeds, cost)
     meta["wall_seconds"] = time.time() - t0
     write_outputs({str(b): r for b, r in results.items()}, meta, Path(args.out))
     print((Path(args.out) / "convergence.md").read_text())
