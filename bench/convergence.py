@@ -241,11 +241,15 @@ def plot(results: dict, path: Path) -> None:
         lo = [results[batch][a]["steps_ratio"]["min"] for a in arms]
         hi = [results[batch][a]["steps_ratio"]["max"] for a in arms]
         x = np.arange(len(arms))
-        ax[1, j].bar(x, med, color=[f"C{(i + 1) % 10}" for i in range(len(arms))])
+        bars = ax[1, j].bar(x, med, color=[f"C{(i + 1) % 10}" for i in range(len(arms))])
+        for bar, a in zip(bars, arms):  # hatched: some seed never reached the target (the bar is a bound)
+            if results[batch][a]["steps_ratio"]["bounds"]:
+                bar.set_hatch("//")
         ax[1, j].errorbar(x, med, yerr=[np.subtract(med, lo), np.subtract(hi, med)], fmt="none", ecolor="k", capsize=3)
         ax[1, j].axhline(1, color="grey", ls=":")
         ax[1, j].set_xticks(x, arms, rotation=35, ha="right", fontsize=8)
-        ax[1, j].set(ylabel="steps to the baseline's final FID: baseline / arm", title=f"batch {batch}: speed-up")
+        ax[1, j].set(ylabel="steps to the baseline's final FID: baseline / arm",
+                     title=f"batch {batch}: speed-up (median, seed range; hatched: a bound)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
