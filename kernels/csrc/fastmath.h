@@ -1,6 +1,7 @@
 // Branch-free float32 log and cos for the noise (Box-Muller), written so that gcc vectorises them on
 // the CPU; the CUDA kernels use them too, which keeps their code small (CUDA's cosf carries a
-// large-argument reduction that the domain here never needs) and their normals the CPU's.
+// large-argument reduction that the domain here never needs) and their normals the CPU's. Also exp
+// on x <= 0, for the CPU mixed loss's gate softmax (cpu/mixed.cpp).
 //
 // The libm versions do not vectorise (and the uniforms of philox.h need only a narrow domain):
 //   log: x in [1e-7, 1), normal numbers only;  cos: x in [0, 2*pi].
@@ -90,6 +91,28 @@ FT_INLINE float cos_small(float x) {
   const int32_t q = (j >> 1) & 3;
   const float v = (q & 1) ? s : c;
   return (q == 1 || q == 2) ? -v : v;
+}
+
+// Cephes expf for x <= 0 (the softmax of the mixed loss's gate, cpu/mixed.cpp, takes exp(z - max z)):
+// n = round(x / ln2), r = x - n*ln2 with ln2 split in two (Cody & Waite), a degree-5 polynomial for
+// e^r on [-ln2/2, ln2/2], times 2^n built in the exponent bits. Below -87.3 (where 2^n would leave
+// the normal range) the result is 0, which is what a masked head's logit (-1e9) must give; NaN
+// stays NaN, so a non-finite gate logit still poisons its sample.
+FT_INLINE float exp_nonpositive(float x) {
+  const float xc = x > -88.0f ? x : -88.0f;  // keeps the conversion to int in range (also for NaN, -inf)
+  const int32_t n = static_cast<int32_t>(xc * 1.44269504088896341f - 0.5f);  // round(x/ln2) for x <= 0
+  const float fn = static_cast<float>(n);
+  const float r = (xc - fn * 0.693359375f) - fn * -2.12194440e-4f;
+  const float rr = r * r;
+  float y = 1.9875691500e-4f;
+  y = madd(y, r, 1.3981999507e-3f);
+  y = madd(y, r, 8.3334519073e-3f);
+  y = madd(y, r, 4.1665795894e-2f);
+  y = madd(y, r, 1.6666665459e-1f);
+  y = madd(y, r, 5.0000001201e-1f);
+  y = madd(y, rr, r) + 1.0f;
+  const float scaled = y * u2f(static_cast<uint32_t>(n + 127) << 23);
+  return x != x ? x : (x < -87.3f ? 0.0f : scaled);
 }
 
 // tl.randn's Box-Muller on the first two words (philox.h): the first normal of the pair.

@@ -1,4 +1,4 @@
-// Chunk-level helpers of the CPU kernels (cpu/kernels.cpp): dtype loads and stores through float32
+// Chunk-level helpers of the CPU kernels (cpu/kernels.cpp, cpu/mixed.cpp): dtype loads and stores through float32
 // buffers of kChunk elements, the Philox normals of a run of counters, and the fixed-order sums of
 // a chunk. Included only by the per-instruction-set
 // kernel sources, so everything lands in that copy's namespace FT_CAP (CMakeLists.txt).
@@ -87,6 +87,19 @@ inline double sum_squares(float* __restrict p, int n) {
   float acc[kLanes] = {};
   for (int j = 0; j < padded; j += kLanes) {
     for (int l = 0; l < kLanes; ++l) acc[l] += p[j + l] * p[j + l];
+  }
+  double total = 0.0;
+  for (int l = 0; l < kLanes; ++l) total += acc[l];
+  return total;
+}
+
+// sum_i p[i] over a chunk, in the same fixed order (and with the same padding) as sum_squares.
+inline double sum_plain(float* __restrict p, int n) {
+  const int padded = (n + kLanes - 1) / kLanes * kLanes;
+  for (int i = n; i < padded; ++i) p[i] = 0.0f;
+  float acc[kLanes] = {};
+  for (int j = 0; j < padded; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += p[j + l];
   }
   double total = 0.0;
   for (int l = 0; l < kLanes; ++l) total += acc[l];

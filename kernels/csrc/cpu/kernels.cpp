@@ -104,6 +104,8 @@ void loss_tiles(const LossArgs& a, double* partial, int64_t begin, int64_t end, 
 
 }  // namespace
 
-KernelSet kernel_set() { return {FT_CAP_NAME, &noise_tiles, &loss_tiles, &words}; }
+MixedTasksFn mixed_tasks_fn();  // cpu/mixed.cpp, the same instruction set
+
+KernelSet kernel_set() { return {FT_CAP_NAME, &noise_tiles, &loss_tiles, mixed_tasks_fn(), &words}; }
 
 }  // namespace fasttrain::cpu::FT_CAP
