@@ -95,13 +95,15 @@ FT_INLINE float cos_small(float x) {
 
 // Cephes expf for x <= 0 (the softmax of the mixed loss's gate, cpu/mixed.cpp, takes exp(z - max z)):
 // n = round(x / ln2), r = x - n*ln2 with ln2 split in two (Cody & Waite), a degree-5 polynomial for
-// e^r on [-ln2/2, ln2/2], times 2^n built in the exponent bits. Below -87.3 (where 2^n would leave
-// the normal range) the result is 0, which is what a masked head's logit (-1e9) must give; NaN
-// stays NaN, so a non-finite gate logit still poisons its sample.
+// e^r on [-ln2/2, ln2/2], times 2^n built in the exponent bits; within 1.4 ulp of exp. n is rounded
+// by adding 1.5*2^23 (its bits then hold n + 0x400000 in the mantissa), so there is no float-to-int
+// conversion and no branch: gcc vectorises it, and a NaN stays NaN (a non-finite gate logit must
+// still poison its sample). Below -88 (n = -127: the exponent field 0) the result is exactly 0,
+// which is what a masked head's logit (bias -1e9) must give.
 FT_INLINE float exp_nonpositive(float x) {
-  const float xc = x > -88.0f ? x : -88.0f;  // keeps the conversion to int in range (also for NaN, -inf)
-  const int32_t n = static_cast<int32_t>(xc * 1.44269504088896341f - 0.5f);  // round(x/ln2) for x <= 0
-  const float fn = static_cast<float>(n);
+  const float xc = x < -88.0f ? -88.0f : x;  // keeps n >= -127; NaN passes
+  const float t = xc * 1.44269504088896341f + 12582912.0f;
+  const float fn = t - 12582912.0f;  // round(x / ln2), exact
   const float r = (xc - fn * 0.693359375f) - fn * -2.12194440e-4f;
   const float rr = r * r;
   float y = 1.9875691500e-4f;
@@ -111,8 +113,7 @@ FT_INLINE float exp_nonpositive(float x) {
   y = madd(y, r, 1.6666665459e-1f);
   y = madd(y, r, 5.0000001201e-1f);
   y = madd(y, rr, r) + 1.0f;
-  const float scaled = y * u2f(static_cast<uint32_t>(n + 127) << 23);
-  return x != x ? x : (x < -87.3f ? 0.0f : scaled);
+  return y * u2f((f2u(t) - 0x4B400000u + 127u) << 23);  // 2^n: n + 127 in the exponent field
 }
 
 // tl.randn's Box-Muller on the first two words (philox.h): the first normal of the pair.
