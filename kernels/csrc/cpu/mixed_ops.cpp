@@ -27,10 +27,10 @@ constexpr int64_t kMinPerThread = 65536;    // head elements below which a threa
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // (block, tasks per sample): `total` units (pixels or elements) in about equal blocks of at most
-// `target`.
+// `target` (one empty task for empty samples).
 std::pair<int64_t, int64_t> split(int64_t total, int64_t target) {
-  const int64_t tasks = cdiv(total, std::max<int64_t>(1, target));
-  return {cdiv(total, tasks), tasks};
+  const int64_t tasks = std::max<int64_t>(1, cdiv(total, std::max<int64_t>(1, target)));
+  return {std::max<int64_t>(1, cdiv(total, tasks)), tasks};
 }
 
 void check_mixed(const at::Tensor& out, const at::Tensor& x0, const at::Tensor& t, const at::Tensor& tab,
@@ -116,7 +116,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 
   const int64_t nacc = mixed_sums(H);
   std::vector<double> partial(static_cast<size_t>(B * tasks * nacc));
-  if (B > 0) {
+  if (B > 0 && D > 0) {  // (empty samples: the sums stay 0, so the means are NaN, as the reference's)
     const KernelSet& ks = kernels();
     const int64_t per_task = (sample_gate ? block : block * C) * H;
     const int64_t grain = std::max<int64_t>(1, kMinPerThread / per_task);
