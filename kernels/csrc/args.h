@@ -1,7 +1,8 @@
-// Arguments of the native kernels A (noise), B (loss) and the mixed loss as plain structs of raw pointers, shared by
-// the C++ CPU kernels (cpu/kernels.cpp), the CUDA kernels (cuda/kernels.cu) and the ATen bindings
-// that fill them (cpu/ops.cpp, cuda/ops.cpp). Keeping torch out of the kernel sources keeps them
-// quick to compile once per CPU instruction set and per GPU architecture.
+// Arguments of the native kernels A (noise), B (loss) and the mixed loss as plain structs of raw
+// pointers, shared by the C++ CPU kernels (cpu/kernels.cpp, cpu/mixed.cpp), the CUDA kernels
+// (cuda/kernels.cu) and the ATen bindings that fill them (cpu/ops.cpp, cpu/mixed_ops.cpp,
+// cuda/ops.cpp). Keeping torch out of the kernel sources keeps them quick to compile once per CPU
+// instruction set and per GPU architecture.
 //
 // Contracts: kernels/reference.py and kernels/mixed_reference.py (the oracles), kernels/triton_kernels.py
 // and kernels/triton_mixed.py (the Triton kernels).
