@@ -111,5 +111,5 @@ def loss_and_grad(out, x0, eps, t, weight, iw, tab, gate=None):
         if gate is None:
             grad_out, grad_gate = torch.cat([g_heads, g_gate], 1), out.new_empty(0)
         else:
-            grad_out, grad_gate = g_heads, g_gate.flatten(2).sum(2).to(gate.dtype)
+            grad_out, grad_gate = g_heads, g_gate.reshape(B, H, -1).sum(2).to(gate.dtype)
         return iw.float() * weighted, raw, weighted, x0err, grad_out.to(out.dtype), grad_gate

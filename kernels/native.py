@@ -2,8 +2,9 @@
 
 `fasttrain._C` is built by CMakeLists.txt during `pip install` where a compiler is present; without
 it fasttrain runs on the reference (`torch`) backend. The extension registers the operators
-`fasttrain_C::noise` and `fasttrain_C::loss` for CPU (and CUDA where it was compiled with nvcc);
-the custom ops in ops.py call them for backend="native", so autograd, `register_fake` and
+`fasttrain_C::noise` and `fasttrain_C::loss` for CPU (and CUDA where it was compiled with nvcc), and
+`fasttrain_C::mixed_loss` for CPU only (the Triton kernel is the mixed loss's GPU path); the custom
+ops in ops.py and ops_mixed.py call them for backend="native", so autograd, `register_fake` and
 torch.compile see the same operators as on every other backend.
 """
 from __future__ import annotations
@@ -52,3 +53,8 @@ def noise(x0, t, alpha, sigma, eps, seed, offset, out_dtype, write_eps):
 
 def loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs):
     return tuple(torch.ops.fasttrain_C.loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs))
+
+
+def mixed_loss(out, x0, t, weight, iw, tab, gate, pivots, bins, eps, seed, offset):
+    """(mean, per, raw, weighted, x0_error, grad, gate grad): mixed_reference.loss_and_grad, CPU tensors."""
+    return tuple(torch.ops.fasttrain_C.mixed_loss(out, x0, t, weight, iw, tab, gate, pivots, bins, eps, seed, offset))

@@ -1,20 +1,35 @@
 """The mixed-prediction loss as a custom op (`fasttrain::mixed_loss`), its autograd rule and backends.
 
-Contract and formulas: mixed_reference.py. Backends as in ops.py: "triton" (CUDA), "interpret"
-(the same kernel in the Triton interpreter on CPU tensors), "torch" (the reference), "auto". The
+Contract and formulas: mixed_reference.py. Backends as in ops.py: "triton" (CUDA), "native" (the
+C++ CPU op fasttrain_C::mixed_loss, kernels/csrc/cpu/mixed.cpp), "interpret" (the Triton kernel in
+the Triton interpreter on CPU tensors), "torch" (the reference), "auto". The
 op mutates the statistics bins (V = 2 + H values: raw, weighted, each head's x0 error), so, as for
 kernel B, the autograd rule is a `torch.autograd.Function` around the opaque op, and `register_fake`
 lets a model compiled with `fullgraph=True` call it.
 """
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple, Optional
 
 import torch
 
 from . import mixed_reference as mref
-from . import ops, philox
+from . import native, ops, philox
 from .bins import TimestepBins, scatter_into
+
+_WARNED_NATIVE_CUDA = False
+
+
+def _native_on_cuda() -> None:
+    """backend="native" with CUDA tensors: fasttrain._C has no CUDA mixed op (the Triton kernel is the
+    GPU path), so the reference runs, as it did before the CPU op existed; said once per process."""
+    global _WARNED_NATIVE_CUDA
+    if not _WARNED_NATIVE_CUDA:
+        _WARNED_NATIVE_CUDA = True
+        warnings.warn("fasttrain: the native mixed loss is CPU only; on CUDA backend='native' runs the reference "
+                      "(backend='auto' or 'triton' runs the fused Triton kernel)", stacklevel=2)
+
 
 def _budget(backend: str, block: int) -> int:
     # Interpreter: few large programs (each op costs Python time); GPU: 2048-element tiles, as kernel B
@@ -30,8 +45,10 @@ def _mixed_op(out: torch.Tensor, x0: torch.Tensor, t: torch.Tensor, weight: torc
                          torch.Tensor]:
     B, T = x0.shape[0], weight.numel()
     H, C = tab.shape[0], x0.shape[1]
-    # backend "native": fasttrain._C has no mixed op (yet); the reference runs instead. ops.py resolves
-    # "auto" to "native" on CPU where the extension is built, so this keeps mixed prediction usable there.
+    if backend == "native":
+        if out.device.type == "cpu":
+            return native.mixed_loss(out, x0, t, weight, iw, tab, gate, pivots, bins, eps, seed, offset)
+        _native_on_cuda()  # no CUDA version of the native op: the reference below, explicitly
     if backend in ("torch", "native"):
         e = eps if eps is not None else philox.noise(x0.shape, seed, offset, x0.device)
         per, raw, wl, x0e, grad, ggrad = mref.loss_and_grad(out, x0, e, t, weight, iw, tab, gate)
@@ -93,11 +110,12 @@ class _MixedLoss(torch.autograd.Function):
         n_rest = 12
         if g_mean is None and g_per is None:
             return (None, None) + (None,) * n_rest
-        B = grad.shape[0]
         if g_per is None:
-            scale = g_mean.float().expand(B)
-        else:
-            scale = B * g_per.float() if g_mean is None else g_mean.float() + B * g_per.float()
+            # as kernel B's rule: a bf16 gradient × the fp32 0-d upstream gradient stays bf16 and runs as
+            # one kernel (the same rounding as the fp32 round trip below, a third of its memory traffic)
+            return (grad * g_mean, ggrad * g_mean if ctx.has_gate else None) + (None,) * n_rest
+        B = grad.shape[0]
+        scale = B * g_per.float() if g_mean is None else g_mean.float() + B * g_per.float()
 
         def rescale(g):
             return (g.float() * scale.view(-1, *([1] * (g.ndim - 1)))).to(g.dtype)

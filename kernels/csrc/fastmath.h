@@ -1,6 +1,7 @@
 // Branch-free float32 log and cos for the noise (Box-Muller), written so that gcc vectorises them on
 // the CPU; the CUDA kernels use them too, which keeps their code small (CUDA's cosf carries a
-// large-argument reduction that the domain here never needs) and their normals the CPU's.
+// large-argument reduction that the domain here never needs) and their normals the CPU's. Also exp
+// on x <= 0, for the CPU mixed loss's gate softmax (cpu/mixed.cpp).
 //
 // The libm versions do not vectorise (and the uniforms of philox.h need only a narrow domain):
 //   log: x in [1e-7, 1), normal numbers only;  cos: x in [0, 2*pi].
@@ -90,6 +91,29 @@ FT_INLINE float cos_small(float x) {
   const int32_t q = (j >> 1) & 3;
   const float v = (q & 1) ? s : c;
   return (q == 1 || q == 2) ? -v : v;
+}
+
+// Cephes expf for x <= 0 (the softmax of the mixed loss's gate, cpu/mixed.cpp, takes exp(z - max z)):
+// n = round(x / ln2), r = x - n*ln2 with ln2 split in two (Cody & Waite), a degree-5 polynomial for
+// e^r on [-ln2/2, ln2/2], times 2^n built in the exponent bits; within 1.4 ulp of exp. n is rounded
+// by adding 1.5*2^23 (its bits then hold n + 0x400000 in the mantissa), so there is no float-to-int
+// conversion and no branch: gcc vectorises it, and a NaN stays NaN (a non-finite gate logit must
+// still poison its sample). Below -88 (n = -127: the exponent field 0) the result is exactly 0,
+// which is what a masked head's logit (bias -1e9) must give.
+FT_INLINE float exp_nonpositive(float x) {
+  const float xc = x < -88.0f ? -88.0f : x;  // keeps n >= -127; NaN passes
+  const float t = xc * 1.44269504088896341f + 12582912.0f;
+  const float fn = t - 12582912.0f;  // round(x / ln2), exact
+  const float r = (xc - fn * 0.693359375f) - fn * -2.12194440e-4f;
+  const float rr = r * r;
+  float y = 1.9875691500e-4f;
+  y = madd(y, r, 1.3981999507e-3f);
+  y = madd(y, r, 8.3334519073e-3f);
+  y = madd(y, r, 4.1665795894e-2f);
+  y = madd(y, r, 1.6666665459e-1f);
+  y = madd(y, r, 5.0000001201e-1f);
+  y = madd(y, rr, r) + 1.0f;
+  return y * u2f((f2u(t) - 0x4B400000u + 127u) << 23);  // 2^n: n + 127 in the exponent field
 }
 
 // tl.randn's Box-Muller on the first two words (philox.h): the first normal of the pair.

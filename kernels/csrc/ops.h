@@ -1,5 +1,6 @@
 // The ATen entry points of the native ops, one pair per device (cpu/ops.cpp, cuda/ops.cpp), which
-// register.cpp registers as the CPU and CUDA kernels of fasttrain_C::noise and fasttrain_C::loss.
+// register.cpp registers as the CPU and CUDA kernels of fasttrain_C::noise and fasttrain_C::loss, and
+// the CPU kernel of fasttrain_C::mixed_loss.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -18,6 +19,11 @@
 
 namespace fasttrain::cpu {
 FT_DECLARE_OPS
+// The mixed-prediction loss (cpu/mixed_ops.cpp); CPU only, the Triton kernel is the GPU path.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mixed_loss(
+    const at::Tensor& out, const at::Tensor& x0, const at::Tensor& t, const at::Tensor& weight, const at::Tensor& iw,
+    const at::Tensor& tab, const std::optional<at::Tensor>& gate, const at::Tensor& pivots, at::Tensor& bins,
+    const std::optional<at::Tensor>& eps, int64_t seed, const at::Tensor& offset);
 // Words 0 and 1 of Philox4x32-10 for counters offset .. offset + n - 1: int64 [2, n] (tests).
 at::Tensor philox_words(int64_t seed, int64_t offset, int64_t n);
 }

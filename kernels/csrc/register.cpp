@@ -1,9 +1,11 @@
 // fasttrain._C: the operator schemas of the native backend and the Python module that loads them.
 //
-// kernels/ops.py wraps these in its torch.library custom ops (fasttrain::noise,
-// fasttrain::diffusion_loss), which own the autograd rules and the fake (meta) implementations for
+// kernels/ops.py and kernels/ops_mixed.py wrap these in their torch.library custom ops (fasttrain::noise,
+// fasttrain::diffusion_loss, fasttrain::mixed_loss), which own the autograd rules and the fake (meta) implementations for
 // every backend; these operators are their native kernels, dispatched on the device of the inputs:
-// the CPU implementations (cpu/ops.cpp) always, the CUDA ones (cuda/ops.cpp) when nvcc was found.
+// the CPU implementations (cpu/ops.cpp, cpu/mixed_ops.cpp) always, the CUDA ones (cuda/ops.cpp) when
+// nvcc was found. mixed_loss has no CUDA kernel: on GPUs the Triton kernel (kernels/triton_mixed.py)
+// is the fused path.
 // Only this file includes torch/library.h (the slowest header to compile).
 // `bins` is mutated in place (the per-timestep statistics, kernels/bins.py), hence Tensor(a!).
 #include <Python.h>
@@ -21,6 +23,12 @@ TORCH_LIBRARY(fasttrain_C, m) {
   m.def(
       "loss(Tensor pred, Tensor x0, Tensor t, Tensor weight, Tensor iw, Tensor coef, Tensor pivots, "
       "Tensor(a!) bins, Tensor? eps, int seed, Tensor offset, int needs) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // (mean, per-sample, raw, weighted, x0_error [B, H], grad of out, grad of gate [B, H] or empty):
+  // kernels/mixed_reference.loss_and_grad, with bins of 2 + H values.
+  m.def(
+      "mixed_loss(Tensor out, Tensor x0, Tensor t, Tensor weight, Tensor iw, Tensor tab, Tensor? gate, "
+      "Tensor pivots, Tensor(a!) bins, Tensor? eps, int seed, Tensor offset) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("has_cuda() -> bool", []() -> bool {
 #if defined(FT_WITH_CUDA)
     return true;
@@ -39,6 +47,7 @@ TORCH_LIBRARY(fasttrain_C, m) {
 TORCH_LIBRARY_IMPL(fasttrain_C, CPU, m) {
   m.impl("noise", &fasttrain::cpu::noise);
   m.impl("loss", &fasttrain::cpu::loss);
+  m.impl("mixed_loss", &fasttrain::cpu::mixed_loss);
 }
 
 #if defined(FT_WITH_CUDA)
@@ -51,6 +60,6 @@ TORCH_LIBRARY_IMPL(fasttrain_C, CUDA, m) {
 // A Python extension module only so that `import fasttrain._C` loads the library (and with it the
 // registrations above); the operators are reached through torch.ops.fasttrain_C.
 static PyModuleDef fasttrain_c_module = {PyModuleDef_HEAD_INIT, "_C",
-                                         "fasttrain native ops: torch.ops.fasttrain_C.{noise,loss}", -1, nullptr};
+                                         "fasttrain native ops: torch.ops.fasttrain_C.{noise,loss,mixed_loss}", -1, nullptr};
 
 PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&fasttrain_c_module); }

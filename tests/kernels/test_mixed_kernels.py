@@ -123,10 +123,12 @@ def test_in_kernel_noise_is_the_reference_stream():
 
 
 def test_torch_backend_closed_form_matches_autograd():
-    """The torch backend's closed-form gradients (mixed_reference.loss_and_grad) against autograd."""
-    for heads, gate in [(("eps", "x0", "v"), None), (("eps", "flow"), "timestep")]:
+    """The torch backend's closed-form gradients (mixed_reference.loss_and_grad) against autograd, also
+    for flat data (no spatial dims) with the timestep gate."""
+    for heads, gate, shape in [(("eps", "x0", "v"), None, (4, 2, 3, 5)), (("eps", "flow"), "timestep", (4, 2, 3, 5)),
+                               (("x0", "v"), "timestep", (5, 3))]:
         _, w, tab = setup(heads)
-        x0, eps, t, iw, out, g = inputs((4, 2, 3, 5), len(heads), gate is None)
+        x0, eps, t, iw, out, g = inputs(shape, len(heads), gate is None)
         per, raw, wl, x0e, gout, ggate = mref.loss_and_grad(out, x0, eps, t, w, iw, tab, g)
         ro, rg = leaf(out), leaf(g)
         rper = mref.loss(ro, x0, eps, t, w, iw, tab, rg)[0]

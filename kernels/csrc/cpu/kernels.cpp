@@ -9,78 +9,11 @@
 #include <algorithm>
 #include <cstring>
 
-#include "convert.h"
-#include "../fastmath.h"
+#include "chunk.h"
 #include "kernels.h"
-#include "philox_simd.h"
-
-#ifndef FT_CAP
-#error "compile with -DFT_CAP=<namespace>"
-#endif
 
 namespace fasttrain::cpu::FT_CAP {
 namespace {
-
-constexpr int kChunk = 512;  // elements per step: a few float buffers that stay in L1
-constexpr int kLanes = 16;   // independent float32 accumulators of the d^2 sum
-
-// The float32 view of elements [start, start + n): the data itself when it is float32, else `buf`
-// filled by conversion (convert.h).
-const float* load(const void* src, DType type, int64_t start, int n, float* __restrict buf) {
-  switch (type) {
-    case DType::kBFloat16: {
-      const uint16_t* s = static_cast<const uint16_t*>(src) + start;
-      for (int i = 0; i < n; ++i) buf[i] = bf16_to_f32(s[i]);
-      return buf;
-    }
-    case DType::kFloat16: {
-      const uint16_t* s = static_cast<const uint16_t*>(src) + start;
-      for (int i = 0; i < n; ++i) buf[i] = f16_to_f32(s[i]);
-      return buf;
-    }
-    default:
-      return static_cast<const float*>(src) + start;
-  }
-}
-
-void store(void* dst, DType type, int64_t start, int n, const float* __restrict in) {
-  switch (type) {
-    case DType::kFloat32:
-      std::memcpy(static_cast<float*>(dst) + start, in, sizeof(float) * n);
-      break;
-    case DType::kBFloat16: {
-      uint16_t* d = static_cast<uint16_t*>(dst) + start;
-      for (int i = 0; i < n; ++i) d[i] = f32_to_bf16(in[i]);
-      break;
-    }
-    case DType::kFloat16: {
-      uint16_t* d = static_cast<uint16_t*>(dst) + start;
-      for (int i = 0; i < n; ++i) d[i] = f32_to_f16(in[i]);
-      break;
-    }
-  }
-}
-
-// eps for counters base .. base + n - 1 (mod 2^64): Philox words (philox_simd.h where there are x86
-// intrinsics, else a loop gcc vectorises), then Box-Muller (fastmath.h) over the words.
-void words_run(uint64_t seed, uint64_t base, int n, uint32_t* __restrict w0, uint32_t* __restrict w1) {
-  const uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-#if defined(FT_PHILOX_SIMD)
-  philox_words(base, k0, k1, n, w0, w1);
-#else
-  for (int i = 0; i < n; ++i) {
-    const uint64_t c = base + static_cast<uint64_t>(i);
-    philox_w01(static_cast<uint32_t>(c), static_cast<uint32_t>(c >> 32), k0, k1, w0[i], w1[i]);
-  }
-#endif
-}
-
-void normals_chunk(uint64_t seed, uint64_t base, int n, float* __restrict out) {
-  alignas(64) uint32_t w0[kChunk];
-  alignas(64) uint32_t w1[kChunk];
-  words_run(seed, base, n, w0, w1);
-  for (int i = 0; i < n; ++i) out[i] = normal_from_words(w0[i], w1[i]);
-}
 
 void words(uint64_t seed, uint64_t base, int64_t n, uint32_t* w0, uint32_t* w1) {
   for (int64_t s = 0; s < n; s += kChunk) {
@@ -161,15 +94,7 @@ void loss_tiles(const LossArgs& a, double* partial, int64_t begin, int64_t end, 
       } else {
         std::memcpy(p, pv, sizeof(float) * n);
       }
-      const int padded = (n + kLanes - 1) / kLanes * kLanes;
-      for (int i = n; i < padded; ++i) p[i] = 0.0f;
-      float acc[kLanes] = {};
-      for (int j = 0; j < padded; j += kLanes) {
-        for (int l = 0; l < kLanes; ++l) acc[l] += p[j + l] * p[j + l];
-      }
-      double chunk = 0.0;
-      for (int l = 0; l < kLanes; ++l) chunk += acc[l];
-      total += chunk;
+      total += sum_squares(p, n);
       for (int i = 0; i < n; ++i) p[i] = p[i] * scale;  // dL/dpred, written in the forward pass
       store(a.grad, a.pred_type, g, n, p);
     }
@@ -179,6 +104,8 @@ void loss_tiles(const LossArgs& a, double* partial, int64_t begin, int64_t end, 
 
 }  // namespace
 
-KernelSet kernel_set() { return {FT_CAP_NAME, &noise_tiles, &loss_tiles, &words}; }
+MixedTasksFn mixed_tasks_fn();  // cpu/mixed.cpp, the same instruction set
+
+KernelSet kernel_set() { return {FT_CAP_NAME, &noise_tiles, &loss_tiles, mixed_tasks_fn(), &words}; }
 
 }  // namespace fasttrain::cpu::FT_CAP

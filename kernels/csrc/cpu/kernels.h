@@ -17,6 +17,10 @@ using NoiseTilesFn = void (*)(const NoiseArgs&, int64_t begin, int64_t end, int6
 // Kernel B on tiles [begin, end): writes the gradient and partial[k] = sum of d^2 over tile k.
 using LossTilesFn = void (*)(const LossArgs&, double* partial, int64_t begin, int64_t end, int64_t tile);
 
+// The mixed loss on tasks [begin, end) (args.h: MixedArgs): writes the gradient and
+// partial[k * mixed_sums(H) ...], the sums of task k.
+using MixedTasksFn = void (*)(const MixedArgs&, double* partial, int64_t begin, int64_t end);
+
 // Philox words 0 and 1 (philox.h) of counters base .. base + n - 1: the tests check them bit for bit.
 using WordsFn = void (*)(uint64_t seed, uint64_t base, int64_t n, uint32_t* w0, uint32_t* w1);
 
@@ -24,6 +28,7 @@ struct KernelSet {
   const char* name;
   NoiseTilesFn noise;
   LossTilesFn loss;
+  MixedTasksFn mixed;
   WordsFn words;
 };
 

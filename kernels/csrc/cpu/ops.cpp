@@ -10,6 +10,7 @@
 
 #include "../common.h"
 #include "../ops.h"
+#include "host.h"
 #include "kernels.h"
 
 namespace fasttrain::cpu {
@@ -26,22 +27,6 @@ void for_tiles(int64_t B, int64_t D, Fn&& fn) {
   const int64_t tiles = B * ((D + tile - 1) / tile);
   const int64_t grain = std::max<int64_t>(1, kMinPerThread / tile);
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) { fn(begin, end, tile); });
-}
-
-// t as contiguous int64, checked against the table length (cheap on the CPU: no device sync).
-at::Tensor checked_t(const at::Tensor& t, int64_t T) {
-  at::Tensor t64 = t.to(at::kLong).contiguous();
-  const int64_t* p = t64.const_data_ptr<int64_t>();
-  for (int64_t b = 0; b < t64.numel(); ++b) {
-    TORCH_CHECK(p[b] >= 0 && p[b] < T, "fasttrain native ops: timestep ", p[b], " outside [0, ", T, ")");
-  }
-  return t64;
-}
-
-uint64_t offset_value(const at::Tensor& offset) {
-  TORCH_CHECK(offset.numel() == 1 && offset.scalar_type() == at::kLong,
-              "fasttrain native ops: offset must be a 0-d int64 tensor");
-  return static_cast<uint64_t>(offset.item<int64_t>());  // a CPU tensor: a plain read
 }
 
 }  // namespace
@@ -103,13 +88,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> loss(
     eps = eps_in->contiguous();
   }
   const bool with_bins = bins.numel() > 0;
-  if (with_bins) {
-    TORCH_CHECK(bins.scalar_type() == at::kDouble && bins.dim() == 2 && bins.size(0) == 5 && bins.size(1) == T,
-                "fasttrain native ops: bins must be float64 [5, ", T, "] (kernels/bins.py, 2 values)");
-    TORCH_CHECK(pivots_in.scalar_type() == at::kDouble && pivots_in.dim() == 2 && pivots_in.size(0) == 2 &&
-                    pivots_in.size(1) == T,
-                "fasttrain native ops: pivots must be float64 [2, ", T, "]");
-  }
+  if (with_bins) check_bins(bins, pivots_in, 2, T);
 
   at::Tensor grad = at::empty(pred.sizes(), pred.options());
   const auto f = pred.options().dtype(at::kFloat);
@@ -163,21 +142,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> loss(
   }
   *mean.data_ptr<float>() = B > 0 ? static_cast<float>(total / static_cast<double>(B)) : NAN;
 
-  if (with_bins) {  // bins.py: count, then per value v: sum (x_v - c_v[t]), sum (x_v - c_v[t])^2
-    const at::Tensor piv = pivots_in.contiguous();
-    const double* c = piv.const_data_ptr<double>();
-    auto d = bins.accessor<double, 2>();
-    for (int64_t b = 0; b < B; ++b) {
-      if (!std::isfinite(rawp[b]) || !std::isfinite(wlp[b])) continue;  // a bad step must not poison the stats
-      const int64_t tb = tp[b];
-      d[0][tb] += 1.0;
-      const float v[2] = {rawp[b], wlp[b]};
-      for (int j = 0; j < 2; ++j) {
-        const double x = static_cast<double>(v[j]) - c[j * T + tb];
-        d[1 + 2 * j][tb] += x;
-        d[2 + 2 * j][tb] += x * x;
-      }
-    }
+  if (with_bins) {
+    const float* v[2] = {rawp, wlp};
+    scatter_bins(bins, pivots_in, tp, B, 2, [&](int64_t j, int64_t b) { return v[j][b]; });
   }
   return {mean, per, raw, wl, grad};
 }
