@@ -10,30 +10,13 @@ from fasttrain import diffusion as fd
 from fasttrain.diffusion import prediction as P
 from fasttrain.kernels import TimestepBins, native, ops, philox, reference as ref
 
-from test_kernels import filled_bins, inputs, tables  # the Triton tests' helpers (same inputs)
+from test_kernels import TOL, filled_bins, inputs, tables  # the Triton tests' helpers (same inputs)
+# `capability` (every CPU kernel set): tests/kernels/conftest.py
 
 pytestmark = pytest.mark.skipif(not native.available("cpu"), reason="fasttrain._C is not built")
 # (1, 5), (3, 2): 2-D toys; odd images; 2 x 40000: several 16384-element tiles and a chunk tail
 SHAPES = [(1, 5), (3, 2), (7, 3, 5, 7), (3, 4, 9, 9), (2, 40000)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
-       torch.float16: dict(rtol=2e-3, atol=2e-3)}
-
-
-def _supported():
-    if not native.available("cpu"):
-        return []
-    best = torch.ops.fasttrain_C.cpu_capability()
-    return ["default", "avx2", "avx512"][: ["default", "avx2", "avx512"].index(best) + 1]
-
-
-@pytest.fixture(params=_supported())
-def capability(request):
-    """Run the test on one CPU kernel set (each is a separately compiled copy), then restore."""
-    before = torch.ops.fasttrain_C.cpu_capability()
-    torch.ops.fasttrain_C.cpu_capability(request.param)
-    yield request.param
-    torch.ops.fasttrain_C.cpu_capability(before)
 
 
 def test_auto_backend_is_native_on_cpu():

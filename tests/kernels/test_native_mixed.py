@@ -12,6 +12,8 @@ from fasttrain import diffusion as fd
 from fasttrain.diffusion import mixed as M
 from fasttrain.kernels import TimestepBins, mixed_reference as mref, native, ops_mixed, philox
 
+from test_kernels import TOL  # `capability` (every CPU kernel set): tests/kernels/conftest.py
+
 pytestmark = pytest.mark.skipif(not native.available("cpu"), reason="fasttrain._C is not built")
 T = 1000
 VP_SETS = [("eps", "x0"), ("eps", "v"), ("x0", "v"), ("eps", "x0", "v")]
@@ -20,25 +22,7 @@ FLOW_SETS = [("eps", "flow"), ("flow", "x0", "v", "eps")]
 # tasks per sample; 2 x 9000 pixels: pixel blocks (two tasks per sample, chunks within a channel)
 SHAPES = [(3, 2, 5, 7), (5, 3), (4, 1, 9, 9), (2, 4, 3, 5, 3), (2, 3, 17, 19), (2, 20000), (2, 2, 100, 90)]
 WEIGHTINGS = ["min_snr", "constant", "edm", "snr"]
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
-       torch.float16: dict(rtol=2e-3, atol=2e-3)}
 NOISE_TOL = dict(rtol=1e-4, atol=1e-5)  # eps drawn in the op: log/cos rounding (fastmath.h)
-
-
-def _supported():
-    if not native.available("cpu"):
-        return []
-    best = torch.ops.fasttrain_C.cpu_capability()
-    return ["default", "avx2", "avx512"][: ["default", "avx2", "avx512"].index(best) + 1]
-
-
-@pytest.fixture(params=_supported())
-def capability(request):
-    """Run the test on one CPU kernel set (each a separately compiled copy), then restore."""
-    before = torch.ops.fasttrain_C.cpu_capability()
-    torch.ops.fasttrain_C.cpu_capability(request.param)
-    yield request.param
-    torch.ops.fasttrain_C.cpu_capability(before)
 
 
 def setup(heads, weighting="min_snr", aux=0.3):
