@@ -8,94 +8,20 @@ kernel's tests: test_mixed_kernels.py."""
 import pytest
 import torch
 
-from fasttrain import diffusion as fd
-from fasttrain.diffusion import mixed as M
-from fasttrain.kernels import TimestepBins, mixed_reference as mref, native, ops_mixed, philox
+from fasttrain.kernels import TimestepBins, mixed_reference as mref, native, ops_mixed
 
+import mixed_harness as mh
+from mixed_harness import T, CASES, WEIGHTINGS, close, filled_bins, inputs, leaf, setup
 from test_kernels import TOL  # `capability` (every CPU kernel set): tests/kernels/conftest.py
 
 pytestmark = pytest.mark.skipif(not native.available("cpu"), reason="fasttrain._C is not built")
-T = 1000
-VP_SETS = [("eps", "x0"), ("eps", "v"), ("x0", "v"), ("eps", "x0", "v")]
-FLOW_SETS = [("eps", "flow"), ("flow", "x0", "v", "eps")]
 # images; flat toys; 1 channel; 3 spatial dims; P = 323: chunks that cross channels; flat over two
 # tasks per sample; 2 x 9000 pixels: pixel blocks (two tasks per sample, chunks within a channel)
 SHAPES = [(3, 2, 5, 7), (5, 3), (4, 1, 9, 9), (2, 4, 3, 5, 3), (2, 3, 17, 19), (2, 20000), (2, 2, 100, 90)]
-WEIGHTINGS = ["min_snr", "constant", "edm", "snr"]
-NOISE_TOL = dict(rtol=1e-4, atol=1e-5)  # eps drawn in the op: log/cos rounding (fastmath.h)
-
-
-def setup(heads, weighting="min_snr", aux=0.3):
-    s = fd.schedule("flow", T=T) if "flow" in heads else fd.schedule("linear", T=T, zero_terminal_snr=True)
-    return fd.loss_weight(weighting, s, "x0").float(), M.head_table(heads, s, aux_weight=aux)
-
-
-def inputs(shape, H, pixel, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    B, C, S = shape[0], shape[1], shape[2:]
-    x0 = (torch.rand(shape, generator=g) * 2 - 1).to(dtype)
-    eps = torch.randn(shape, generator=g)
-    t = torch.randint(0, T, (B,), generator=g)
-    t[: (B + 1) // 2] = 7  # several samples on one timestep
-    t[-1] = T - 1  # zero-terminal SNR / the last flow step: the eps head is masked there
-    iw = torch.rand(B, generator=g) + 0.5
-    out = torch.randn(B, H * C + (H if pixel else 0), *S, generator=g)
-    if pixel:
-        out[:, H * C:] *= 2  # gate logits of a few units
-    gate = None if pixel else (2 * torch.randn(B, H, generator=g)).to(dtype)
-    return x0, eps, t, iw, out.to(dtype), gate
-
-
-def filled_bins(V, seed=3):
-    """Bins that already hold values (the scatter accumulates) and non-zero pivots."""
-    g = torch.Generator().manual_seed(seed)
-    b = TimestepBins(T, V)
-    b.data = torch.randn(1 + 2 * V, T, dtype=torch.float64, generator=g)
-    b.pivots = torch.randn(V, T, dtype=torch.float64, generator=g) * 0.1
-    return b
-
-
-def leaf(x):
-    return None if x is None else x.detach().clone().requires_grad_()
-
-
-def close(a, b, tol):
-    """Gradients (of order 1/(B·D)): the absolute tolerance relative to the largest one."""
-    torch.testing.assert_close(a, b, rtol=tol["rtol"], atol=tol["atol"] * b.abs().max().item())
 
 
 def run_and_compare(heads, pixel, shape, weighting="min_snr", dtype=torch.float32, in_op_noise=True):
-    w, tab = setup(heads, weighting)
-    H = len(heads)
-    x0, eps, t, iw, out, gate = inputs(shape, H, pixel, dtype)
-    bins = filled_bins(2 + H)
-    before = bins.data.clone()
-    o, g = leaf(out), leaf(gate)
-    kw = dict(seed=11, offset=4321) if in_op_noise else dict(eps=eps)
-    res = ops_mixed.mixed_loss(o, x0, t, w, iw, tab, gate=g, bins=bins, backend="native", **kw)
-    res.loss.backward()
-    if in_op_noise:
-        eps = philox.noise(x0.shape, 11, 4321)
-    ro, rg = leaf(out), leaf(gate)
-    per, raw, wl, x0e = mref.loss(ro, x0, eps, t, w, iw, tab, rg)
-    per.mean().backward()
-    tol = NOISE_TOL if in_op_noise else TOL[torch.float32]
-    for got, want in [(res.per_sample, per), (res.raw, raw), (res.weighted, wl), (res.x0_error, x0e),
-                      (res.loss, per.mean())]:
-        torch.testing.assert_close(got, want.detach(), **tol)
-    assert o.grad.dtype == dtype
-    close(o.grad, ro.grad.to(dtype), TOL[dtype] if dtype != torch.float32 else tol)
-    if gate is not None:
-        assert g.grad.dtype == dtype
-        close(g.grad, rg.grad.to(dtype), TOL[dtype] if dtype != torch.float32 else tol)
-    expect = TimestepBins(T, 2 + H)
-    expect.pivots = bins.pivots
-    expect.scatter_(t, torch.cat([raw[None], wl[None], x0e.T]).detach())
-    torch.testing.assert_close(bins.data, before + expect.data, rtol=1e-4, atol=1e-7)
-    return res
-
-
-CASES = [(h, g) for h in VP_SETS + FLOW_SETS for g in ("pixel", "timestep")]
+    return mh.run_and_compare("native", heads, pixel, shape, weighting, dtype, op_noise=in_op_noise)
 
 
 @pytest.mark.parametrize("heads,gate", CASES)
