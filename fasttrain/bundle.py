@@ -25,6 +25,7 @@ from .diffusion import prediction as P
 from .diffusion.denoiser import Denoiser
 from .diffusion.solvers import generate as run_solver
 from .ema import EMA
+from .config import plain
 from .models import build_model
 
 
@@ -50,7 +51,7 @@ def build_network(cfg: DictConfig, spec: DataSpec) -> Denoiser:
     """The backbone (heads × C plus gate channels for a mixed prediction) in its Denoiser wrapper."""
     df = cfg.diffusion
     sched = make_schedule(df.schedule, df.T, df.zero_terminal_snr)
-    args, gate_heads = dict(cfg.model.args), 0
+    args, gate_heads = plain(cfg.model.args), 0
     if df.prediction == "mixed":
         heads = list(df.mixed.heads)
         args["out_channels"] = mixed.output_channels(heads, spec.channels, df.mixed.gate)
@@ -63,10 +64,10 @@ def build_network(cfg: DictConfig, spec: DataSpec) -> Denoiser:
 def build_objective(cfg: DictConfig, rank: int = 0, stats: bool = True) -> DiffusionObjective:
     df = cfg.diffusion
     sched = make_schedule(df.schedule, df.T, df.zero_terminal_snr)
-    sampler_args = dict(df.sampler_args)
+    sampler_args = plain(df.sampler_args)
     if "seed" in SAMPLERS.args(df.sampler) and "seed" not in sampler_args:  # a learned sampler's own weights
         sampler_args["seed"] = seeds.derive(cfg.train.seed, "policy")
-    kw = dict(weighting_args=dict(df.weighting_args), sampler_args=sampler_args, stats=stats,
+    kw = dict(weighting_args=plain(df.weighting_args), sampler_args=sampler_args, stats=stats,
               learned_weighting=df.learned_weighting, backend=df.backend, seed=seeds.derive(cfg.train.seed, "noise", rank))
     if df.prediction == "mixed":
         m = df.mixed

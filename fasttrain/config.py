@@ -243,6 +243,11 @@ def load_config(preset: str = "default", overrides: list[str] | None = None) -> 
     return cfg
 
 
+def plain(node) -> dict:
+    """A config group as plain Python (lists, not ListConfig): what the registries' signatures take."""
+    return OmegaConf.to_container(node, resolve=True)
+
+
 def _check(cond: bool, key: str, cfg, need: str) -> None:
     if not cond:
         raise ConfigError(f"bad value for '{key}': {OmegaConf.select(cfg, key)!r} ({need})")
@@ -269,10 +274,10 @@ def validate(cfg: DictConfig) -> None:
     d = cfg.diffusion
     for group, reg, name in (("weighting_args", WEIGHTINGS, d.weighting), ("sampler_args", SAMPLERS, d.sampler)):
         try:
-            reg.check_args(name, dict(d[group]), where=f"diffusion.{group}")
+            reg.check_args(name, plain(d[group]), where=f"diffusion.{group}")
         except ValueError as e:
             raise ConfigError(str(e).replace("unknown argument", "unknown config key")) from None
-    args = {k: v for k, v in cfg.model.args.items()}
+    args = plain(cfg.model.args)
     for k in ("in_channels", "image_size", "num_classes"):
         if k in args:
             raise ConfigError(f"unknown config key 'model.args.{k}' (the data decide it)")

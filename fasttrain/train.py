@@ -23,6 +23,7 @@ from . import checkpoint as ckpt
 from . import distributed as dist_utils
 from . import graphs, plots, seeds
 from .bundle import DataSpec, ModelBundle, build_network, build_objective
+from .config import plain
 from .data import build_data
 from .diffusion.interference import InterferenceDiagnostic
 from .diffusion.lookahead import LookAheadContext, lookaheads
@@ -121,7 +122,7 @@ class Trainer:
         peak = dist_utils.device_peak_flops()
         self.flops_per_image = 3 * forward_flops(cfg.model.name, in_channels=self.spec.channels,
                                                  image_size=self.spec.image_size, num_classes=self.spec.num_classes,
-                                                 **cfg.model.args) if peak else None
+                                                 **plain(cfg.model.args)) if peak else None
         self.peak_flops = peak * world if peak else None
 
     def _claim_run_dir(self, resume: bool, restart: bool):

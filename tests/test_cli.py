@@ -131,3 +131,31 @@ def test_out_paths_onto_or_under_a_file(tmp_path, capsys):
                  ["data", "prepare", str(tmp_path), "--out", str(f / "m.json")]):
         assert main(argv) == 1, argv
         _one_line(capsys, "--out")
+
+
+@pytest.mark.parametrize("preset", list(__import__("fasttrain.config", fromlist=["presets"]).presets()))
+def test_every_preset_loads_validates_and_builds(preset):
+    """A preset that names a renamed key (sample.method → sample.solver) fails here, not on a user."""
+    from fasttrain.bundle import DataSpec, build_network, build_objective
+    from fasttrain.config import load_config, validate
+    from fasttrain.data import build_data
+
+    cfg = load_config(preset)
+    validate(cfg)
+    d = cfg.data
+    _, info = build_data(d.name, batch_size=d.batch_size, image_size=d.image_size, channels=d.channels)
+    spec = DataSpec(d.name, info.channels, info.image_size, info.num_classes if cfg.model.class_conditional else 0,
+                    cfg.model.label_dropout)
+    assert sum(p.numel() for p in build_network(cfg, spec).parameters()) > 0
+    build_objective(cfg, stats=False)
+
+
+def test_list_valued_model_arguments(capsys):
+    """`model.args.NAME=[...]` reaches the factory as a list (OmegaConf gives a ListConfig)."""
+    args = ["train", "model.args.ch_mult=[1,2]", "model.args.attn_resolutions=[4]", "--print-config"]
+    assert main(args) == 0
+    from fasttrain.bundle import DataSpec, build_network
+    from fasttrain.config import load_config
+
+    net = build_network(load_config("default", args[1:3]), DataSpec("digits", 1, 8, 10, 0.1))
+    assert len(net.net.repeated_blocks()) > 0
