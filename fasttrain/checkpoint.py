@@ -164,18 +164,31 @@ def save_dcp(folder: str | os.PathLike, state: dict, is_main: bool) -> Path:
     import torch.distributed.checkpoint as dcp
 
     final = Path(folder)
-    tmp = final.with_name(final.name + ".tmp")
-    if is_main and tmp.exists():
-        shutil.rmtree(tmp)
+    tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
+    if is_main:
+        _recover_swap(final)
+        if tmp.exists():
+            shutil.rmtree(tmp)
     dist.barrier()
     dcp.save(state, checkpoint_id=str(tmp))
     dist.barrier()
-    if is_main:  # replace the previous checkpoint only once the new one is complete
-        if final.exists():
-            shutil.rmtree(final)
+    if is_main:  # replace the previous checkpoint only once the new one is complete; at every instant a
+        if final.exists():  # complete one is `final` or `old` (latest() looks at both)
+            final.rename(old)
         tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def _recover_swap(final: Path) -> None:
+    """After a save killed between its two renames, the previous checkpoint waits in `final.old`."""
+    old = final.with_name(final.name + ".old")
+    if old.exists():
+        if final.exists():
+            shutil.rmtree(old)  # killed after the swap, before the clean-up
+        else:
+            old.rename(final)
 
 
 def load_dcp(folder: str | os.PathLike, state: dict) -> dict:
@@ -212,9 +225,11 @@ def read_dcp_extra(folder: str | os.PathLike) -> dict:
 
 # -- finding ---------------------------------------------------------------------------------------
 def latest(run_dir: str | os.PathLike) -> Path | None:
-    """RUN/last.pt (one process) or RUN/dcp (several), whichever was written last."""
+    """RUN/last.pt (one process) or RUN/dcp (several), whichever was written last; RUN/dcp.old when a
+    save was killed while swapping the folders (save_dcp)."""
     run_dir = Path(run_dir)
-    found = [p for p in (run_dir / "last.pt", run_dir / "dcp") if p.is_file() or (p / ".metadata").is_file()]
+    dcp = run_dir / "dcp" if (run_dir / "dcp" / ".metadata").is_file() else run_dir / "dcp.old"
+    found = [p for p in (run_dir / "last.pt", dcp) if p.is_file() or (p / ".metadata").is_file()]
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 

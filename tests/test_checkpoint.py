@@ -117,3 +117,38 @@ def test_latest_and_resolve(tmp_path):
     ckpt.save_file(tmp_path / "last.pt", {"config": {}, "data_spec": {}, "step": 1, "model": {}, "ema": {}})
     assert ckpt.latest(tmp_path) == tmp_path / "last.pt" and ckpt.resolve(tmp_path) == tmp_path / "last.pt"
     assert not list(tmp_path.glob("*.tmp"))  # the temp file is gone
+
+
+def test_a_dcp_save_killed_mid_swap_loses_nothing(tmp_path, monkeypatch):
+    """Killed between moving the previous folder aside and moving the new one in: the previous
+    checkpoint still resumes, and the next save puts it back before replacing it."""
+    from pathlib import Path
+
+    monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: None)  # one process, no group
+    run = tmp_path / "run"
+    folder = run / "dcp"
+
+    def state(step):
+        return {"model": {"w": torch.full((3, 4), float(step))}, "ema": {"w": torch.zeros(3, 4)},
+                "extra": ckpt.to_tensor({"config": {}, "data_spec": {}, "step": step})}
+
+    ckpt.save_dcp(folder, state(1), True)
+    real, calls = Path.rename, []
+
+    def dying_rename(self, target):
+        if self.parent != run:  # DCP's own renames inside the folder
+            return real(self, target)
+        calls.append(self.name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the second signal, between the two renames
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", dying_rename)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_dcp(folder, state(2), True)
+    monkeypatch.setattr(Path, "rename", real)
+    assert calls == ["dcp", "dcp.tmp"] and not folder.exists()
+    assert ckpt.read_plain(run)["step"] == 1
+    ckpt.save_dcp(folder, state(3), True)
+    assert ckpt.latest(run) == folder and ckpt.read_plain(run)["step"] == 3
+    assert sorted(p.name for p in run.iterdir()) == ["dcp"]
