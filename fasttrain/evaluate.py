@@ -123,7 +123,7 @@ def _folder_items(root: str, spec, d, n: int) -> torch.Tensor:
         ds = LatentFolderDataset(root, manifest)
     else:
         files = [tuple(f) for f in manifest["files"]] if manifest else scan(root, IMAGE_EXTENSIONS)[0]
-        ds = ImageFolderDataset(root, spec.image_size, spec.channels, flip=False, files=files)
+        ds = ImageFolderDataset(root, spec.image_size, spec.channels, files=files)
     items = [ds[i][0] for i in range(min(n, len(ds)))]
     if not items:
         raise ValueError(f"reference {root} holds no {'.npy latents' if spec.name == 'latents' else 'images'}")

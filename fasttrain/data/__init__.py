@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from . import dali
 from .builtin import TOYS, digits, synthetic, toy
-from .order import epoch_order
+from .order import augment_table, epoch_order
 from .folder import ImageFolderDataset, LatentFolderDataset
 from .manifest import build_manifest, load_manifest
 
@@ -80,16 +80,23 @@ class MemoryStream:
 
 
 class _Order(Sampler):
-    """This rank's indices from a saved position onwards, epoch after epoch."""
+    """This rank's indices from a saved position onwards, epoch after epoch; with `augment` = (flip,
+    random crop), each index comes with its sample's augmentation draws (order.augment_table)."""
 
-    def __init__(self, n: int, seed: int, rank: int, world_size: int, epoch: int, pos: int):
+    def __init__(self, n: int, seed: int, rank: int, world_size: int, epoch: int, pos: int,
+                 augment: tuple[bool, bool] | None = None):
         self.n, self.seed, self.rank, self.world_size, self.epoch, self.pos = n, seed, rank, world_size, epoch, pos
+        self.augment = augment
 
     def __iter__(self):
         epoch, pos = self.epoch, self.pos
         while True:
-            for i in epoch_order(self.n, self.seed, epoch, self.rank, self.world_size)[pos:].tolist():
-                yield i
+            order = epoch_order(self.n, self.seed, epoch, self.rank, self.world_size)
+            if self.augment is None:
+                yield from order[pos:].tolist()
+            else:
+                aug = augment_table(len(order), self.seed, epoch, self.rank, *self.augment)
+                yield from ((i, *a) for i, a in zip(order[pos:].tolist(), aug[pos:].tolist()))
             epoch, pos = epoch + 1, 0
 
     def __len__(self):
@@ -102,17 +109,17 @@ class LoaderStream:
     position of the batches handed out (not of those prefetched), so resume is exact."""
 
     def __init__(self, dataset, batch_size: int, seed: int, device="cpu", num_workers: int = 0,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, augment: tuple[bool, bool] | None = None):
         n = len(dataset)
         if batch_size > n // world_size:
             raise ValueError(f"data.batch_size {batch_size} is larger than the data set ({n}) per rank")
         self.dataset, self.batch_size, self.seed, self.device = dataset, batch_size, seed, torch.device(device)
         self.num_workers, self.rank, self.world_size, self.per_rank = num_workers, rank, world_size, n // world_size
-        self.epoch, self.pos = 0, 0
+        self.epoch, self.pos, self.augment = 0, 0, augment
         self._it, self._next, self._stream = None, None, None
 
     def _start(self):
-        order = _Order(len(self.dataset), self.seed, self.rank, self.world_size, self.epoch, self.pos)
+        order = _Order(len(self.dataset), self.seed, self.rank, self.world_size, self.epoch, self.pos, self.augment)
         self._it = iter(DataLoader(self.dataset, batch_size=self.batch_size, sampler=order,
                                    num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
                                    pin_memory=self.device.type == "cuda"))
@@ -218,11 +225,12 @@ def build_data(name: str, *, batch_size: int, seed: int = 0, image_size: int = 8
             raise ValueError(f"latents must be stored as [C, S, S] arrays, {ds.files[0][0]} has shape {shape}")
         info = DataInfo(shape[0], shape[1], len(m["classes"]), len(files))
     else:
-        ds = ImageFolderDataset(root, image_size, channels, flip=flip, crop=crop, manifest=m)
+        ds = ImageFolderDataset(root, image_size, channels, manifest=m)
         info = DataInfo(channels, image_size, len(m["classes"]), len(files))
     if kind == "dali":
         stream = dali.DaliStream("latents" if name == "latents" else "images", root, files, batch_size,
                                  image_size=image_size, channels=channels, seed=seed, rank=rank, world_size=world_size,
                                  device=device, num_threads=max(1, num_workers), crop=crop, flip=flip)
         return stream, info
-    return LoaderStream(ds, batch_size, seed, device, num_workers, rank, world_size), info
+    augment = None if name == "latents" else (flip, crop == "random")
+    return LoaderStream(ds, batch_size, seed, device, num_workers, rank, world_size, augment), info

@@ -21,9 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import seeds
 from ..errors import UserError
-from .order import epoch_order
+from .order import augment_table, epoch_order
 
 LAST_BATCH = ("drop", "partial", "pad")
 
@@ -120,13 +119,7 @@ class DaliStream:
         return [self.files[i] for i in epoch_order(len(self.files), self.seed, epoch, self.rank, self.world_size).tolist()]
 
     def _augment(self, epoch: int) -> np.ndarray:
-        """[per_rank, 3] (mirror, crop_x, crop_y) of every sample of this rank's epoch."""
-        g = torch.Generator().manual_seed(seeds.derive(self.seed, "augment", epoch, self.rank))
-        aug = torch.rand(self.per_rank, 3, generator=g, dtype=torch.float64).numpy()
-        aug[:, 0] = (aug[:, 0] < 0.5) if self.flip else 0
-        if self.crop != "random":
-            aug[:, 1:] = 0.5
-        return aug
+        return augment_table(self.per_rank, self.seed, epoch, self.rank, self.flip, self.crop == "random").numpy()
 
     def _pipeline(self, items: list[tuple[str, int]], aug: np.ndarray, policy: str):
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy

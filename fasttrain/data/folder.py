@@ -1,7 +1,9 @@
 """Image folders and .npy latent folders read through a torch DataLoader (the `torch` data backend;
 `dali.py` is the other one). Class subfolders give labels (torchvision's ImageFolder layout); a flat
-folder gets label 0. Images are resized on the shorter side, centre- or randomly cropped, randomly
-flipped and scaled to [-1, 1]; latents are returned as stored.
+folder gets label 0. Images are resized on the shorter side, cropped, optionally mirrored and scaled to
+[-1, 1]; the crop position and the mirror come with the index (order.augment_table, the draws DALI
+uses too), so they are seeded and resumable; a plain index gives the centre crop. Latents are
+returned as stored.
 """
 from __future__ import annotations
 
@@ -47,20 +49,17 @@ def _files(root, manifest, extensions):
 
 
 class ImageFolderDataset(Dataset):
-    def __init__(self, root: str, image_size: int, channels: int = 3, flip: bool = True, crop: str = "center",
-                 files: list[tuple[str, int]] | None = None, manifest: dict | None = None):
+    def __init__(self, root: str, image_size: int, channels: int = 3, files: list[tuple[str, int]] | None = None,
+                 manifest: dict | None = None):
         self.root = Path(root)
         if files is not None:
             self.files, self.classes = files, sorted({label for _, label in files})
         else:
             self.files, self.classes = _files(root, manifest, IMAGE_EXTENSIONS)
-        self.mode = "L" if channels == 1 else "RGB"
-        crop_op = transforms.CenterCrop(image_size) if crop == "center" else transforms.RandomCrop(image_size)
-        ops = [transforms.Resize(image_size), crop_op]
-        if flip:
-            ops.append(transforms.RandomHorizontalFlip())
-        ops += [transforms.ToTensor(), transforms.Normalize([0.5] * channels, [0.5] * channels)]
-        self.transform = transforms.Compose(ops)
+        self.mode, self.size = ("L" if channels == 1 else "RGB"), image_size
+        self.resize = transforms.Resize(image_size)
+        self.to_tensor = transforms.Compose([transforms.ToTensor(), transforms.Normalize([0.5] * channels,
+                                                                                         [0.5] * channels)])
 
     @property
     def num_classes(self) -> int:
@@ -69,14 +68,22 @@ class ImageFolderDataset(Dataset):
     def __len__(self) -> int:
         return len(self.files)
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, item):
+        """`item`: an index, or (index, mirror, crop_x, crop_y) with the crop position in [0, 1]."""
+        i, mirror, cx, cy = item if isinstance(item, tuple) else (item, 0.0, 0.5, 0.5)
         path, label = self.files[i]
         try:
             with Image.open(self.root / path) as im:
-                return self.transform(im.convert(self.mode)), torch.tensor(label)
+                im = self.resize(im.convert(self.mode))
         except (OSError, ValueError, SyntaxError) as e:  # PIL's errors for truncated or corrupt files
             raise ValueError(f"cannot decode {self.root / path} ({type(e).__name__}); it changed after "
                              f"`fasttrain data prepare` was run: run it again") from None
+        w, h = im.size
+        left, top = round(cx * (w - self.size)), round(cy * (h - self.size))  # (0.5, 0.5): CenterCrop's offsets
+        im = im.crop((left, top, left + self.size, top + self.size))
+        if mirror:
+            im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return self.to_tensor(im), torch.tensor(label)
 
 
 class LatentFolderDataset(Dataset):

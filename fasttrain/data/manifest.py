@@ -89,7 +89,7 @@ def encode_folder(manifest: dict, encoder, out: str | Path, image_size: int, bat
     import torch
 
     root, out = Path(manifest["root"]), Path(out)
-    ds = ImageFolderDataset(str(root), image_size, 3, flip=False, files=[tuple(f) for f in manifest["files"]])
+    ds = ImageFolderDataset(str(root), image_size, 3, files=[tuple(f) for f in manifest["files"]])
     for lo in tqdm(range(0, len(ds), batch_size), desc="encoding", disable=not progress, unit="batch"):
         idx = range(lo, min(lo + batch_size, len(ds)))
         x = torch.stack([ds[i][0] for i in idx])

@@ -89,3 +89,32 @@ def test_falls_back_to_the_dataloader_without_dali(tmp_path, monkeypatch):
         build_data("folder", batch_size=2, root=str(tmp_path / "f"), image_size=8, backend="dali")
     assert main(["train", "data.name=folder", f"data.root={tmp_path / 'f'}", "data.backend=dali",
                  f"run_dir={tmp_path / 'run'}", "train.progress=false"]) == 1
+
+
+def test_folder_augmentations_are_seeded_and_resumable_on_the_dataloader(tmp_path):
+    """The torch backend draws flips and crop positions from the same table as DALI
+    (order.augment_table): a resumed stream repeats them, and each sample is mirrored exactly when
+    its draw says so."""
+    from fasttrain.data.order import augment_table, epoch_order
+
+    _write_folder(tmp_path)
+    kw = dict(batch_size=2, root=str(tmp_path), image_size=16, backend="torch", seed=5)
+    s, _ = build_data("folder", flip=True, crop="random", **kw)
+    first = [next(s) for _ in range(2)]
+    state = s.state_dict()
+    cont = [next(s) for _ in range(7)]  # past the end of epoch 0 (3 batches of 2)
+    s2, _ = build_data("folder", flip=True, crop="random", **kw)
+    s2.load_state_dict(state)
+    for (a, ya), (b, yb) in zip(cont, [next(s2) for _ in range(7)]):
+        assert torch.equal(a, b) and torch.equal(ya, yb)
+    centre, _ = build_data("folder", flip=True, crop="center", **kw)
+    assert any(not torch.equal(a, next(centre)[0]) for a, _ in first + cont)  # the random crops do move
+
+    flipped, _ = build_data("folder", flip=True, crop="center", **kw)
+    plain, _ = build_data("folder", flip=False, crop="center", **kw)
+    mirror = torch.cat([augment_table(6, 5, e, 0, True, False)[:, 0] for e in range(2)])
+    assert 0 < mirror.sum() < len(mirror) and len(epoch_order(6, 5, 0)) == 6
+    xs = torch.cat([next(flipped)[0] for _ in range(6)])
+    ys = torch.cat([next(plain)[0] for _ in range(6)])
+    for k in range(12):
+        assert torch.equal(xs[k], ys[k].flip(-1) if mirror[k] else ys[k]), k
