@@ -55,7 +55,7 @@ class GraphedStep:
         self.lr = torch.tensor(trainer.opt.param_groups[0]["lr"], dtype=torch.float32, device=dev)
         self.ema_weight = torch.zeros((), dtype=torch.float32, device=dev)
         self.arm()
-        self.x0 = self.y = None
+        self.x0 = self.y = self.labels = None  # labels: the step's labels after dropout (a graph output)
         self.out = None
         self.graph = None
         self.calls = 0
@@ -76,7 +76,7 @@ class GraphedStep:
 
     def _body(self):
         tr = self.tr
-        labels = tr._labels(self.y)
+        self.labels = labels = tr._labels(self.y)
         with tr.precision.context(cache=False):
             loss, _ = tr.objective(tr.model, self.x0, labels, tr.gen)
         loss.backward()

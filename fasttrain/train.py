@@ -162,13 +162,13 @@ class Trainer:
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.graph is not None:  # the whole step replayed from one CUDA graph (graphs.py)
             total, gnorm = self.graph(next(self.data))
-            self.lr_sched.step()
-            self.graph.sync_lr()
-            if self.interference is not None and self.interference.due(self.step):  # outside the graph
-                ctx = LookAheadContext(self.model, self.objective, self.graph.x0, None, self.step, 0, 1,
-                                       lr=float(self.graph.lr), optimizer=self.opt)
+            if self.interference is not None and self.interference.due(self.step):  # outside the graph, with
+                ctx = LookAheadContext(self.model, self.objective, self.graph.x0, self.graph.labels, self.step, 0, 1,
+                                       lr=float(self.graph.lr), optimizer=self.opt)  # the step's labels and lr
                 with self.precision.context():
                     self.interference.after_update(ctx)
+            self.lr_sched.step()
+            self.graph.sync_lr()
             return self._after_step(total, gnorm)
         accum = self.cfg.train.grad_accum
         total = torch.zeros((), device=self.device)
@@ -267,8 +267,8 @@ class Trainer:
             # saves crash.pt for inspection and keeps the last good last.pt. (Across ranks a collective
             # save could hang on a rank that died, so there the last periodic checkpoint is what resumes.)
             if not isinstance(e, KeyboardInterrupt) and self.dist.world_size == 1:
-                self.save("crash.pt")
-            log.close()
+                _report_failure("crash.pt not written", lambda: self.save("crash.pt"))
+            _report_failure("the log was not closed cleanly", log.close)  # the original error is the one raised
             raise
         bar.close()
         self._save_if_good()  # before the final sync, so that a resumed run continues exactly
@@ -381,3 +381,12 @@ def train(cfg: DictConfig, resume: bool = False, restart: bool = False) -> dict:
         return trainer.fit()
     finally:
         trainer.close()
+
+
+def _report_failure(what: str, fn) -> None:
+    """Run `fn` while another error is propagating: a failure of its own is one line on stderr, so that
+    it does not replace the error the user needs to see."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        print(f"fasttrain: {what} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr)

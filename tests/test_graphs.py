@@ -36,6 +36,28 @@ def test_static_buffer_step_equals_the_plain_step(tmp_path):
         static.close()
 
 
+def test_interference_on_the_static_buffer_step_equals_the_plain_step(tmp_path):
+    """The diagnostic runs outside the graph: with the replayed step's batch, labels after dropout and
+    learning rate, it measures what the eager step's hook measures."""
+    diag = ["diagnostics.interference_every=3", "diagnostics.buckets=3", "diagnostics.probe_size=6",
+            "model.label_dropout=0.5"]
+    plain = Trainer(load_config("default", [f"run_dir={tmp_path / 'a'}", "train.steps=7"] + TINY + diag))
+    static = Trainer(load_config("default", [f"run_dir={tmp_path / 'b'}", "train.steps=7"] + TINY + diag))
+    try:
+        static.graph = graphs.GraphedStep(static, capture=False)
+        for tr in (plain, static):
+            for _ in range(7):
+                tr.train_step()
+        a, b = plain.interference.history, static.interference.history
+        assert len(a) == len(b) == 2
+        for ha, hb in zip(a, b):
+            assert ha["step"] == hb["step"]
+            torch.testing.assert_close(hb["matrix"], ha["matrix"], rtol=1e-4, atol=1e-9)
+    finally:
+        plain.close()
+        static.close()
+
+
 def test_unsupported_steps_say_why_and_fall_back(tmp_path, capsys):
     tr = Trainer(load_config("default", [f"run_dir={tmp_path}", "train.steps=2", "train.cuda_graph=true"] + TINY))
     try:

@@ -141,6 +141,24 @@ def test_nonfinite_steps_are_skipped_and_the_run_stops_with_good_checkpoints(tmp
                  "--out", str(tmp_path / "s2")]) == 1
 
 
+def test_a_failing_crash_save_does_not_hide_the_error(tmp_path, monkeypatch, capsys):
+    """A full disk while writing crash.pt: the run's own error is still the one raised, the save's
+    failure is one line, and the metrics log is closed (its rows are on disk)."""
+    real = Trainer.save
+
+    def save(self, name="last.pt"):
+        if name == "crash.pt":
+            raise OSError(28, "No space left on device")
+        return real(self, name)
+
+    monkeypatch.setattr(Trainer, "save", save)
+    with pytest.raises(FloatingPointError, match="non-finite steps in a row"):
+        train(_cfg(tmp_path, "train.steps=40", "train.log_every=5", "train.max_nonfinite=5", "optim.lr=1e30",
+                   "optim.warmup_steps=0"))
+    assert "fasttrain: crash.pt not written (OSError: [Errno 28] No space left on device)" in capsys.readouterr().err
+    assert not (tmp_path / "crash.pt").exists() and read_jsonl(tmp_path / "metrics.jsonl")
+
+
 def test_a_skipped_step_changes_nothing(tmp_path):
     """A non-finite gradient leaves weights, optimizer state and EMA exactly as they were."""
     tr = Trainer(_cfg(tmp_path, "train.steps=3"))
