@@ -1,4 +1,4 @@
-"""The digits-adaptive recipe in a hand-written loop, until the trainer calls the look-ahead hook:
+"""The digits-adaptive recipe in a hand-written loop outside the trainer (the sampler's own record):
 unet_tiny on sklearn's digits, ε-prediction, Min-SNR-5, the adaptive sampler with fasttrain's
 defaults (or --official), the default preset's optimizer (AdamW 1e-3, 200 warm-up steps, clip 1.0,
 EMA 0.999), in the trainer's call order (`lookahead.reference_step`). At the end: 100 DDIM-50
@@ -27,7 +27,7 @@ from fasttrain.ema import EMA
 from fasttrain.features import judge
 from fasttrain.models import build_model
 from fasttrain.plot_adaptive import plot_adaptive
-from fasttrain.sample import sample
+from fasttrain.diffusion.solvers import generate
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -69,9 +69,16 @@ def main() -> None:
     train_s = time.perf_counter() - t0
     lookahead += smp.metrics()["adaptive/lookahead_s"]
     labels = torch.arange(100) % 10
-    with ema.applied(model):
-        imgs = sample(model.eval(), obj.schedule, "eps", (100, 1, 8, 8), steps=50, labels=labels,
-                      generator=torch.Generator().manual_seed(0))
+    sch = obj.schedule
+
+    def denoise(x_t, t: int):  # (x̂0, ε̂) from the ε-prediction network
+        tt = torch.full((x_t.shape[0],), t, dtype=torch.long)
+        x0 = obj.x0_hat(model(x_t, tt, labels), x_t, tt)
+        return x0, (x_t - sch.alpha[t] * x0) / sch.sigma[t]
+
+    with ema.applied(model), torch.no_grad():
+        model.eval()
+        imgs = generate(denoise, sch, (100, 1, 8, 8), steps=50, generator=torch.Generator().manual_seed(0))
     verdict = judge(imgs, labels)
     h = smp.p_history(bins=50)
     first, last = h["p"][0], h["p"][-1]

@@ -28,3 +28,14 @@ def test_bench_cases_run_on_tiny_shapes():
     fused = count_launches(lambda: case.fused(backend="torch"))
     assert fused <= 4 and count_launches(case.eager) >= 10 * fused
     assert "torch" in machine()
+
+
+def test_every_benchmark_script_imports():
+    """A script that imports a module a refactor removed fails here, not in the next benchmark run."""
+    import importlib
+
+    scripts = sorted(p.stem for p in (Path(__file__).parents[2] / "bench").glob("*.py") if p.stem != "conftest")
+    assert {"convergence", "throughput", "presets", "adaptive_digits"} <= set(scripts)
+    for name in scripts:
+        mod = importlib.import_module(name)
+        assert mod.__file__.endswith(f"bench/{name}.py")
