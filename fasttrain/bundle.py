@@ -13,7 +13,7 @@ so they work when the training data are gone.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -213,9 +213,6 @@ class ModelBundle:
         bad = P.conditioning(self.cfg.diffusion.prediction, self.schedule) < 1e-6
         if bool(bad.any()):
             raise ValueError(sampling_refusal(self.cfg.diffusion.prediction, self.schedule.name))
-
-    def spec_dict(self) -> dict:
-        return asdict(self.spec)
 
 
 def sampling_refusal(prediction: str, schedule_name: str) -> str:

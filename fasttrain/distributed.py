@@ -52,8 +52,8 @@ def mean_across_ranks(x: torch.Tensor) -> torch.Tensor:
 
 
 def shutdown(code: int = 0) -> None:
-    """Leave the process group and exit. gloo's teardown can abort after all work is done (platform
-    notes §3): flush and leave with os._exit, after a barrier so no rank is still communicating."""
+    """Leave the process group and exit. gloo's teardown can abort after all work is done (seen
+    with torch 2.14 on CPU): flush and leave with os._exit, after a barrier so no rank is still communicating."""
     if dist.is_available() and dist.is_initialized():
         try:
             dist.barrier()

@@ -10,6 +10,7 @@ purpose never shifts an old one.
     reseed       fresh per-rank streams when a run resumes on another number of processes (per step)
     policy       learned samplers' own parameters (the same on every rank)
     eval         sampling for evaluation and generation
+    probe        the adaptive sampler's look-ahead draws (τ-grid, x0* choice, probe noise per rank)
 """
 from __future__ import annotations
 

@@ -48,11 +48,6 @@ class TimestepBins:
         scatter_into(self.data, self.pivots, t, values)
         return self
 
-    def add_(self, other: "TimestepBins") -> "TimestepBins":
-        """Merge a window with the same pivots (e.g. another rank's, or a saved one)."""
-        self.data += other.data.to(self.data.device)
-        return self
-
     def moments(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(count [T], mean [V, T], M2 [V, T]) of the window, unshifted; mean is 0 where count is 0."""
         n = self.data[0]

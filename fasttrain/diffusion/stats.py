@@ -119,8 +119,9 @@ class TimestepStats:
         return torch.cat([a for a, _ in keep]), torch.cat([b for _, b in keep])
 
     def _push_ring(self, t: torch.Tensor, v: torch.Tensor) -> None:
-        """Write each loss into slot (count[t] + rank) % H of its timestep's ring, in arrival order,
-        keeping only the last H per timestep (iDDPM's per-term deque) without a host sync."""
+        """Write each loss into slot (count[t] + k) % H of its timestep's ring, k its arrival order among
+        this batch's samples at t, keeping only the last H per timestep (iDDPM's per-term deque) without
+        a host sync."""
         order = torch.argsort(t, stable=True)  # arrival order kept within each timestep
         ts, vs = t[order], v[order]
         idx = torch.arange(ts.numel(), device=ts.device)

@@ -16,11 +16,6 @@ register = MODELS.register
 discover(__name__)  # unet.py, dit.py, mlp.py, ... register their presets
 
 
-def model_args(name: str) -> tuple[str, ...]:
-    """Keyword arguments a registry entry accepts (for config validation)."""
-    return tuple(MODELS.args(name))
-
-
 def is_image_model(name: str) -> bool:
     return "image_size" in MODELS.args(name)
 

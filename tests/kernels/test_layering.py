@@ -1,7 +1,6 @@
-"""The kernels are a layer below the diffusion package: fasttrain.kernels (the folder kernels/)
-imports only the standard library, torch, triton, numpy and its own modules, never the rest of
-fasttrain (DESIGN: kernels take tables, never schedule or prediction objects), except the compiled
-extension fasttrain._C that the native backend loads."""
+"""The kernels are a layer below the diffusion package (docs/architecture.md: kernels take tables,
+never schedule or prediction objects): fasttrain.kernels (the folder kernels/) imports only the
+standard library, torch, triton, numpy, its own modules and the compiled extension fasttrain._C."""
 import ast
 from pathlib import Path
 
