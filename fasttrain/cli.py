@@ -187,7 +187,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         again = " ".join(a for a in argv[1:] if a not in ("--resume", "--restart"))
-        print(f"fasttrain: stopped; the run continues with: fasttrain train {again} --resume", file=sys.stderr)
+        from .checkpoint import latest
+
+        if latest(cfg.run_dir) is not None:
+            print(f"fasttrain: stopped; the run continues with: fasttrain train {again} --resume", file=sys.stderr)
+        else:
+            print(f"fasttrain: stopped before the first checkpoint, nothing to resume; start again with: "
+                  f"fasttrain train {again} --restart", file=sys.stderr)
         shutdown(130)
         return 130
     if int(os.environ.get("RANK", "0")) != 0:
@@ -225,6 +231,10 @@ def _sample(args) -> int:
     from .evaluate import reference_for
 
     out = out_dir(args.out)
+    earlier = sorted(out.glob("[0-9][0-9][0-9][0-9][0-9].png")) + sorted(out.glob("samples.pt"))
+    if earlier:  # new samples among old ones would mix two runs (and a smaller --n would leave stale files)
+        raise ValueError(f"--out {args.out} already holds samples ({earlier[0].name}, {len(earlier)} files): choose "
+                         f"an empty folder (nothing was overwritten)")
     b = ModelBundle.load(args.ckpt)
     sc, classes = b.cfg.sample, b.spec.num_classes
     labels = None

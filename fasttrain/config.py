@@ -235,6 +235,9 @@ def load_config(preset: str = "default", overrides: list[str] | None = None) -> 
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as e:
             raise _wrap(e, f"from '{item}'") from None
+        except yaml.YAMLError as e:  # the value is parsed as YAML: an unclosed list, a stray colon
+            raise ConfigError(f"override '{item}': its value is not valid YAML "
+                              f"({str(e).splitlines()[0]})") from None
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:

@@ -127,6 +127,8 @@ class Trainer:
 
     def _claim_run_dir(self, resume: bool, restart: bool):
         """One trainer per run directory, and a fresh run never overwrites an earlier one."""
+        if resume and ckpt.latest(self.run_dir) is None:  # before anything is created there
+            raise _no_checkpoint(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         lock = ckpt.RunLock(self.run_dir)
         if resume:
@@ -138,8 +140,10 @@ class Trainer:
             print(f"fasttrain: moved the earlier run to {moved}", file=sys.stderr)
         elif earlier:
             lock.release()
-            raise UserError(f"{self.run_dir} already holds a run ({', '.join(earlier)}): continue it with --resume, "
-                               f"or start over with --restart (which moves it to {self.run_dir}/previous-N/)")
+            how = ("continue it with --resume, or " if ckpt.latest(self.run_dir) else "it has no checkpoint to "
+                   "continue from, so ")
+            raise UserError(f"{self.run_dir} already holds a run ({', '.join(earlier)}): {how}start over with "
+                            f"--restart (which moves it to {self.run_dir}/previous-N/)")
         return lock
 
     # -- checkpoints (the manager in checkpoint.py owns formats and contents) -----------------------
@@ -234,7 +238,7 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))  # the truth, resumed or not
         if self.step == 0:
             log.log(0, params=self.num_params, images=0, world_size=self.dist.world_size)
-        acc_loss, acc_gn = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
+        acc = torch.zeros(3, device=self.device)  # Σ loss, Σ grad norm, count over the finite (not skipped) steps
         n_acc, t0 = 0, time.time()
         bar = tqdm(total=tc.steps, initial=self.step, desc="train", unit="step", disable=not (tc.progress and main),
                    dynamic_ncols=True)
@@ -242,13 +246,14 @@ class Trainer:
             with GracefulStop(self.dist.world_size) as stop:
                 while self.step < tc.steps:
                     loss, gnorm = self.train_step()
-                    acc_loss += torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0)
-                    acc_gn += torch.nan_to_num(gnorm, nan=0.0, posinf=0.0, neginf=0.0)
+                    ok = torch.isfinite(loss) & torch.isfinite(gnorm)
+                    one = torch.ones((), device=self.device)
+                    acc += torch.stack([loss.float(), gnorm.float(), one]).where(ok, 0.0)
                     n_acc += 1
                     bar.update(1)
                     if self.step % tc.log_every == 0 or self.step == tc.steps:
-                        self._log(log, bar, acc_loss, acc_gn, n_acc, time.time() - t0)
-                        acc_loss.zero_(), acc_gn.zero_()
+                        self._log(log, bar, acc, n_acc, time.time() - t0)
+                        acc.zero_()
                         n_acc, t0 = 0, time.time()
                     if tc.max_nonfinite and self.step % min(tc.max_nonfinite, tc.log_every) == 0:
                         self._check_nonfinite()
@@ -277,9 +282,11 @@ class Trainer:
         log.close()
         return summary
 
-    def _log(self, log, bar, acc_loss, acc_gn, n_acc, dt) -> None:
-        # the one host sync per log interval (and one all-reduce across ranks)
-        mean_loss = dist_utils.mean_across_ranks(acc_loss / n_acc).item()
+    def _log(self, log, bar, acc, n_acc, dt) -> None:
+        # the one host sync per log interval (and one all-reduce across ranks); loss and grad norm are
+        # means over the steps that were not skipped (None when all were)
+        loss_sum, gn_sum, n_ok = dist_utils.mean_across_ranks(acc).tolist()
+        mean_loss = loss_sum / n_ok if n_ok else None
         stats = self.objective.stats
         buckets = stats.bucketed(10, "raw") if stats is not None else None
         img_s = n_acc * self.images_per_step / dt
@@ -288,19 +295,19 @@ class Trainer:
             extra.update(getattr(h, "metrics", lambda: {})())
         hook_s = sum(v for k, v in extra.items() if k.endswith("lookahead_s"))
         cv = None if stats is None else float(loss_cv(stats, self.cfg.diagnostics.loss_cv_buckets))
-        log.log(self.step, images=self.images, loss=mean_loss, grad_norm=(acc_gn / n_acc).item(),
+        log.log(self.step, images=self.images, loss=mean_loss, grad_norm=gn_sum / n_ok if n_ok else None,
                 lr=self.lr_sched.get_last_lr()[0], sec_per_step=dt / n_acc, images_per_sec=img_s,
                 mfu=img_s * self.flops_per_image / self.peak_flops if self.peak_flops else None,
                 skipped_steps=int(self.skipped), loss_by_t_bucket=None if buckets is None else buckets["mean"],
                 loss_cv=cv, lookahead_share=hook_s / dt if self.hooks else None, **extra)
-        bar.set_postfix(loss=f"{mean_loss:.4f}")
+        bar.set_postfix(loss=f"{mean_loss:.4f}" if mean_loss is not None else "skipped")
 
     def _check_nonfinite(self) -> None:
         run = int(self.skipped_run)
         if run >= self.cfg.train.max_nonfinite:  # fit's handler writes crash.pt
+            kept = "the last good checkpoint is kept" if self.checkpoints.latest() else "no checkpoint had been written"
             raise FloatingPointError(f"stopped at step {self.step}: {run} non-finite steps in a row (skipped, weights "
-                                     f"kept); the last good checkpoint is kept, crash.pt holds this state "
-                                     f"(try a lower optim.lr)")
+                                     f"kept); {kept}, crash.pt holds this state (try a lower optim.lr)")
 
     def _weights_work(self) -> bool:
         """Finite weights whose output is finite on a probe (the last update could have made them
@@ -375,12 +382,17 @@ def train(cfg: DictConfig, resume: bool = False, restart: bool = False) -> dict:
         if resume:
             last = trainer.checkpoints.latest()
             if last is None:
-                raise FileNotFoundError(f"--resume: no checkpoint at {trainer.run_dir / 'last.pt'} or "
-                                        f"{trainer.run_dir / 'dcp'}")
+                raise _no_checkpoint(trainer.run_dir)
             trainer.restore(last)
         return trainer.fit()
     finally:
         trainer.close()
+
+
+def _no_checkpoint(run_dir: Path) -> FileNotFoundError:
+    crash = "; crash.pt holds a failed run's state, not a resumable one: start over with --restart" \
+        if (run_dir / "crash.pt").exists() else ""
+    return FileNotFoundError(f"--resume: no checkpoint at {run_dir / 'last.pt'} or {run_dir / 'dcp'}{crash}")
 
 
 def _report_failure(what: str, fn) -> None:

@@ -159,3 +159,49 @@ def test_list_valued_model_arguments(capsys):
 
     net = build_network(load_config("default", args[1:3]), DataSpec("digits", 1, 8, 10, 0.1))
     assert len(net.net.repeated_blocks()) > 0
+
+
+def test_probe_findings_are_one_line_and_leave_nothing_behind(tmp_path, capsys):
+    """Bad level lists, unparsable override values, a text file as a checkpoint, --resume on a folder
+    that does not exist, and sampling into a folder that already holds samples."""
+    base = ["model.args.ch=8", "train.steps=2", "sample.num=0", "train.progress=false", "eval.num_samples=0",
+            "eval.bpd=false"]
+    for bad, words in ((["model.args.ch_mult=[a]"], "model.args.ch_mult must be a non-empty list of positive"),
+                       (["model.args.ch_mult=[]"], "model.args.ch_mult must be a non-empty list"),
+                       (["model.args.attn_resolutions=[[4]]"], "model.args.attn_resolutions must be a list"),
+                       (["model.args.ch_mult=[1,2"], "its value is not valid YAML")):
+        code = main(["train", f"run_dir={tmp_path / 'bad'}"] + base + bad)
+        assert code in (1, 2)
+        _one_line(capsys, words)
+    missing = tmp_path / "never"
+    assert main(["train", f"run_dir={missing}", "--resume"] + base) == 1
+    _one_line(capsys, "no checkpoint")
+    assert not missing.exists()
+    text = tmp_path / "notes.txt"
+    text.write_text("hi\n")
+    assert main(["sample", "--ckpt", str(text), "--out", str(tmp_path / "s")]) == 1
+    _one_line(capsys, "cannot read checkpoint")
+    run = tmp_path / "run"
+    assert main(["train", f"run_dir={run}"] + base) == 0
+    capsys.readouterr()
+    assert main(["sample", "--ckpt", str(run), "--n", "3", "--steps", "2", "--out", str(tmp_path / "s")]) == 0
+    capsys.readouterr()
+    before = sorted(p.name for p in (tmp_path / "s").iterdir())
+    assert main(["sample", "--ckpt", str(run), "--n", "2", "--steps", "2", "--out", str(tmp_path / "s")]) == 1
+    _one_line(capsys, "already holds samples (00000.png, 3 files)")
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == before
+
+
+def test_an_interrupt_before_the_first_checkpoint_does_not_promise_a_resume(tmp_path, capsys, monkeypatch):
+    import fasttrain.train
+
+    def interrupted(cfg, resume=False, restart=False):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fasttrain.train, "train", interrupted)
+    assert main(["train", f"run_dir={tmp_path}", "train.steps=3"]) == 130
+    err = capsys.readouterr().err
+    assert "stopped before the first checkpoint, nothing to resume" in err and "--restart" in err
+    (tmp_path / "last.pt").write_bytes(b"x")  # latest() only looks for the file
+    assert main(["train", f"run_dir={tmp_path}", "train.steps=3"]) == 130
+    assert "the run continues with: fasttrain train" in capsys.readouterr().err

@@ -159,6 +159,24 @@ def test_a_failing_crash_save_does_not_hide_the_error(tmp_path, monkeypatch, cap
     assert not (tmp_path / "crash.pt").exists() and read_jsonl(tmp_path / "metrics.jsonl")
 
 
+def test_a_run_that_fails_before_its_first_checkpoint_says_so(tmp_path):
+    """Only crash.pt: the error does not promise a checkpoint, skipped intervals log no loss (not 0),
+    --resume and a plain rerun both point at --restart."""
+    from fasttrain.errors import UserError
+
+    cfg = _cfg(tmp_path, "train.steps=40", "train.log_every=1", "train.max_nonfinite=3", "optim.lr=1e30",
+               "optim.grad_clip=0", "optim.warmup_steps=0")
+    with pytest.raises(FloatingPointError, match="no checkpoint had been written, crash.pt holds this state"):
+        train(cfg)
+    rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert rows[-1]["loss"] is None and rows[-1]["grad_norm"] is None and rows[-1]["skipped_steps"] >= 3
+    assert all(r["loss"] is None or r["loss"] > 0 for r in rows)
+    with pytest.raises(FileNotFoundError, match="crash.pt holds a failed run's state.*--restart"):
+        train(cfg, resume=True)
+    with pytest.raises(UserError, match="it has no checkpoint to continue from, so start over with --restart"):
+        train(cfg)
+
+
 def test_a_skipped_step_changes_nothing(tmp_path):
     """A non-finite gradient leaves weights, optimizer state and EMA exactly as they were."""
     tr = Trainer(_cfg(tmp_path, "train.steps=3"))

@@ -59,11 +59,21 @@ class EmbSequential(nn.ModuleList):
         return h
 
 
+def _check_int_list(name: str, values, empty_ok: bool) -> None:
+    """Level lists the loops below would misread end in one line (a ValueError, named as the config key)."""
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values) and (empty_ok or len(values))
+    if not ok:
+        need = "a list of positive integers" if empty_ok else "a non-empty list of positive integers"
+        raise ValueError(f"model.args.{name} must be {need}, got {list(values)!r}")
+
+
 class UNet(nn.Module):
     def __init__(self, in_channels: int = 3, image_size: int = 32, ch: int = 64, ch_mult=(1, 2, 2),
                  num_res_blocks: int = 2, attn_resolutions=(16,), heads: int = 4, head_channels: int = 0,
                  dropout: float = 0.0, num_classes: int = 0, out_channels: int | None = None):
         super().__init__()
+        _check_int_list("ch_mult", ch_mult, empty_ok=False)
+        _check_int_list("attn_resolutions", attn_resolutions, empty_ok=True)  # those the image never has: unused
         self.in_channels, self.image_size = in_channels, image_size
         emb_dim = 4 * ch
 
