@@ -48,20 +48,7 @@ std::tuple<at::Tensor, at::Tensor> noise(const at::Tensor& x0_in, const at::Tens
   }
   at::Tensor xt = at::empty(x0.sizes(), x0.options().dtype(out_dtype));
   at::Tensor eps_out = at::empty(write_eps ? x0.sizes() : at::IntArrayRef{0}, x0.options().dtype(at::kFloat));
-  NoiseArgs args{};
-  args.x0 = x0.const_data_ptr();
-  args.x0_type = dtype_of(x0.scalar_type(), "x0");
-  args.eps = eps.defined() ? eps.const_data_ptr() : nullptr;
-  args.eps_type = eps.defined() ? dtype_of(eps.scalar_type(), "eps") : DType::kFloat32;
-  args.xt = xt.data_ptr();
-  args.xt_type = dtype_of(out_dtype, "out_dtype");
-  args.eps_out = write_eps ? eps_out.data_ptr<float>() : nullptr;
-  args.t = t64.const_data_ptr<int64_t>();
-  args.alpha = a.const_data_ptr<float>();
-  args.sigma = s.const_data_ptr<float>();
-  args.B = x0.dim() == 0 ? 0 : x0.size(0);
-  args.D = per_sample(x0);
-  args.seed = static_cast<uint64_t>(seed);
+  NoiseArgs args = noise_args(x0, eps, xt, eps_out, write_eps, t64, a, s, seed);
   args.offset = offset_value(offset);
   if (args.B > 0 && args.D > 0) {
     const KernelSet& ks = kernels();
@@ -94,27 +81,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> loss(
   const auto f = pred.options().dtype(at::kFloat);
   at::Tensor mean = at::empty({}, f), per = at::empty({B}, f), raw = at::empty({B}, f), wl = at::empty({B}, f);
 
-  LossArgs args{};
-  args.pred = pred.const_data_ptr();
-  args.pred_type = dtype_of(pred.scalar_type(), "pred");
-  args.x0 = x0.const_data_ptr();
-  args.x0_type = dtype_of(x0.scalar_type(), "x0");
-  args.eps = eps.defined() ? eps.const_data_ptr() : nullptr;
-  args.eps_type = eps.defined() ? dtype_of(eps.scalar_type(), "eps") : DType::kFloat32;
-  args.t = t64.const_data_ptr<int64_t>();
-  args.weight = w.const_data_ptr<float>();
-  args.iw = iw.const_data_ptr<float>();
-  args.coef = coef.const_data_ptr<float>();
-  args.T = T;
-  args.grad = grad.data_ptr();
-  args.B = B;
-  args.D = D;
-  args.seed = static_cast<uint64_t>(seed);
+  LossArgs args = loss_args(pred, x0, eps, t64, w, iw, coef, grad, T, seed, needs);
   args.offset = offset_value(offset);
-  args.needs_eps = (needs & 1) != 0;
-  args.needs_x0 = (needs & 2) != 0;
-  // reference.loss_and_grad rounds 2/(B*D) to float32 before scaling by w*iw
-  args.grad_scale = B * D > 0 ? static_cast<float>(2.0 / static_cast<double>(D) / static_cast<double>(B)) : 0.0f;
 
   const int64_t tile = tile_for(D);
   const int64_t per_b = D > 0 ? (D + tile - 1) / tile : 0;
