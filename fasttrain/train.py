@@ -239,6 +239,7 @@ class Trainer:
         if self.step == 0:
             log.log(0, params=self.num_params, images=0, world_size=self.dist.world_size)
         acc = torch.zeros(3, device=self.device)  # Σ loss, Σ grad norm, count over the finite (not skipped) steps
+        one = torch.ones((), device=self.device)
         n_acc, t0 = 0, time.time()
         bar = tqdm(total=tc.steps, initial=self.step, desc="train", unit="step", disable=not (tc.progress and main),
                    dynamic_ncols=True)
@@ -247,7 +248,6 @@ class Trainer:
                 while self.step < tc.steps:
                     loss, gnorm = self.train_step()
                     ok = torch.isfinite(loss) & torch.isfinite(gnorm)
-                    one = torch.ones((), device=self.device)
                     acc += torch.stack([loss.float(), gnorm.float(), one]).where(ok, 0.0)
                     n_acc += 1
                     bar.update(1)
