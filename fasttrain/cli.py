@@ -12,6 +12,7 @@ neither the training data nor a process group. Every user error ends in one line
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -35,30 +36,27 @@ def _help_epilog() -> str:
     return "\n".join(lines)
 
 
-def _positive(name: str):
-    def parse(text: str) -> int:
+def _checked(name: str, convert, ok, need: str):
+    """An argparse type: `convert` the text, then require `ok(value)`; one-line errors naming the flag."""
+    def parse(text: str):
         try:
-            v = int(text)
+            v = convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {v}")
+            raise argparse.ArgumentTypeError(f"{name} must be {'an integer' if convert is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"{name} must be {need}, got {text}")
         return v
 
     return parse
+
+
+def _positive(name: str):
+    return _checked(name, int, lambda v: v >= 1, ">= 1")
 
 
 def _finite(name: str):
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        if v != v or v in (float("inf"), float("-inf")):
-            raise argparse.ArgumentTypeError(f"{name} must be a finite number, got {text}")
-        return v
-
-    return parse
+    return _checked(name, float, math.isfinite, "a finite number")
 
 
 class _Parser(argparse.ArgumentParser):

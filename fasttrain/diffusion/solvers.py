@@ -66,14 +66,20 @@ def _tables(schedule, t, device):
     return schedule.alpha[t].float().to(device), schedule.sigma[t].float().to(device)
 
 
-@register("ddim")
-def ddim(denoise, x, ts, schedule, *, generator=None, eta: float = 0.0, progress: bool = False):
+def _steps(ts, schedule, device, progress: bool):
+    """(t, next t, (α_t, σ_t), (α_next, σ_next)) along the spacing, with the progress bar; next is None
+    at the last step, where a solver returns its x̂0."""
     for i, t in enumerate(tqdm(ts, desc="sampling", disable=not progress, leave=False)):
         nxt = ts[i + 1] if i + 1 < len(ts) else None
+        yield t, nxt, _tables(schedule, t, device), _tables(schedule, nxt, device)
+
+
+@register("ddim")
+def ddim(denoise, x, ts, schedule, *, generator=None, eta: float = 0.0, progress: bool = False):
+    for t, nxt, (a_t, s_t), (a_s, s_s) in _steps(ts, schedule, x.device, progress):
         x0, eps = denoise(x, t)
         if nxt is None:
             return x0
-        (a_t, s_t), (a_s, s_s) = _tables(schedule, t, x.device), _tables(schedule, nxt, x.device)
         var_ts = (s_t**2 - (a_t / a_s) ** 2 * s_s**2).clamp_min(0)
         c = eta * torch.sqrt(var_ts * s_s**2 / s_t**2)
         x = a_s * x0 + torch.sqrt((s_s**2 - c**2).clamp_min(0)) * eps
@@ -89,12 +95,10 @@ def ddpm(denoise, x, ts, schedule, *, generator=None, eta: float = 1.0, progress
 
 @register("heun", spacing="edm")
 def heun(denoise, x, ts, schedule, *, generator=None, progress: bool = False):
-    for i, t in enumerate(tqdm(ts, desc="sampling", disable=not progress, leave=False)):
-        nxt = ts[i + 1] if i + 1 < len(ts) else None
+    for t, nxt, (a_t, s_t), (a_s, s_s) in _steps(ts, schedule, x.device, progress):
         x0, eps = denoise(x, t)
         if nxt is None:
             return x0
-        (a_t, s_t), (a_s, s_s) = _tables(schedule, t, x.device), _tables(schedule, nxt, x.device)
         se_t, se_s = s_t / a_t, s_s / a_s
         y = x / a_t
         _, eps2 = denoise(a_s * (y + (se_s - se_t) * eps), nxt)  # Euler step of dy/dsigma_e = ε̂
@@ -105,12 +109,10 @@ def heun(denoise, x, ts, schedule, *, generator=None, progress: bool = False):
 def _flow(denoise, x, ts, schedule, second_order: bool, progress: bool):
     if schedule.is_vp:
         raise ValueError(f"the flow solvers need the flow schedule, not {schedule.name!r}")
-    for i, t in enumerate(tqdm(ts, desc="sampling", disable=not progress, leave=False)):
-        nxt = ts[i + 1] if i + 1 < len(ts) else None
+    for t, nxt, (_, s_t), (_, s_s) in _steps(ts, schedule, x.device, progress):
         x0, eps = denoise(x, t)
         if nxt is None:
             return x0
-        s_t, s_s = _tables(schedule, t, x.device)[1], _tables(schedule, nxt, x.device)[1]
         u = eps - x0  # rectified-flow velocity
         x_next = x + (s_s - s_t) * u
         if second_order:
