@@ -25,8 +25,9 @@ from fasttrain.data.builtin import digits
 from fasttrain.diffusion.lookahead import reference_step
 from fasttrain.ema import EMA
 from fasttrain.features import judge
+from fasttrain.diffusion.denoiser import Denoiser, PredictionOutput
 from fasttrain.models import build_model
-from fasttrain.plot_adaptive import plot_adaptive
+from fasttrain.plots import plot_adaptive
 from fasttrain.diffusion.solvers import generate
 
 RESULTS = Path(__file__).parent / "results"
@@ -41,9 +42,11 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     x, y = digits(split="train")
-    model = build_model("unet_tiny", in_channels=1, image_size=8, num_classes=10)
+    lin = fd.schedule("linear")
+    model = Denoiser(build_model("unet_tiny", in_channels=1, image_size=8, num_classes=10), PredictionOutput("eps", lin),
+                     lin)
     sampler_args = {"tau_grid": 0, "every": 40} if args.official else {}
-    obj = fd.DiffusionObjective(fd.schedule("linear"), "eps", "min_snr", "adaptive", sampler_args=sampler_args)
+    obj = fd.DiffusionObjective(lin, "eps", "min_snr", "adaptive", sampler_args=sampler_args)
     smp = obj.sampler
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 200))
@@ -73,7 +76,7 @@ def main() -> None:
 
     def denoise(x_t, t: int):  # (x̂0, ε̂) from the ε-prediction network
         tt = torch.full((x_t.shape[0],), t, dtype=torch.long)
-        x0 = obj.x0_hat(model(x_t, tt, labels), x_t, tt)
+        x0 = model.x0_hat(x_t, tt, labels)
         return x0, (x_t - sch.alpha[t] * x0) / sch.sigma[t]
 
     with ema.applied(model), torch.no_grad():

@@ -41,6 +41,7 @@ import torch
 from fasttrain import diffusion as fd
 from fasttrain.diffusion.lookahead import Probe, reference_step, x0_mse
 from fasttrain.diffusion.vlb import vlb_tables
+from fasttrain.diffusion.denoiser import Denoiser, PredictionOutput
 from fasttrain.models import build_model
 
 RESULTS = Path(__file__).parent / "results"
@@ -63,10 +64,12 @@ class Runner:
     def __init__(self, case, sampler_args, batch, seed=0):
         name, c, h = CASES[case]
         torch.manual_seed(seed)
-        self.model = build_model(name, in_channels=c, image_size=h, num_classes=10)
+        lin = fd.schedule("linear")
+        self.model = Denoiser(build_model(name, in_channels=c, image_size=h, num_classes=10),
+                              PredictionOutput("eps", lin), lin)  # the network with its x̂0 conversion
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=2e-4)
         sampler = "uniform" if sampler_args is None else "adaptive"
-        self.obj = fd.DiffusionObjective(fd.schedule("linear"), "eps", "min_snr", sampler,
+        self.obj = fd.DiffusionObjective(lin, "eps", "min_snr", sampler,
                                          sampler_args=sampler_args or {})
         self.components = [self.obj.sampler]
         g = torch.Generator().manual_seed(1)
@@ -127,7 +130,7 @@ def crn_variance(case: str, batch: int, draws: int = 24) -> dict:
     xb, tb, yb = x0.repeat_interleave(3, 0), S.repeat(batch), y.repeat_interleave(3, 0)
 
     def L(model, p):
-        return coef[p.t] * x0_mse(model, obj, p)
+        return coef[p.t] * x0_mse(model, p)
 
     crn, fresh = [], []
     for i in range(draws):

@@ -31,7 +31,7 @@ QUIET = ["train.progress=false", "sample.num=0", "eval.num_samples=0", "eval.bpd
 
 
 def trainer(overrides: list[str], tmp: Path):
-    from fasttrain.config import load_config
+    from fasttrain.configure import load_config
     from fasttrain.train import Trainer
 
     run = tmp / f"run{len(list(tmp.iterdir()))}"

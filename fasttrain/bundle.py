@@ -4,11 +4,11 @@
     x = bundle.generate(64, labels)                    # or process group needed
     bundle.x0_hat(x_t, t, labels)                      # the network's estimate of x0 (NELBO, probes)
 
-It holds the network (a `Denoiser`: backbone plus optional learned log-variance), its EMA weights,
-the schedule, the prediction type (as the objective's output → x̂0 conversion), the data shape and
-the classes. The trainer builds one from the config and the data (`ModelBundle.build`) and adds data,
-optimizer and the step loop; `fasttrain sample`, `eval` and `report` use `ModelBundle.load` alone,
-so they work when the training data are gone.
+It holds the network (a `Denoiser`: backbone, its output → x̂0 conversion, and the optional learned
+log-variance and gate table), its EMA weights, the schedule, the data shape and the classes: no
+training objective, timestep sampler or statistics. The trainer builds one from the config and the
+data (`ModelBundle.build`) and adds data, objective, optimizer and the step loop; `fasttrain sample`,
+`eval` and `report` use `ModelBundle.load` alone, so they work when the training data are gone.
 """
 from __future__ import annotations
 
@@ -20,12 +20,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import checkpoint as ckpt
 from . import seeds
-from .diffusion import SAMPLERS, DiffusionObjective, mixed, schedule as make_schedule
-from .diffusion import prediction as P
+from .config import plain
+from .diffusion import schedule as make_schedule
 from .diffusion.denoiser import Denoiser
+from .diffusion.objective import Objective, objective_class
+from .diffusion.samplers import SAMPLERS
 from .diffusion.solvers import generate as run_solver
 from .ema import EMA
-from .config import plain
+from .errors import CheckpointError, InvalidInput
 from .models import build_model
 
 
@@ -48,60 +50,60 @@ class DataSpec:
 
 
 def build_network(cfg: DictConfig, spec: DataSpec) -> Denoiser:
-    """The backbone (heads × C plus gate channels for a mixed prediction) in its Denoiser wrapper."""
+    """The backbone (as wide as the prediction kind's output) in its Denoiser wrapper, with the
+    prediction kind's output → x̂0 conversion."""
     df = cfg.diffusion
     sched = make_schedule(df.schedule, df.T, df.zero_terminal_snr)
-    args, gate_heads = plain(cfg.model.args), 0
-    if df.prediction == "mixed":
-        heads = list(df.mixed.heads)
-        args["out_channels"] = mixed.output_channels(heads, spec.channels, df.mixed.gate)
-        gate_heads = len(heads) if df.mixed.gate == "timestep" else 0
+    kind = objective_class(df.prediction)
+    args = plain(cfg.model.args)
+    width = kind.out_channels(df, spec.channels)
+    if width is not None:
+        args["out_channels"] = width
     net = build_model(cfg.model.name, in_channels=spec.channels, image_size=spec.image_size,
                       num_classes=spec.num_classes, **args)
-    return Denoiser(net, sched, learned_weighting=df.learned_weighting, gate_heads=gate_heads)
+    return Denoiser(net, kind.output_head(df, sched), sched, learned_weighting=df.learned_weighting,
+                    gate_heads=kind.gate_heads(df))
 
 
-def build_objective(cfg: DictConfig, rank: int = 0, stats: bool = True) -> DiffusionObjective:
+def build_objective(cfg: DictConfig, net: Denoiser | None = None, rank: int = 0, stats: bool = True) -> Objective:
+    """The training objective of the config's prediction kind; `net` is the network it trains (its
+    output head receives what the objective learns for generation, e.g. mixed argmin's choice)."""
     df = cfg.diffusion
     sched = make_schedule(df.schedule, df.T, df.zero_terminal_snr)
     sampler_args = plain(df.sampler_args)
-    if "seed" in SAMPLERS.args(df.sampler) and "seed" not in sampler_args:  # a learned sampler's own weights
+    if SAMPLERS.get(df.sampler).seeded and "seed" not in sampler_args:  # a learned sampler's own weights
         sampler_args["seed"] = seeds.derive(cfg.train.seed, "policy")
-    kw = dict(weighting_args=plain(df.weighting_args), sampler_args=sampler_args, stats=stats,
-              learned_weighting=df.learned_weighting, backend=df.backend, seed=seeds.derive(cfg.train.seed, "noise", rank))
-    if df.prediction == "mixed":
-        m = df.mixed
-        return mixed.MixedObjective(sched, list(m.heads), m.gate, df.weighting, df.sampler, aux_weight=m.aux_weight,
-                                    mode=m.mode, prior=m.prior, argmin_buckets=m.argmin_buckets, **kw)
-    return DiffusionObjective(sched, df.prediction, df.weighting, df.sampler, **kw)
+    kind = objective_class(df.prediction)
+    return kind.from_config(df, sched, output=None if net is None else net.output,
+                            weighting_args=plain(df.weighting_args), sampler_args=sampler_args, stats=stats,
+                            learned_weighting=df.learned_weighting, backend=df.backend,
+                            seed=seeds.derive(cfg.train.seed, "noise", rank))
 
 
 class ModelBundle:
-    def __init__(self, cfg: DictConfig, spec: DataSpec, net: torch.nn.Module, ema: EMA, device: torch.device,
-                 step: int = 0, images: int = 0, objective: DiffusionObjective | None = None):
+    def __init__(self, cfg: DictConfig, spec: DataSpec, net: Denoiser, ema: EMA, device: torch.device,
+                 step: int = 0, images: int = 0):
         self.cfg, self.spec, self.net, self.ema, self.device = cfg, spec, net, ema, torch.device(device)
         self.step, self.images = step, images
-        # the output → x̂0 conversion (and a mixed prediction's per-timestep choice): the objective's
-        self.objective = objective if objective is not None else build_objective(cfg).to(self.device)
-        self.schedule = self.objective.schedule
+        df = cfg.diffusion
+        self.schedule = make_schedule(df.schedule, df.T, df.zero_terminal_snr).to(self.device)
         self._alpha, self._sigma = self.schedule.alpha.float(), self.schedule.sigma.float()
 
     # -- construction --------------------------------------------------------------------------------
     @classmethod
-    def build(cls, cfg: DictConfig, spec: DataSpec, device, net: torch.nn.Module | None = None,
-              objective: DiffusionObjective | None = None) -> "ModelBundle":
+    def build(cls, cfg: DictConfig, spec: DataSpec, device, net: Denoiser | None = None) -> "ModelBundle":
         """A fresh network (seeded: the same initial weights on every rank) and its EMA."""
         if net is None:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seeds.derive(cfg.train.seed, "weights"))
                 net = build_network(cfg, spec).to(device)
         o = cfg.optim
-        return cls(cfg, spec, net, EMA(net, o.ema_decay, o.ema_warmup), device, objective=objective)
+        return cls(cfg, spec, net, EMA(net, o.ema_decay, o.ema_warmup), device)
 
     @classmethod
     def load(cls, path, device=None) -> "ModelBundle":
-        """From a checkpoint alone (RUN, RUN/last.pt or RUN/dcp): no data, optimizer or process group.
-        Refuses weights that are not finite."""
+        """From a checkpoint alone (RUN, RUN/last.pt or RUN/dcp): no data, optimizer, process group,
+        objective, sampler or statistics. Refuses weights that are not finite."""
         from .config import Config
 
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -121,34 +123,27 @@ class ModelBundle:
         state, model_sd, ema_sd = ckpt.read_bundle_state(path, lambda st: build_network(cfg_of(st), spec_of(st)))
         cfg, spec = cfg_of(state), spec_of(state)
         net = build_network(cfg, spec)
-        try:
-            net.load_state_dict(model_sd)
-        except RuntimeError as e:
-            raise ckpt.CheckpointError(f"{path}: the weights do not fit the configured model "
-                                       f"({str(e).splitlines()[0][:160]})") from None
+        ckpt.load_weights(net, model_sd, path)
         net = net.to(device)
         ema = EMA(net, cfg.optim.ema_decay, cfg.optim.ema_warmup)
-        ema.load_state_dict({"n": state.get("ema_n", 0), "shadow": ema_sd})
+        ema.load_state_dict(ema_sd)
         bad = [n for n, p in list(net.named_parameters()) + list(zip(ema.names, ema.shadow)) if not torch.isfinite(p).all()]
         if bad:
             raise ckpt.CheckpointError(f"{path} holds non-finite weights ({bad[0]}); it cannot generate")
-        objective = build_objective(cfg).to(device)
-        if cfg.diffusion.prediction == "mixed" and "objective" in state:  # argmin's choice comes from the statistics
-            objective.load_extra_state(state["objective"])
-        return cls(cfg, spec, net, ema, device, int(state["step"]), int(state.get("images", 0)), objective)
+        train = ckpt.train_state(state)
+        return cls(cfg, spec, net, ema, device, train["step"], train["images"])
 
     # -- the network as an estimator ---------------------------------------------------------------
     def x0_hat(self, x_t: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """The network's x̂0 at (x_t, t), through the objective's conversion (a prediction type's, or a
-        mixed prediction's gated mix or argmin head)."""
-        out = self.net(x_t, t, labels) if labels is not None else self.net(x_t, t)
-        return self.objective.x0_hat(out, x_t, t)
+        """The network's x̂0 at (x_t, t): its output head's conversion (a prediction type's, or a mixed
+        prediction's gated mix or argmin head)."""
+        return self.net.x0_hat(x_t, t, labels)
 
-    def denoiser(self, labels: torch.Tensor | None = None, guidance: float = 1.0, clip: float | None = None):
+    def solver_fn(self, labels: torch.Tensor | None = None, guidance: float = 1.0, clip: float | None = None):
         """`denoise(x_t, t) -> (x̂0, ε̂)` for the solvers: classifier-free guidance (Ho & Salimans
         2022, Eq. 6, on x̂0) and clipping of x̂0 to the data range (ε̂ kept consistent with it)."""
         if guidance != guidance or guidance in (float("inf"), float("-inf")):
-            raise ValueError(f"guidance must be a finite number, got {guidance}")
+            raise InvalidInput(f"guidance must be a finite number, got {guidance}")
         null = self.spec.num_classes
 
         def denoise(x_t, t: int):
@@ -186,10 +181,10 @@ class ModelBundle:
         results do not depend on n.
         Under FSDP every rank must call this in lockstep (forwards gather weights)."""
         if n < 1:
-            raise ValueError(f"the number of samples must be >= 1, got {n}")
+            raise InvalidInput(f"the number of samples must be >= 1, got {n}")
         if steps < 1:
-            raise ValueError(f"sampling steps must be >= 1, got {steps}")
-        self.check_sampling()
+            raise InvalidInput(f"sampling steps must be >= 1, got {steps}")
+        self.net.check_sampling()
         opts = {} if eta is None else {"eta": float(eta)}
         clip = 1.0 if self.spec.is_images else None
         outs = []
@@ -198,23 +193,11 @@ class ModelBundle:
                 m = min(chunk, n - lo)
                 lab = None if labels is None else labels[lo:lo + m].to(self.device)
                 g = torch.Generator(self.device).manual_seed(seeds.derive(seed, "eval", i))
-                outs.append(run_solver(self.denoiser(lab, guidance, clip), self.schedule, (m,) + self.spec.shape,
+                outs.append(run_solver(self.solver_fn(lab, guidance, clip), self.schedule, (m,) + self.spec.shape,
                                        solver=solver, steps=min(steps, self.schedule.T), generator=g,
                                        device=self.device, progress=progress, **opts))
         x = torch.cat(outs)
         if not bool(torch.isfinite(x).all()):
-            raise ValueError(f"the samples are not finite: the weights of step {self.step} are broken "
+            raise CheckpointError(f"the samples are not finite: the weights of step {self.step} are broken "
                              f"(resume from an earlier checkpoint)")
         return x
-
-    def check_sampling(self) -> None:
-        if self.cfg.diffusion.prediction == "mixed":
-            return  # heads that cannot recover x0 at a timestep are masked there (mixed.py)
-        bad = P.conditioning(self.cfg.diffusion.prediction, self.schedule) < 1e-6
-        if bool(bad.any()):
-            raise ValueError(sampling_refusal(self.cfg.diffusion.prediction, self.schedule.name))
-
-
-def sampling_refusal(prediction: str, schedule_name: str) -> str:
-    return (f"prediction {prediction!r} cannot be sampled on schedule {schedule_name!r} with SNR = 0 at its last "
-            f"step: x̂0 = (x - σ·ε̂)/α is undefined where α = 0 (use v, x0 or flow)")

@@ -17,21 +17,22 @@ import os
 import sys
 from pathlib import Path
 
-from .config import ConfigError, keys, load_config, presets
-from .errors import UserError
+from .config import keys, presets
+from .errors import ConfigError, InvalidInput, UserError
 
-# What the user can fix: bad values and configs (ValueError, with ConfigError and CheckpointError), our
-# UserErrors, missing or unwritable paths, a run stopped by non-finite steps, a missing module
-# (--encoder). Anything else keeps its traceback; FASTTRAIN_DEBUG=1 keeps it for these too.
-USER_ERRORS = (ValueError, UserError, FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError,
-               FileExistsError, FloatingPointError, ImportError)
+# What the user can fix is a UserError (errors.py), printed as one line; anything else keeps its
+# traceback (FASTTRAIN_DEBUG=1 keeps it for these too). Paths the user named that cannot be written
+# are theirs to fix as well.
+USER_ERRORS = (UserError, PermissionError, NotADirectoryError, IsADirectoryError, FileExistsError)
 
 
 def _help_epilog() -> str:
+    from .configure import choices
+
     lines = ["presets:"]
     lines += [f"  {name:<16} {desc}" for name, desc in presets().items()]
     lines += ["", "keys (key=value overrides; nested: model.args.ch=48, diffusion.weighting_args.gamma=5):"]
-    for key, typ, default, help_ in keys():
+    for key, typ, default, help_ in keys(choices=choices()):
         lines.append(f"  {key:<30} {typ:<16} default {default!r:<14} {help_}")
     return "\n".join(lines)
 
@@ -122,7 +123,7 @@ def out_dir(path: str) -> Path:
     p = Path(path)
     for q in [p, *p.parents]:
         if q.exists() and not q.is_dir():
-            raise ValueError(f"--out {path}: {q} is a file, not a folder")
+            raise InvalidInput(f"--out {path}: {q} is a file, not a folder")
     p.mkdir(parents=True, exist_ok=True)
     return p
 
@@ -131,7 +132,7 @@ def out_file(path: str | Path, flag: str = "--out") -> Path:
     """An output file whose folder can be created."""
     p = Path(path)
     if p.is_dir():
-        raise ValueError(f"{flag} {path} is a folder; give a file name")
+        raise InvalidInput(f"{flag} {path} is a folder; give a file name")
     out_dir(str(p.parent)) if str(p.parent) not in ("", ".") else None
     return p
 
@@ -161,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         print("fasttrain: error: --resume and --restart exclude each other", file=sys.stderr)
         return 2
     try:
+        from .configure import load_config
+
         cfg = load_config(preset, overrides)
     except ConfigError as e:
         print(f"fasttrain: error: {e}", file=sys.stderr)
@@ -225,25 +228,29 @@ def _sample(args) -> int:
 
     from . import plots
     from .bundle import ModelBundle
-    from .diffusion.solvers import SOLVERS
+    from .diffusion.solvers import SOLVERS, check_options
     from .evaluate import reference_for
 
     out = out_dir(args.out)
     earlier = sorted(out.glob("[0-9][0-9][0-9][0-9][0-9].png")) + sorted(out.glob("samples.pt"))
     if earlier:  # new samples among old ones would mix two runs (and a smaller --n would leave stale files)
-        raise ValueError(f"--out {args.out} already holds samples ({earlier[0].name}, {len(earlier)} files): choose "
+        raise InvalidInput(f"--out {args.out} already holds samples ({earlier[0].name}, {len(earlier)} files): choose "
                          f"an empty folder (nothing was overwritten)")
     b = ModelBundle.load(args.ckpt)
     sc, classes = b.cfg.sample, b.spec.num_classes
     labels = None
     if classes:
         if args.label is not None and not 0 <= args.label < classes:
-            raise ValueError(f"--label must lie in [0, {classes}), got {args.label}")
+            raise InvalidInput(f"--label must lie in [0, {classes}), got {args.label}")
         labels = (torch.full((args.n,), args.label) if args.label is not None else torch.arange(args.n) % classes)
     elif args.label is not None:
-        raise ValueError("--label: this model is unconditional")
+        raise InvalidInput("--label: this model is unconditional")
     solver = args.solver or sc.solver
     eta = args.eta if args.eta is not None else (sc.eta if "eta" in SOLVERS.args(solver) else None)
+    try:  # the same check as the config's sample.* keys
+        check_options(solver, b.schedule, eta=eta)
+    except InvalidInput as e:
+        raise InvalidInput(f"--eta/--solver: {e}") from None
     x = b.generate(args.n, labels, seed=args.seed, steps=args.steps or sc.steps, solver=solver,
                    guidance=sc.guidance if args.guidance is None else args.guidance, ema=not args.raw, eta=eta,
                    progress=True)
@@ -273,7 +280,7 @@ def _eval(args) -> int:
                 extractor=args.extractor or s.extractor, weights_path=args.weights or s.weights_path,
                 bpd=not args.no_bpd, bpd_samples=s.bpd_samples or 400)
     if args.ref is not None and not Path(args.ref).is_dir():
-        raise ValueError(f"--ref {args.ref} is not a folder")
+        raise InvalidInput(f"--ref {args.ref} is not a folder")
     metrics = {"step": b.step, **run_evaluation(b, s, reference_for(b.cfg, b.spec, args.ref))}
     path = out or resolve(args.ckpt).parent / "eval.json"  # beside the checkpoint: the run directory
     path.write_text(json.dumps(metrics, indent=2))

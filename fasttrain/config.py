@@ -1,5 +1,8 @@
-"""Typed run configuration: dataclasses with commented defaults (OmegaConf structured configs), named
-YAML presets in `fasttrain/presets/`, and `key=value` overrides. Every error is one line naming the key."""
+"""Typed run configuration, the ground floor: dataclasses with commented defaults and their own value
+ranges (OmegaConf structured configs), named YAML presets in `fasttrain/presets/`, `key=value`
+overrides. Every error is one line naming the key. This module imports nothing of fasttrain but its
+errors: what the registered components accept (choices, their arguments, combinations) is checked by
+configure.py, where each component validates its own part."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,17 +13,20 @@ from typing import Any, Dict, List, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .errors import ConfigError
+
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
-class ConfigError(ValueError):
-    """A bad configuration key or value; the message is one line that names the key."""
-
-
-def _f(default, help: str, **kw):
+def _f(default, help: str, *, min=None, above=None, below=None, finite: bool = False, choices=None):
+    """A field with its help line and the values it accepts: `min` (inclusive), `above` and `below`
+    (exclusive), `finite`, `choices` (a fixed set; registry choices are configure.py's). For a list
+    the bounds hold for every element; None is always accepted where the type is Optional."""
+    bounded = min is not None or above is not None or below is not None
+    meta = {"help": help, "min": min, "above": above, "below": below, "finite": finite or bounded, "choices": choices}
     if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -29,37 +35,41 @@ class DataConfig:
     root: Optional[str] = _f(None, "image folder or .npy latent folder (class subfolders give labels)")
     backend: str = _f("auto", "loader for folders: auto (DALI where installed) | dali | torch")
     manifest: Optional[str] = _f(None, "manifest from `fasttrain data prepare` (default ROOT/fasttrain-manifest.json)")
-    crop: str = _f("center", "center | random crop after resizing the shorter side (image folders)")
+    crop: str = _f("center", "center | random crop after resizing the shorter side (image folders)",
+                   choices=("center", "random"))
     flip: bool = _f(True, "random horizontal flips (image folders)")
-    image_size: int = _f(8, "side of the square training images (digits are 8×8 natively)")
+    image_size: int = _f(8, "side of the square training images (digits are 8×8 natively)", min=1)
     channels: int = _f(3, "image channels for name=folder (1 = grey, 3 = RGB) and name=synthetic")
-    batch_size: int = _f(16, "micro-batch per process")
-    holdout: int = _f(400, "digits held out from training (for evaluation)")
-    num_workers: int = _f(0, "loader workers: DataLoader processes or DALI threads (0 = main process / 1 thread)")
+    batch_size: int = _f(16, "micro-batch per process", min=1)
+    holdout: int = _f(400, "digits held out from training (for evaluation)", min=1)
+    num_workers: int = _f(0, "loader workers: DataLoader processes or DALI threads (0 = main process / 1 thread)",
+                          min=0)
 
 
 @dataclass
 class ModelConfig:
     name: str = _f("unet_tiny", "the network (registry: fasttrain/models)")
     class_conditional: bool = _f(True, "condition on labels (ignored for unlabelled data)")
-    label_dropout: float = _f(0.1, "probability of dropping the label (classifier-free guidance)")
+    label_dropout: float = _f(0.1, "probability of dropping the label (classifier-free guidance)", min=0, below=1)
     args: Dict[str, Any] = _f({}, "overrides passed to the model factory, e.g. model.args.ch=48")
 
 
 @dataclass
 class MixedConfig:
     heads: List[str] = _f(["eps", "x0", "v"], "prediction heads mixed by the gate (two or more of eps, x0, v; flow on the flow schedule)")
-    gate: str = _f("pixel", "pixel (gate channels from the network) | timestep (a learned table of logits per timestep)")
-    aux_weight: float = _f(0.1, "weight of each head's own loss in its own space")
-    mode: str = _f("gate", "generate from the gated mix (gate) or the head with the lowest running x0 error per timestep (argmin)")
+    gate: str = _f("pixel", "pixel (gate channels from the network) | timestep (a learned table of logits per timestep)",
+                   choices=("pixel", "timestep"))
+    aux_weight: float = _f(0.1, "weight of each head's own loss in its own space", min=0)
+    mode: str = _f("gate", "generate from the gated mix (gate) or the head with the lowest running x0 error per timestep (argmin)",
+                   choices=("gate", "argmin"))
     prior: bool = _f(True, "bias the gate by each head's conditioning (ill-conditioned heads start near weight 0)")
-    argmin_buckets: int = _f(20, "timestep buckets for mode=argmin")
+    argmin_buckets: int = _f(20, "timestep buckets for mode=argmin", min=1)
 
 
 @dataclass
 class DiffusionConfig:
     schedule: str = _f("linear", "the noise schedule")
-    T: int = _f(1000, "number of discrete timesteps")
+    T: int = _f(1000, "number of discrete timesteps", min=2)
     zero_terminal_snr: bool = _f(False, "rescale a VP schedule to SNR = 0 at t = T-1 (Lin et al. 2024)")
     prediction: str = _f("eps", "what the network predicts (mixed: several heads and a gate, see diffusion.mixed)")
     weighting: str = _f("min_snr", "loss weighting, defined in x0 space")
@@ -67,44 +77,45 @@ class DiffusionConfig:
     sampler: str = _f("uniform", "timestep sampler")
     sampler_args: Dict[str, Any] = _f({}, "arguments of the sampler, e.g. diffusion.sampler_args.k=5")
     learned_weighting: bool = _f(False, "add an EDM2-style learned per-timestep log-variance")
-    stats_every: int = _f(10, "steps between statistics syncs and sampler updates (K)")
+    stats_every: int = _f(10, "steps between statistics syncs and sampler updates (K)", min=1)
     backend: str = _f("auto", "kernel backend: auto (triton on CUDA, native on CPU where built, else torch)")
     mixed: MixedConfig = field(default_factory=MixedConfig)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = _f(1e-3, "AdamW learning rate")
-    betas: List[float] = _f([0.9, 0.999], "AdamW betas")
-    weight_decay: float = _f(0.0, "AdamW weight decay")
-    warmup_steps: int = _f(200, "linear learning-rate warm-up")
-    grad_clip: float = _f(1.0, "clip the gradient norm at this value (0 = off)")
-    ema_decay: float = _f(0.999, "EMA decay of the sampling weights")
+    lr: float = _f(1e-3, "AdamW learning rate", above=0)
+    betas: List[float] = _f([0.9, 0.999], "AdamW betas (two numbers in [0, 1))", min=0, below=1)
+    weight_decay: float = _f(0.0, "AdamW weight decay", min=0)
+    warmup_steps: int = _f(200, "linear learning-rate warm-up", min=0)
+    grad_clip: float = _f(1.0, "clip the gradient norm at this value (0 = off)", min=0)
+    ema_decay: float = _f(0.999, "EMA decay of the sampling weights", min=0, below=1)
     ema_warmup: bool = _f(True, "EMA decay min(decay, (1+n)/(10+n)) early in training")
-    impl: str = _f("auto", "AdamW: auto (apex FusedAdam on CUDA if installed, else torch's fused AdamW)")
+    impl: str = _f("auto", "AdamW: auto (apex FusedAdam on CUDA if installed, else torch's fused AdamW)",
+                   choices=("auto", "torch", "apex"))
 
 
 @dataclass
 class TrainConfig:
-    steps: int = _f(5000, "optimizer steps")
-    grad_accum: int = _f(1, "micro-batches per optimizer step")
-    log_every: int = _f(100, "steps between metric lines")
-    ckpt_every: int = _f(1000, "steps between checkpoints (0 = only at the end)")
+    steps: int = _f(5000, "optimizer steps", min=1)
+    grad_accum: int = _f(1, "micro-batches per optimizer step", min=1)
+    log_every: int = _f(100, "steps between metric lines", min=1)
+    ckpt_every: int = _f(1000, "steps between checkpoints (0 = only at the end)", min=0)
     seed: int = _f(0, "seed of weights, data order, timesteps and noise")
-    device: str = _f("auto", "auto | cpu | cuda")
-    threads: int = _f(0, "torch CPU threads (0 = torch's default)")
+    device: str = _f("auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
+    threads: int = _f(0, "torch CPU threads (0 = torch's default)", min=0)
     progress: bool = _f(True, "show a progress bar")
     cuda_graph: bool = _f(False, "capture the whole step in one CUDA graph and replay it (one GPU; falls back with a reason)")
-    max_nonfinite: int = _f(20, "stop after this many non-finite (skipped) steps in a row (0 = never)")
+    max_nonfinite: int = _f(20, "stop after this many non-finite (skipped) steps in a row (0 = never)", min=0)
 
 
 @dataclass
 class SampleConfig:
-    num: int = _f(100, "images generated at the end of training")
-    steps: int = _f(50, "sampling steps (respaced; at most diffusion.T)")
+    num: int = _f(100, "images generated at the end of training", min=0)
+    steps: int = _f(50, "sampling steps (respaced; at most diffusion.T)", min=1)
     solver: str = _f("ddim", "generation solver")
-    eta: Optional[float] = _f(None, "DDIM eta (default 0 for ddim, 1 for ddpm)")
-    guidance: float = _f(1.0, "classifier-free guidance scale (1 = off)")
+    eta: Optional[float] = _f(None, "DDIM eta (default 0 for ddim, 1 for ddpm)", min=0)
+    guidance: float = _f(1.0, "classifier-free guidance scale (1 = off)", finite=True)
 
 
 @dataclass
@@ -119,22 +130,23 @@ class ParallelConfig:
 
 @dataclass
 class DiagnosticsConfig:
-    interference_every: int = _f(500, "steps between cross-timestep interference measurements on a probe batch (0 = off)")
-    buckets: int = _f(4, "timestep buckets of the interference matrix")
-    probe_size: int = _f(16, "images of the interference probe batch (per rank)")
-    loss_cv_buckets: int = _f(10, "timestep buckets of the logged loss coefficient of variation")
+    interference_every: int = _f(500, "steps between cross-timestep interference measurements on a probe batch (0 = off)",
+                                 min=0)
+    buckets: int = _f(4, "timestep buckets of the interference matrix", min=2)
+    probe_size: int = _f(16, "images of the interference probe batch (per rank)", min=1)
+    loss_cv_buckets: int = _f(10, "timestep buckets of the logged loss coefficient of variation", min=2)
 
 
 @dataclass
 class EvalConfig:
-    every: int = _f(1000, "steps between evaluations during training (0 = only at the end)")
-    num_samples: int = _f(500, "generated images for FID/KID/precision/recall (0 = no sample metrics)")
-    steps: int = _f(50, "sampling steps for evaluation")
+    every: int = _f(1000, "steps between evaluations during training (0 = only at the end)", min=0)
+    num_samples: int = _f(500, "generated images for FID/KID/precision/recall (0 = no sample metrics)", min=0)
+    steps: int = _f(50, "sampling steps for evaluation", min=1)
     extractor: str = _f("auto", "FID features: auto is fasttrain-digits for digits, inception-v3-compat for images")
     weights_path: Optional[str] = _f(None, "local Inception weights for machines that cannot download them")
     bpd: bool = _f(True, "negative ELBO in bits/dim on held-out data")
-    bpd_samples: int = _f(400, "held-out samples for bits/dim")
-    bpd_timesteps: int = _f(50, "timesteps per sample in the bits/dim estimate (stratified)")
+    bpd_samples: int = _f(400, "held-out samples for bits/dim", min=1)
+    bpd_timesteps: int = _f(50, "timesteps per sample in the bits/dim estimate (stratified)", min=1)
 
 
 @dataclass
@@ -161,40 +173,18 @@ def presets() -> dict[str, str]:
     return out
 
 
-def choices() -> dict[str, tuple[str, ...]]:
-    """Every key with a fixed set of values: from the registries, so help and validation agree."""
-    from .data import BACKENDS as DATA_BACKENDS
-    from .data import DATASETS
-    from .diffusion import PREDICTIONS_REGISTRY, SAMPLERS, SCHEDULES, WEIGHTINGS
-    from .diffusion.objective import BACKENDS
-    from .diffusion.solvers import SOLVERS
-    from .evaluate import EXTRACTORS
-    from .models import MODELS
-    from .parallel import AC_MODES, COMPILE, COMPILE_MODES, STRATEGIES
-    from .precision import PRECISIONS
-
-    return {"data.name": DATASETS, "data.backend": DATA_BACKENDS, "data.crop": ("center", "random"),
-            "model.name": MODELS.names(), "diffusion.schedule": SCHEDULES,
-            "diffusion.prediction": PREDICTIONS_REGISTRY.names() + ("mixed",), "diffusion.weighting": WEIGHTINGS.names(),
-            "diffusion.mixed.gate": ("pixel", "timestep"), "diffusion.mixed.mode": ("gate", "argmin"),
-            "diffusion.sampler": SAMPLERS.names(), "diffusion.backend": BACKENDS, "sample.solver": SOLVERS.names(),
-            "train.device": ("auto", "cpu", "cuda"), "eval.extractor": EXTRACTORS,
-            "parallel.strategy": ("auto",) + STRATEGIES, "parallel.ac": AC_MODES, "parallel.precision": PRECISIONS,
-            "parallel.compile": COMPILE, "parallel.compile_mode": COMPILE_MODES,
-            "optim.impl": ("auto", "torch", "apex")}
-
-
-def keys(cls=Config, prefix: str = "") -> list[tuple[str, str, Any, str]]:
-    """(key, type, default, help) for every leaf of the config, for --help (choices appended)."""
-    rows, ch = [], choices() if not prefix else {}
+def keys(cls=Config, prefix: str = "", choices: dict | None = None) -> list[tuple[str, str, Any, str]]:
+    """(key, type, default, help) for every leaf of the config, for --help; `choices` (key → allowed
+    values, configure.py's) are appended to the help."""
+    rows = []
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type.endswith("Config")):
             rows += keys(globals()[f.type] if isinstance(f.type, str) else f.type, prefix + f.name + ".")
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         rows.append((prefix + f.name, str(f.type).replace("typing.", ""), default, f.metadata.get("help", "")))
-    if not prefix:
-        rows = [(k, t, d, h + (f" ({' | '.join(ch[k])})" if k in ch else "")) for k, t, d, h in rows]
+    if choices:
+        rows = [(k, t, d, h + (f" ({' | '.join(choices[k])})" if k in choices else "")) for k, t, d, h in rows]
     return rows
 
 
@@ -206,8 +196,9 @@ def _wrap(e: OmegaConfBaseException, what: str) -> ConfigError:
     return ConfigError(f"bad value for '{key}': {msg} ({what})")
 
 
-def load_config(preset: str = "default", overrides: list[str] | None = None) -> DictConfig:
-    """Defaults ← preset YAML (a name in fasttrain/presets or a path) ← key=value overrides."""
+def read_config(preset: str = "default", overrides: list[str] | None = None) -> DictConfig:
+    """Defaults ← preset YAML (a name in fasttrain/presets or a path) ← key=value overrides, with the
+    types and value ranges of the schema checked (configure.load_config also checks the components)."""
     import yaml
 
     cfg = OmegaConf.structured(Config)
@@ -242,7 +233,7 @@ def load_config(preset: str = "default", overrides: list[str] | None = None) -> 
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
         raise _wrap(e, "while resolving") from None
-    validate(cfg)
+    check_schema(cfg)
     return cfg
 
 
@@ -251,104 +242,46 @@ def plain(node) -> dict:
     return OmegaConf.to_container(node, resolve=True)
 
 
-def _check(cond: bool, key: str, cfg, need: str) -> None:
-    if not cond:
-        raise ConfigError(f"bad value for '{key}': {OmegaConf.select(cfg, key)!r} ({need})")
+def _leaves(cls=Config, prefix: str = ""):
+    for f in dataclasses.fields(cls):
+        t = globals()[f.type] if isinstance(f.type, str) and f.type.endswith("Config") else f.type
+        if dataclasses.is_dataclass(t):
+            yield from _leaves(t, prefix + f.name + ".")
+        else:
+            yield prefix + f.name, f.metadata
 
 
 def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and x == x and abs(x) != float("inf")
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) != float("inf")
 
 
-def validate(cfg: DictConfig) -> None:
-    """Every choice against its registry, every argument against its entry's signature, every number
-    against its range, and the combinations that cannot work; one line naming the key."""
-    from .data import TOYS
-    from .diffusion import SAMPLERS, WEIGHTINGS
-    from .diffusion import prediction as P
-    from .diffusion import schedule as make_schedule
-    from .diffusion.solvers import SOLVERS
-    from .models import MODELS, is_image_model
-
-    for key, allowed in choices().items():
+def check_schema(cfg: DictConfig) -> None:
+    """Every value against the range and choices its field declares; one line naming the key."""
+    for key, meta in _leaves():
         value = OmegaConf.select(cfg, key)
-        if value not in allowed:
-            raise ConfigError(f"bad value for '{key}': {value!r} (choose from {', '.join(allowed)})")
-    d = cfg.diffusion
-    for group, reg, name in (("weighting_args", WEIGHTINGS, d.weighting), ("sampler_args", SAMPLERS, d.sampler)):
-        try:
-            reg.check_args(name, plain(d[group]), where=f"diffusion.{group}")
-        except ValueError as e:
-            raise ConfigError(str(e).replace("unknown argument", "unknown config key")) from None
-    args = plain(cfg.model.args)
-    for k in ("in_channels", "image_size", "num_classes"):
-        if k in args:
-            raise ConfigError(f"unknown config key 'model.args.{k}' (the data decide it)")
-    try:
-        MODELS.check_args(cfg.model.name, args, where="model.args")
-    except ValueError as e:
-        raise ConfigError(str(e).replace("unknown argument", "unknown config key")) from None
-    toy = cfg.data.name in TOYS
-    if toy == is_image_model(cfg.model.name):
-        kind = "2-D points" if toy else "images"
-        raise ConfigError(f"bad value for 'model.name': {cfg.model.name!r} does not take {kind} "
-                          f"(data.name={cfg.data.name}; {'use mlp' if toy else 'use an image model'})")
-    for key, lo in (("data.batch_size", 1), ("data.image_size", 1), ("diffusion.T", 2), ("diffusion.stats_every", 1),
-                    ("train.steps", 1), ("train.grad_accum", 1), ("train.log_every", 1), ("train.ckpt_every", 0),
-                    ("train.max_nonfinite", 0), ("optim.warmup_steps", 0), ("sample.num", 0), ("sample.steps", 1),
-                    ("eval.every", 0), ("eval.num_samples", 0), ("eval.steps", 1), ("eval.bpd_timesteps", 1),
-                    ("eval.bpd_samples", 1), ("data.holdout", 1), ("data.num_workers", 0), ("train.threads", 0),
-                    ("diagnostics.interference_every", 0), ("diagnostics.buckets", 2), ("diagnostics.probe_size", 1),
-                    ("diagnostics.loss_cv_buckets", 2)):
-        _check(OmegaConf.select(cfg, key) >= lo, key, cfg, f"must be >= {lo}")
-    o = cfg.optim
-    _check(_finite(o.lr) and o.lr > 0, "optim.lr", cfg, "a finite number > 0")
-    _check(_finite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay", cfg, "a finite number >= 0")
-    _check(len(o.betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in o.betas), "optim.betas", cfg, "two numbers in [0, 1)")
-    _check(_finite(o.grad_clip) and o.grad_clip >= 0, "optim.grad_clip", cfg, "a finite number >= 0")
-    _check(_finite(o.ema_decay) and 0 <= o.ema_decay < 1, "optim.ema_decay", cfg, "must lie in [0, 1)")
-    _check(_finite(cfg.model.label_dropout) and 0 <= cfg.model.label_dropout < 1, "model.label_dropout", cfg,
-           "must lie in [0, 1)")
-    _check(_finite(cfg.sample.guidance), "sample.guidance", cfg, "a finite number")
-    _check(cfg.sample.eta is None or (_finite(cfg.sample.eta) and cfg.sample.eta >= 0), "sample.eta", cfg,
-           "a finite number >= 0")
-    _check(cfg.sample.eta is None or "eta" in SOLVERS.args(cfg.sample.solver), "sample.eta", cfg,
-           f"solver {cfg.sample.solver} takes no eta")
-    if cfg.data.name in ("folder", "latents"):
-        _check(bool(cfg.data.root), "data.root", cfg, f"a folder is needed for data.name={cfg.data.name}")
-    if cfg.data.name == "folder":
-        _check(cfg.data.channels in (1, 3), "data.channels", cfg, "1 (grey) or 3 (RGB)")
-    sched = make_schedule(d.schedule, d.T, d.zero_terminal_snr)
-    if d.prediction == "mixed":
-        from .diffusion import mixed
-
-        try:
-            mixed.check_heads(list(d.mixed.heads), sched)
-        except ValueError as e:
-            raise ConfigError(f"bad value for 'diffusion.mixed.heads': {list(d.mixed.heads)} ({e})") from None
-        _check(_finite(d.mixed.aux_weight) and d.mixed.aux_weight >= 0, "diffusion.mixed.aux_weight", cfg, "a finite number >= 0")
-        _check(1 <= d.mixed.argmin_buckets <= d.T, "diffusion.mixed.argmin_buckets", cfg, "in [1, diffusion.T]")
-        if "out_channels" in cfg.model.args:
-            raise ConfigError("bad value for 'model.args.out_channels': a mixed prediction sets the output width itself")
-    elif bool((P.conditioning(d.prediction, sched) < 1e-6).any()):
-        raise ConfigError(f"bad value for 'diffusion.prediction': {d.prediction!r} cannot be sampled on this schedule "
-                          f"(SNR = 0 at t = T-1 makes x̂0 = (x - σ·ε̂)/α undefined); use v, x0 or flow")
-    if getattr(SOLVERS.get(cfg.sample.solver), "requires_flow", False) and sched.is_vp:
-        raise ConfigError(f"bad value for 'sample.solver': {cfg.sample.solver!r} needs diffusion.schedule=flow")
-    if cfg.data.name in ("digits", "folder", "synthetic"):  # latents bring their own size
-        _check_image_size(cfg)
+        if value is None:
+            continue
+        if meta.get("choices") and value not in meta["choices"]:
+            raise ConfigError(f"bad value for '{key}': {value!r} (choose from {', '.join(meta['choices'])})")
+        values = list(value) if isinstance(value, (list, tuple)) or OmegaConf.is_list(value) else [value]
+        for v in values:
+            need = _need(meta)
+            if meta.get("finite") and not _finite(v):
+                raise ConfigError(f"bad value for '{key}': {value!r} (a finite number{need})")
+            lo, above, below = meta.get("min"), meta.get("above"), meta.get("below")
+            if (lo is not None and v < lo) or (above is not None and v <= above) or (below is not None and v >= below):
+                raise ConfigError(f"bad value for '{key}': {value!r} (must be{need.replace(',', '', 1)})")
+    betas = cfg.optim.betas
+    if len(betas) != 2:
+        raise ConfigError(f"bad value for 'optim.betas': {list(betas)!r} (two numbers in [0, 1))")
 
 
-def _check_image_size(cfg) -> None:
-    """The cheap structural checks a model would otherwise fail on deep inside its constructor."""
-    from .models import MODELS
-
-    defaults = MODELS.args(cfg.model.name)
-    size = cfg.data.image_size
-    if "ch_mult" in defaults:  # UNets halve the resolution len(ch_mult) - 1 times
-        mult = cfg.model.args.get("ch_mult", defaults["ch_mult"])
-        f = 2 ** (len(mult) - 1)
-        _check(size % f == 0, "data.image_size", cfg, f"{cfg.model.name} halves it {len(mult) - 1} times: a multiple of {f}")
-    if "patch" in defaults:
-        p = cfg.model.args.get("patch", defaults["patch"])
-        _check(size % p == 0, "data.image_size", cfg, f"{cfg.model.name} cuts {p}×{p} patches: a multiple of {p}")
+def _need(meta) -> str:
+    parts = []
+    if meta.get("min") is not None:
+        parts.append(f">= {meta['min']}")
+    if meta.get("above") is not None:
+        parts.append(f"> {meta['above']}")
+    if meta.get("below") is not None:
+        parts.append(f"< {meta['below']}")
+    return (", " + " and ".join(parts)) if parts else ""

@@ -3,7 +3,7 @@
 The average lives as shadow tensors beside the parameters (DTensor shards under FSDP2, so it is
 sharded too and costs 1/world of the memory); `applied(model)` swaps it into the live model for
 sampling and evaluation, so no second (sharded) model has to be built. Warm-up as in the digits
-recipe: decay_n = min(decay, (1 + n)/(10 + n)).
+recipe: decay_n = min(decay, (1 + n)/(10 + n)), computed on the device from a device counter.
 """
 from __future__ import annotations
 
@@ -31,31 +31,39 @@ def _reshard(model: nn.Module) -> None:
 
 class EMA:
     def __init__(self, model: nn.Module, decay: float = 0.999, warmup: bool = True):
-        self.decay, self.warmup, self.n = decay, warmup, 0
+        self.decay, self.warmup = decay, warmup
         self.names = [clean_name(n) for n, _ in model.named_parameters()]
         self.shadow = [p.detach().clone() for p in model.parameters()]
+        # the update count lives on the device: the decay of each update is computed there, so an update
+        # never syncs with the host and a captured CUDA graph replays it as it is (graphs.py)
+        self.count = torch.zeros((), dtype=torch.int64, device=self.shadow[0].device if self.shadow else "cpu")
+
+    @property
+    def n(self) -> int:
+        """Updates so far (a host read: for checkpoints, logs and tests)."""
+        return int(self.count)
 
     def current_decay(self) -> float:
         return min(self.decay, (1 + self.n) / (10 + self.n)) if self.warmup else self.decay
 
     @torch.no_grad()
-    def update(self, model: nn.Module, applied: torch.Tensor | None = None, weight: torch.Tensor | None = None) -> None:
-        """One EMA step. `applied` (a device 0/1 scalar) is 0 for an optimizer step that was skipped,
-        which then leaves the average unchanged without a host sync. `weight` (a device scalar,
-        1 - decay) is given by a captured CUDA graph, which counts `n` itself."""
+    def update(self, model: nn.Module, applied: torch.Tensor | None = None) -> None:
+        """One EMA step with decay_n = min(decay, (1 + n)/(10 + n)) (warm-up) or `decay`. `applied` (a
+        device 0/1 scalar) is 0 for an optimizer step that was skipped, which leaves the average
+        unchanged; the count moves on either way. No host sync."""
         _reshard(model)
         params = [p.detach() for p in model.parameters()]
-        w = 1 - self.current_decay() if weight is None else weight
-        if applied is None and not isinstance(w, torch.Tensor):
-            torch._foreach_lerp_(self.shadow, params, w)
-        else:  # a device weight: _foreach_lerp_ would read it on the host (its Scalar overload)
-            if applied is not None:
-                w = applied.to(self.shadow[0].dtype) * w
-            delta = torch._foreach_sub(params, self.shadow)
-            torch._foreach_mul_(delta, w)
-            torch._foreach_add_(self.shadow, delta)
-        if weight is None:
-            self.n += 1
+        if self.count.device != self.shadow[0].device:
+            self.count = self.count.to(self.shadow[0].device)
+        c = self.count.double()
+        w = 1 - (torch.clamp((1 + c) / (10 + c), max=self.decay) if self.warmup else torch.full_like(c, self.decay))
+        if applied is not None:
+            w = applied.to(w.dtype) * w
+        # _foreach_lerp_ would read a tensor weight on the host (its Scalar overload): sub, mul, add
+        delta = torch._foreach_sub(params, self.shadow)
+        torch._foreach_mul_(delta, w.to(self.shadow[0].dtype))
+        torch._foreach_add_(self.shadow, delta)
+        self.count += 1
 
     @contextlib.contextmanager
     def applied(self, model: nn.Module):
@@ -81,7 +89,7 @@ class EMA:
         return {"n": self.n, "shadow": dict(zip(self.names, self.shadow))}
 
     def load_state_dict(self, state: dict) -> None:
-        self.n = int(state["n"])
+        self.count.fill_(int(state["n"]))
         with torch.no_grad():
             for name, s in zip(self.names, self.shadow):
                 src = state["shadow"][name]

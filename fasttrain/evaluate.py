@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from .errors import InvalidInput
 from .diffusion.nelbo import nelbo_bits_per_dim
 
 EXTRACTORS = ("auto", "fasttrain-digits", "inception-v3-compat", "none")
@@ -34,12 +35,12 @@ class EvalSettings:
     def __post_init__(self):
         for key in ("num_samples", "bpd_samples"):
             if getattr(self, key) < 0:
-                raise ValueError(f"eval.{key} must be >= 0, got {getattr(self, key)}")
+                raise InvalidInput(f"eval.{key} must be >= 0, got {getattr(self, key)}")
         for key in ("steps", "bpd_timesteps"):
             if getattr(self, key) < 1:
-                raise ValueError(f"eval.{key} must be >= 1, got {getattr(self, key)}")
+                raise InvalidInput(f"eval.{key} must be >= 1, got {getattr(self, key)}")
         if self.extractor not in EXTRACTORS:
-            raise ValueError(f"unknown extractor {self.extractor!r}; choose from {', '.join(EXTRACTORS)}")
+            raise InvalidInput(f"unknown extractor {self.extractor!r}; choose from {', '.join(EXTRACTORS)}")
 
     @classmethod
     def from_config(cls, cfg) -> "EvalSettings":
@@ -126,10 +127,10 @@ def _folder_items(root: str, spec, d, n: int) -> torch.Tensor:
         ds = ImageFolderDataset(root, spec.image_size, spec.channels, files=files)
     items = [ds[i][0] for i in range(min(n, len(ds)))]
     if not items:
-        raise ValueError(f"reference {root} holds no {'.npy latents' if spec.name == 'latents' else 'images'}")
+        raise InvalidInput(f"reference {root} holds no {'.npy latents' if spec.name == 'latents' else 'images'}")
     x = torch.stack(items)
     if tuple(x.shape[1:]) != spec.shape:
-        raise ValueError(f"reference {root} holds items of shape {tuple(x.shape[1:])}, the model makes {spec.shape}")
+        raise InvalidInput(f"reference {root} holds items of shape {tuple(x.shape[1:])}, the model makes {spec.shape}")
     return x
 
 

@@ -1,23 +1,25 @@
 """The whole training step in one CUDA graph (`train.cuda_graph=true`).
 
 At small batch on one GPU a step is a few hundred short kernels whose launch costs more than their
-work. fasttrain's step never syncs with the host, so it can be captured once and replayed:
-timestep sampling and label dropout (the trainer's generator is registered with the graph), kernel A,
-the forward, kernel B with the statistics scatter, the backward, gradient clipping, the non-finite
-check, the fused AdamW step (`capturable=True`, learning rate read from a device tensor), the EMA
-update (decay read from a device tensor) and the skipped-step counters. Everything that changes
-between steps lives on the device and is updated in place: the batch is copied into static input
-buffers, the noise offset and the statistics window are advanced by the kernels themselves, the
-learning rate and EMA decay are written into their tensors before each replay. Statistics syncs,
-sampler updates, the interference diagnostic (after the replay, on its own probe), logging and
-checkpoints stay outside the graph, every K steps.
+work. fasttrain's step never syncs with the host and keeps every state that changes between steps on
+the device (the noise offset and the statistics window advanced by the kernels, the EMA count, the
+skipped-step counters), so it can be captured once and replayed. As torchtitan's
+`distributed/cudagraph.py` wraps a callable, `GraphedStep` wraps one step function
 
-The first `WARMUP` steps run eagerly on a side stream (what capture needs: allocator and cuDNN
-warm-up), the next step is captured and replayed. Where something in the step cannot be captured
-the trainer says what in one line and keeps the eager step (`unsupported`).
+    step_fn(x0, y) -> tensors       (one micro-batch: forward, backward, clip, finite check, the
+                                     optimizer step, the EMA, the gradients set to None at its end;
+                                     no host sync, no host-side state)
 
-Off CUDA (and in tests) the same body runs eagerly with the same static buffers and device-side
-state (`capture=False`), so that everything but the capture itself is checked without a GPU.
+and knows nothing of the trainer: it copies each batch into static input buffers, registers the
+step's generator with the graph, makes the optimizer capturable with a device learning rate (the
+LR scheduler fills that tensor in place), warms up on a side stream, captures, and replays.
+Everything outside the step (the scheduler, statistics syncs, sampler updates, the interference
+diagnostic after the replay, logging, checkpoints) stays outside the graph.
+
+This module is the only place that knows about graph mode: `unsupported` says (in one line) why a
+trainer's step cannot be captured, and the trainer keeps the eager step then. Off CUDA (and in tests)
+`capture=False` runs the same step function eagerly with the same static buffers and device-side
+state, so everything but the capture itself is checked without a GPU.
 """
 from __future__ import annotations
 
@@ -26,90 +28,72 @@ import torch
 WARMUP = 3
 
 
-def unsupported(trainer) -> str | None:
-    """Why the trainer's step cannot be captured, or None."""
-    cfg = trainer.cfg
-    if trainer.device.type != "cuda":
+def unsupported(device: torch.device, world_size: int, grad_accum: int, objective, scaler, optimizer) -> str | None:
+    """Why this step cannot be captured, or None."""
+    if device.type != "cuda":
         return "CUDA graphs need a CUDA device"
-    if trainer.dist.world_size > 1:
+    if world_size > 1:
         return "collectives of FSDP/DDP are not captured (one process only)"
-    if cfg.train.grad_accum != 1:
+    if grad_accum != 1:
         return "gradient accumulation changes the step's structure (train.grad_accum must be 1)"
-    if any(h is not trainer.interference for h in trainer.hooks):
-        return f"the {cfg.diffusion.sampler} sampler's look-ahead runs host logic around the optimizer step"
-    st = trainer.objective.stats
-    if st is not None and st.history > 0:
-        return f"the {cfg.diffusion.sampler} sampler keeps a host-side queue of recent losses"
-    if trainer.scaler is not None:
+    problem = objective.capture_problem()
+    if problem:
+        return problem
+    if scaler is not None:
         return "fp16's gradient scaler decides on the host (use bf16)"
-    if not getattr(trainer.opt, "_step_supports_amp_scaling", False) or not isinstance(trainer.opt, torch.optim.AdamW):
+    if not getattr(optimizer, "_step_supports_amp_scaling", False) or not isinstance(optimizer, torch.optim.AdamW):
         return "only torch's fused AdamW is capturable (optim.impl=torch)"
     return None
 
 
 class GraphedStep:
-    def __init__(self, trainer, capture: bool = True):
-        self.tr = trainer
-        self.capture = capture
-        dev = trainer.device
-        self.lr = torch.tensor(trainer.opt.param_groups[0]["lr"], dtype=torch.float32, device=dev)
-        self.ema_weight = torch.zeros((), dtype=torch.float32, device=dev)
-        self.arm()
-        self.x0 = self.y = self.labels = None  # labels: the step's labels after dropout (a graph output)
+    """`GraphedStep(step_fn, optimizer, generator)(x0, y)` returns what `step_fn(x0, y)` returns (the
+    graph's static outputs after a replay)."""
+
+    def __init__(self, step_fn, optimizer: torch.optim.Optimizer, generator: torch.Generator,
+                 capture: bool = True):
+        self.step_fn, self.opt, self.gen, self.capture = step_fn, optimizer, generator, capture
+        lr = optimizer.param_groups[0]["lr"]
+        dev = next(p.device for g in optimizer.param_groups for p in g["params"])
+        self.lr = torch.tensor(float(lr), dtype=torch.float32, device=dev)
+        self.inputs: tuple[torch.Tensor, ...] | None = None
         self.out = None
         self.graph = None
         self.calls = 0
+        self.arm()
 
     def arm(self) -> None:
-        """Fused AdamW reads a tensor learning rate and runs capturable. Called again before every
-        step: a resumed optimizer state (its param groups) or a changed learning rate replaces both."""
-        for g in self.tr.opt.param_groups:
-            if not isinstance(g["lr"], torch.Tensor):
+        """Fused AdamW reads the device learning rate and runs capturable. Called before every step:
+        a restored optimizer state (new param groups) or a changed learning rate (a float) replaces
+        both; the LR scheduler then fills the tensor in place (torch's `_update_param_group_val`)."""
+        for g in self.opt.param_groups:
+            if g["lr"] is not self.lr:
                 self.lr.fill_(float(g["lr"]))
                 g["lr"] = self.lr
             if "capturable" in g:
                 g["capturable"] = True
 
-    def sync_lr(self) -> None:
-        """After the host-side scheduler stepped: its float into the device tensor the graph reads."""
+    def __call__(self, *batch: torch.Tensor):
         self.arm()
-
-    def _body(self):
-        tr = self.tr
-        self.labels = labels = tr._labels(self.y)
-        with tr.precision.context(cache=False):
-            loss, _ = tr.objective(tr.model, self.x0, labels, tr.gen)
-        loss.backward()
-        gnorm = tr.update(loss.detach(), ema_weight=self.ema_weight)  # the trainer's own update (no hooks)
-        return loss.detach(), gnorm
-
-    def __call__(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        x0, y = batch
-        self.arm()
-        if self.x0 is None:
-            self.x0, self.y = torch.empty_like(x0), torch.empty_like(y)
-        self.x0.copy_(x0, non_blocking=True)
-        self.y.copy_(y, non_blocking=True)
-        self.ema_weight.fill_(1 - self.tr.ema.current_decay())
-        self.tr.ema.n += 1
+        if self.inputs is None:
+            self.inputs = tuple(torch.empty_like(b) for b in batch)
+        for dst, src in zip(self.inputs, batch):
+            dst.copy_(src, non_blocking=True)
         if not self.capture:
-            self.out = self._body()
-            self.tr.opt.zero_grad(set_to_none=True)
+            self.out = self.step_fn(*self.inputs)
             return self.out
         if self.graph is None and self.calls < WARMUP:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self.out = self._body()
-                self.tr.opt.zero_grad(set_to_none=True)
+                self.out = self.step_fn(*self.inputs)
             torch.cuda.current_stream().wait_stream(side)
             self.calls += 1
             return self.out
         if self.graph is None:
             self.graph = torch.cuda.CUDAGraph()
-            self.graph.register_generator_state(self.tr.gen)
-            self.tr.opt.zero_grad(set_to_none=True)
+            self.graph.register_generator_state(self.gen)
             with torch.cuda.graph(self.graph):  # recorded, not run: the replay below is this step
-                self.out = self._body()
+                self.out = self.step_fn(*self.inputs)
         self.graph.replay()
         return self.out

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import InvalidInput
+
 
 def make_optimizer(params, o, device: torch.device) -> torch.optim.Optimizer:
     kw = dict(lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
@@ -20,7 +22,7 @@ def make_optimizer(params, o, device: torch.device) -> torch.optim.Optimizer:
             return FusedAdam(params, adam_w_mode=True, **kw)
         except ImportError:
             if o.impl == "apex":
-                raise ValueError("optim.impl=apex but apex is not installed") from None
+                raise InvalidInput("optim.impl=apex but apex is not installed") from None
     return torch.optim.AdamW(params, fused=True, **kw)
 
 

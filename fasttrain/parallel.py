@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import UserError
+from .errors import DeviceError, InvalidInput
+
 
 
 STRATEGIES = ("none", "ddp", "fsdp")
@@ -115,7 +116,7 @@ def parallelize(model: nn.Module, strategy: str = "none", ac: str = "none", comp
     for value, allowed, key in ((strategy, STRATEGIES, "parallel.strategy"), (ac, AC_MODES, "parallel.ac"),
                                 (compile, COMPILE, "parallel.compile"), (compile_mode, COMPILE_MODES, "parallel.compile_mode")):
         if value not in allowed:
-            raise ValueError(f"bad value for '{key}': {value!r} (choose from {', '.join(allowed)})")
+            raise InvalidInput(f"bad value for '{key}': {value!r} (choose from {', '.join(allowed)})")
     device = torch.device(device)
     if channels_last:  # NHWC convolutions (UNets on tensor cores): parameters only, inputs follow
         model.to(memory_format=torch.channels_last)
@@ -124,7 +125,7 @@ def parallelize(model: nn.Module, strategy: str = "none", ac: str = "none", comp
     if strategy == "none":
         return model
     if not (dist.is_available() and dist.is_initialized()):
-        raise UserError(f"parallel.strategy={strategy} needs torch.distributed initialised (launch with torchrun)")
+        raise DeviceError(f"parallel.strategy={strategy} needs torch.distributed initialised (launch with torchrun)")
     if strategy == "ddp":
         from torch.distributed._composable.replicate import replicate
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import InvalidInput
+
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -53,14 +55,14 @@ class Precision:
 def resolve(name: str, device: torch.device, strategy: str) -> Precision:
     """The precision for a device and a (resolved) strategy; a one-line error for what cannot run."""
     if name not in PRECISIONS:
-        raise ValueError(f"bad value for 'parallel.precision': {name!r} (choose from {', '.join(PRECISIONS)})")
+        raise InvalidInput(f"bad value for 'parallel.precision': {name!r} (choose from {', '.join(PRECISIONS)})")
     device = torch.device(device)
     if name == "auto":
         name = "bf16" if device.type == "cuda" else "fp32"
     if name == "fp16" and device.type != "cuda":
-        raise ValueError("parallel.precision=fp16 needs CUDA (on CPU autocast computes in bf16: use bf16)")
+        raise InvalidInput("parallel.precision=fp16 needs CUDA (on CPU autocast computes in bf16: use bf16)")
     if name == "fp16" and strategy == "fsdp":
-        raise ValueError("parallel.precision=fp16 with parallel.strategy=fsdp is not supported (use bf16, which "
+        raise InvalidInput("parallel.precision=fp16 with parallel.strategy=fsdp is not supported (use bf16, which "
                          "needs no gradient scaler)")
     half = name != "fp32"
     return Precision(name, device.type, autocast=half and strategy != "fsdp", fsdp_policy=half and strategy == "fsdp")

@@ -17,21 +17,31 @@ import inspect
 import pkgutil
 from typing import Any, Callable
 
+from .errors import InvalidInput
+
 
 class Registry:
-    def __init__(self, kind: str, positional: int = 0):
+    def __init__(self, kind: str, positional: int = 0, defaults: dict | None = None):
         self.kind = kind
         self.positional = positional  # leading parameters that are not user arguments (e.g. schedule)
+        self.defaults = dict(defaults or {})  # what every entry declares (`register(name, key=value)`)
         self._items: dict[str, Any] = {}
 
     def register(self, name: str, **meta) -> Callable:
+        """Register under `name`; `meta` (over the registry's `defaults`) become attributes of the entry:
+        what it declares about itself (e.g. a solver's spacing, a model's `check` of its sizes)."""
+        unknown = set(meta) - set(self.defaults)
+        if unknown:
+            raise ValueError(f"{self.kind} {name!r}: unknown declaration {sorted(unknown)[0]!r} "
+                             f"(this registry takes {', '.join(self.defaults) or 'none'})")
+
         def deco(obj):
             if name in self._items:
                 raise ValueError(f"{self.kind} {name!r} is registered twice")
             if inspect.isclass(obj):
                 obj.name = name
             self._items[name] = obj
-            for k, v in meta.items():
+            for k, v in {**self.defaults, **meta}.items():
                 setattr(obj, k, v)
             return obj
 
@@ -48,7 +58,7 @@ class Registry:
 
     def get(self, name: str):
         if name not in self._items:
-            raise ValueError(f"unknown {self.kind} {name!r}; choose from {', '.join(self._items)}")
+            raise InvalidInput(f"unknown {self.kind} {name!r}; choose from {', '.join(self._items)}")
         return self._items[name]
 
     def args(self, name: str) -> dict[str, Any]:
@@ -67,11 +77,21 @@ class Registry:
         for key, value in args.items():
             label = f"{where}.{key}" if where else key
             if key not in allowed:
-                raise ValueError(f"unknown argument '{label}' ({self.kind} {name!r} takes: "
+                raise InvalidInput(f"unknown argument '{label}' ({self.kind} {name!r} takes: "
                                  f"{', '.join(allowed) or 'no arguments'})")
             problem = type_problem(allowed[key], value)
             if problem:
-                raise ValueError(f"bad value for '{label}': {value!r} ({problem})")
+                raise InvalidInput(f"bad value for '{label}': {value!r} ({problem})")
+
+    def check(self, name: str, **context) -> None:
+        """The entry's own check of a configuration (its `check` declaration, if the registry has one):
+        e.g. a model's sizes against the image size. Raises InvalidInput."""
+        if "check" not in self.defaults:
+            return
+        fn = self.get(name).check
+        if fn is not None:
+            defaults = {k: v for k, v in self.args(name).items() if v is not inspect.Parameter.empty}
+            fn(**{**defaults, **context})
 
     def build(self, name: str, *args, **kwargs):
         self.check_args(name, kwargs)

@@ -10,6 +10,7 @@ from pathlib import Path
 from jinja2 import Template
 
 from . import checkpoint as ckpt
+from .errors import MissingFile
 from . import plots
 from .logger import read_jsonl
 
@@ -41,7 +42,8 @@ def _fmt(v) -> str:
 
 def objective_from_checkpoint(run: Path):
     """The training objective's statistics and sampler as the checkpoint left them (every rank's
-    pending window merged in), for the per-timestep figure; no model, data or process group."""
+    pending window merged in), to redraw the per-timestep figure of a run that has none; no model,
+    data or process group. (The report's samples and evaluation never need this.)"""
     from omegaconf import OmegaConf
 
     from .bundle import build_objective
@@ -50,10 +52,8 @@ def objective_from_checkpoint(run: Path):
     plain = ckpt.read_plain(run)
     cfg = OmegaConf.merge(OmegaConf.structured(Config), plain["config"])
     obj = build_objective(cfg)
-    obj.load_extra_state(plain["objective"])
-    windows = [r["objective"]["window"] for r in plain["ranks"] if r["objective"]["window"] is not None]
-    if obj.stats is not None and windows:
-        obj.load_rank_state({"window": obj.stats.merge_window_states(windows)})
+    obj.load_state_dict(plain["objective"])
+    obj.load_rank_states([r["objective"] for r in plain["ranks"]], 0, 1 + len(plain["ranks"]))  # merged into rank 0
     obj.sync_stats()
     interference = None
     if plain.get("interference"):
@@ -68,7 +68,7 @@ def write_report(run_dir: str | Path) -> Path:
     run = Path(run_dir)
     metrics_file = run / "metrics.jsonl"
     if not metrics_file.is_file():
-        raise FileNotFoundError(f"{run} is not a fasttrain run directory (no metrics.jsonl)")
+        raise MissingFile(f"{run} is not a fasttrain run directory (no metrics.jsonl)")
     rows = read_jsonl(metrics_file)
     objective, interference = None, None
     if not (run / "timesteps.png").is_file() and ckpt.latest(run) is not None:

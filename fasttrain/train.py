@@ -13,6 +13,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -26,26 +27,17 @@ from .bundle import DataSpec, ModelBundle, build_network, build_objective
 from .config import plain
 from .data import build_data
 from .diffusion.interference import InterferenceDiagnostic
-from .diffusion.lookahead import LookAheadContext, lookaheads
+from .diffusion.lookahead import LookAheadContext
 from .diffusion.variation import loss_cv
-from .errors import UserError
+from .errors import DeviceError, InvalidInput, NonFiniteStop
 from .evaluate import EvalSettings, reference_for, run_evaluation
 from .logger import MetricLogger
 from .models import count_params, forward_flops
-from .optim import make_optimizer, skip_if_not_finite
+from .optim import apply_optimizer_config, make_optimizer, skip_if_not_finite
 from .parallel import parallelize
 from .precision import resolve as resolve_precision
 from .stopping import GracefulStop
-
-class _NoLog:
-    """What ranks other than 0 log to."""
-
-    def log(self, *args, **kwargs):
-        pass
-
-    def close(self):
-        pass
-
+from .train_state import RankRNG, TrainState
 
 class Trainer:
     # -- set-up ------------------------------------------------------------------------------------
@@ -56,13 +48,12 @@ class Trainer:
             torch.set_num_threads(tc.threads)
         want_cuda = tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())
         if want_cuda and not torch.cuda.is_available():
-            raise UserError("train.device=cuda but no CUDA device is available")
+            raise DeviceError("train.device=cuda but no CUDA device is available")
         self.dist = dist_utils.init(tc.device)
         rank, world = self.dist.rank, self.dist.world_size
         self.device = torch.device(f"cuda:{self.dist.local_rank}" if want_cuda else "cpu")
         self.run_dir = Path(cfg.run_dir)
-        self.checkpoints = ckpt.CheckpointManager(self.run_dir, self.dist)
-        self.lock = self._claim_run_dir(resume, restart) if self.dist.is_main else None
+        self.lock = ckpt.claim(self.run_dir, resume, restart) if self.dist.is_main else None
         try:
             self._set_up(cfg, rank, world, want_cuda)
         except BaseException:
@@ -85,74 +76,67 @@ class Trainer:
         pc = cfg.parallel
         strategy = pc.strategy if pc.strategy != "auto" else ("fsdp" if world > 1 else "none")
         if strategy == "none" and world > 1:
-            raise ValueError(f"parallel.strategy=none cannot train on {world} processes (use fsdp or ddp)")
+            raise InvalidInput(f"parallel.strategy=none cannot train on {world} processes (use fsdp or ddp)")
         self.precision = resolve_precision(pc.precision, self.device, strategy)
         self.model = parallelize(net, strategy, pc.ac, pc.compile, self.precision.name, self.device, pc.compile_mode,
                                  pc.channels_last)
-        self.objective = build_objective(cfg, rank).to(self.device)
+        self.objective = build_objective(cfg, net, rank).to(self.device)
         self.objective.input_dtype = self.precision.input_dtype
+        self.objective.set_partition(rank, world, tc.grad_accum)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision.scaler else None
-        self.bundle = ModelBundle.build(cfg, self.spec, self.device, net=self.model, objective=self.objective)
+        self.bundle = ModelBundle.build(cfg, self.spec, self.device, net=self.model)
         self.ema = self.bundle.ema
-        self.objective.sampler.set_partition(rank, world, tc.grad_accum)
         dg = cfg.diagnostics
         self.interference = None
         if dg.interference_every:
             self.interference = InterferenceDiagnostic(self.objective.T, dg.interference_every, dg.buckets,
                                                        dg.probe_size, seeds.derive(tc.seed, "probe"))
-        self.hooks = lookaheads(self.objective.sampler, self.interference)
+        self.hooks = self.objective.lookaheads() + ([self.interference] if self.interference else [])
         self.opt = make_optimizer(list(self.model.parameters()), cfg.optim, self.device)
         o = cfg.optim
         self.lr_sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: min(1.0, (s + 1) / o.warmup_steps) if o.warmup_steps else 1.0)
         # timesteps and label dropout: per rank, so that stratified strata are filled independently
         self.gen = torch.Generator(self.device).manual_seed(seeds.derive(tc.seed, "timesteps", rank))
-        self.step, self.images = 0, 0  # progress in images too (EDM2): it survives a change of world size
+        self.state = TrainState(self.device)
         self.images_per_step = d.batch_size * tc.grad_accum * world
-        self.skipped = torch.zeros((), dtype=torch.long, device=self.device)      # non-finite steps in all
-        self.skipped_run = torch.zeros((), dtype=torch.long, device=self.device)  # ... and in a row
-        self.graph = None
+        self.checkpoints = ckpt.CheckpointManager(
+            self.run_dir, self.dist, meta={"config": OmegaConf.to_container(cfg), "data_spec": asdict(self.spec)},
+            model=self.model, optimizer=self.opt, ema=self.ema,
+            states={"train": self.state, "lr_sched": self.lr_sched, "objective": self.objective, "data": self.data,
+                    "interference": self.interference, "scaler": self.scaler},
+            rank_states={"rng": RankRNG(self.gen, tc.seed, self.state), "objective": self.objective})
+        self.step_fn = self._step  # or the same step replayed from one CUDA graph (graphs.py)
         if tc.cuda_graph:
-            reason = graphs.unsupported(self)
+            reason = graphs.unsupported(self.device, world, tc.grad_accum, self.objective, self.scaler, self.opt)
             if reason:
                 if self.dist.is_main:
                     print(f"fasttrain: train.cuda_graph: keeping the eager step ({reason})", file=sys.stderr)
             else:
-                self.graph = graphs.GraphedStep(self)
+                self.step_fn = graphs.GraphedStep(self._step, self.opt, self.gen)
         peak = dist_utils.device_peak_flops()
         self.flops_per_image = 3 * forward_flops(cfg.model.name, in_channels=self.spec.channels,
                                                  image_size=self.spec.image_size, num_classes=self.spec.num_classes,
                                                  **plain(cfg.model.args)) if peak else None
         self.peak_flops = peak * world if peak else None
 
-    def _claim_run_dir(self, resume: bool, restart: bool):
-        """One trainer per run directory, and a fresh run never overwrites an earlier one."""
-        if resume and ckpt.latest(self.run_dir) is None:  # before anything is created there
-            raise _no_checkpoint(self.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        lock = ckpt.RunLock(self.run_dir)
-        if resume:
-            return lock
-        earlier = [p.name for p in (self.run_dir / "last.pt", self.run_dir / "dcp", self.run_dir / "crash.pt",
-                                    self.run_dir / "metrics.jsonl") if p.exists()]
-        if earlier and restart:
-            moved = ckpt.archive_previous_run(self.run_dir)
-            print(f"fasttrain: moved the earlier run to {moved}", file=sys.stderr)
-        elif earlier:
-            lock.release()
-            how = ("continue it with --resume, or " if ckpt.latest(self.run_dir) else "it has no checkpoint to "
-                   "continue from, so ")
-            raise UserError(f"{self.run_dir} already holds a run ({', '.join(earlier)}): {how}start over with "
-                            f"--restart (which moves it to {self.run_dir}/previous-N/)")
-        return lock
+    @property
+    def step(self) -> int:
+        return self.state.step
 
-    # -- checkpoints (the manager in checkpoint.py owns formats and contents) -----------------------
+    @property
+    def images(self) -> int:
+        return self.state.images
+
+    # -- checkpoints (checkpoint/: formats, run directory, the manager of the components above) ------
     def save(self, name: str = "last.pt") -> Path | None:
-        return self.checkpoints.save(self, name)
+        return self.checkpoints.save(name)
 
     def restore(self, path) -> None:
-        """Resume from last.pt or a DCP folder, on this or another number of processes."""
-        changed = self.checkpoints.restore(self, path)
+        """Resume from last.pt or a DCP folder, on this or another number of processes; optimizer
+        settings that the config changed are applied."""
+        saved = self.checkpoints.restore(path)
+        changed = apply_optimizer_config(self.opt, self.lr_sched, saved["optim"], plain(self.cfg.optim))
         if changed and self.dist.is_main:
             print(f"fasttrain: resume applies the changed {', '.join(changed)}", file=sys.stderr)
 
@@ -164,83 +148,80 @@ class Trainer:
         return torch.where(drop, torch.full_like(y, self.spec.num_classes), y)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.graph is not None:  # the whole step replayed from one CUDA graph (graphs.py)
-            total, gnorm = self.graph(next(self.data))
-            if self.interference is not None and self.interference.due(self.step):  # outside the graph, with
-                ctx = LookAheadContext(self.model, self.objective, self.graph.x0, self.graph.labels, self.step, 0, 1,
-                                       lr=float(self.graph.lr), optimizer=self.opt)  # the step's labels and lr
-                with self.precision.context():
-                    self.interference.after_update(ctx)
-            self.lr_sched.step()
-            self.graph.sync_lr()
-            return self._after_step(total, gnorm)
-        accum = self.cfg.train.grad_accum
+        """One optimizer step: the step function (eager, or replayed from a CUDA graph) on the step's
+        micro-batches, the look-ahead hooks around its optimizer update, the LR scheduler, counters."""
+        due = [h for h in self.hooks if h.due(self.step)]
+        lr = self.lr_sched.get_last_lr()[0]
+        batches = [next(self.data) for _ in range(self.cfg.train.grad_accum)]
+        if len(batches) == 1 and not any(h.acts_before for h in due):
+            loss, gnorm, labels = self.step_fn(*batches[0])
+        else:  # several micro-batches, or a hook that must see the gradients before the update
+            loss, gnorm, labels = self._step(*[x for b in batches for x in b], before=due, lr=lr)
+        if due:  # after the update, gradients cleared (the step function's last act)
+            ctx = LookAheadContext(self.model, self.objective, batches[0][0], labels, self.step, self.dist.rank,
+                                   self.dist.world_size, lr=float(lr), optimizer=self.opt)
+            for h in due:
+                with self.precision.context():  # probes see the model as the forward does
+                    h.after_update(ctx)
+            self.opt.zero_grad(set_to_none=True)  # a hook may have run its own backward
+        self.lr_sched.step()
+        self.state.step += 1
+        self.state.images += self.images_per_step
+        if self.step % self.cfg.diffusion.stats_every == 0:
+            self.objective.sync_stats()
+        return loss, gnorm
+
+    def _step(self, *tensors: torch.Tensor, before=(), lr: float | None = None):
+        """The step function: forward and backward of each micro-batch (`tensors` = x0, y, x0, y, ...),
+        then the update. No host sync and no host-side state change, so that with one micro-batch and
+        no `before` hooks a CUDA graph can capture it (graphs.py). Returns (loss, grad norm, the first
+        micro-batch's labels after dropout)."""
+        accum = len(tensors) // 2
         total = torch.zeros((), device=self.device)
+        first = None
         for m in range(accum):
-            x0, y = next(self.data)
-            labels = self._labels(y)
-            if m == 0:
-                first = (x0, labels)
-            with self.precision.context():
+            x0, labels = tensors[2 * m], self._labels(tensors[2 * m + 1])
+            first = labels if m == 0 else first
+            with self.precision.context(cache=False):  # no autocast weight cache: a graph replays the casts
                 loss, _ = self.objective(self.model, x0, labels, self.gen)
             scaled = loss / accum
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             total += loss.detach() / accum
         if self.scaler:
             self.scaler.unscale_(self.opt)  # true gradients before clipping (fp16)
-        ctx = LookAheadContext(self.model, self.objective, *first, self.step, self.dist.rank, self.dist.world_size,
-                               lr=float(self.opt.param_groups[0]["lr"]), optimizer=self.opt)
-        gnorm = self.update(total, [h for h in self.hooks if h.due(self.step)], ctx)
-        return self._after_step(total, gnorm)
-
-    def update(self, total: torch.Tensor, due=(), ctx=None, ema_weight: torch.Tensor | None = None) -> torch.Tensor:
-        """Everything after the backward, shared by the eager step and the CUDA-graph body (graphs.py,
-        which passes no hooks and a device EMA weight, and steps the scheduler outside the graph):
-        clip, the finite check, the look-ahead hooks around the optimizer step (or its skip), the EMA
-        and the skipped-step counters. Returns the gradient norm."""
         clip = self.cfg.optim.grad_clip
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else math.inf)
         if hasattr(gnorm, "full_tensor"):
             gnorm = gnorm.full_tensor()  # a DTensor under FSDP
         finite = torch.isfinite(total) & torch.isfinite(gnorm)
-        for h in due:  # the look-ahead brackets the optimizer step, not a micro-step
-            with self.precision.context():  # probes see the model as the forward does
-                h.before_update(ctx)
+        if before:  # the look-ahead brackets the optimizer step, not a micro-step
+            ctx = LookAheadContext(self.model, self.objective, tensors[0], first, self.step, self.dist.rank,
+                                   self.dist.world_size, lr=lr, optimizer=self.opt)
+            for h in before:
+                with self.precision.context():
+                    h.before_update(ctx)
         if self.scaler:  # fp16: the scaler skips an overflowing step itself (found_inf) and adapts its scale
             self.scaler.step(self.opt)
             self.scaler.update()
         else:
             skip_if_not_finite(self.opt, finite)
             self.opt.step()
-        if ema_weight is None:  # eager: the scheduler and the gradients' reset belong to the step
-            self.lr_sched.step()
-            self.opt.zero_grad(set_to_none=True)
-        for h in due:  # after the update, gradients cleared: a hook may run its own backward
-            with self.precision.context():
-                h.after_update(ctx)
-        self.ema.update(self.model, applied=finite, weight=ema_weight)
-        self.skipped += (~finite).long()
-        self.skipped_run.copy_((self.skipped_run + 1) * (~finite).long())
-        return gnorm.detach()
-
-    def _after_step(self, total, gnorm):
-        self.step += 1
-        self.images += self.images_per_step
-        if self.step % self.cfg.diffusion.stats_every == 0:
-            self.objective.sync_stats()
-        return total, gnorm.detach()
+        self.opt.zero_grad(set_to_none=True)
+        self.ema.update(self.model, applied=finite)
+        self.state.skipped += (~finite).long()
+        self.state.skipped_run.copy_((self.state.skipped_run + 1) * (~finite).long())
+        return total, gnorm.detach(), first
 
     # -- the run ---------------------------------------------------------------------------------------
     def fit(self) -> dict:
-        tc, main = self.cfg.train, self.dist.is_main
+        tc, main, st = self.cfg.train, self.dist.is_main, self.state
         log = MetricLogger(self.run_dir, purge_step=self.step) if main else _NoLog()
         if main:
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))  # the truth, resumed or not
         if self.step == 0:
             log.log(0, params=self.num_params, images=0, world_size=self.dist.world_size)
-        acc = torch.zeros(3, device=self.device)  # Σ loss, Σ grad norm, count over the finite (not skipped) steps
         one = torch.ones((), device=self.device)
-        n_acc, t0 = 0, time.time()
+        timed, t0 = 0, time.time()  # steps timed in this process (a resumed interval's earlier steps were not)
         bar = tqdm(total=tc.steps, initial=self.step, desc="train", unit="step", disable=not (tc.progress and main),
                    dynamic_ncols=True)
         try:
@@ -248,13 +229,13 @@ class Trainer:
                 while self.step < tc.steps:
                     loss, gnorm = self.train_step()
                     ok = torch.isfinite(loss) & torch.isfinite(gnorm)
-                    acc += torch.stack([loss.float(), gnorm.float(), one]).where(ok, 0.0)
-                    n_acc += 1
+                    st.interval += torch.stack([loss.double(), gnorm.double(), one.double()]).where(ok, 0.0)
+                    st.interval_steps += 1
+                    timed += 1
                     bar.update(1)
                     if self.step % tc.log_every == 0 or self.step == tc.steps:
-                        self._log(log, bar, acc, n_acc, time.time() - t0)
-                        acc.zero_()
-                        n_acc, t0 = 0, time.time()
+                        self._log(log, bar, timed, time.time() - t0)
+                        timed, t0 = 0, time.time()
                     if tc.max_nonfinite and self.step % min(tc.max_nonfinite, tc.log_every) == 0:
                         self._check_nonfinite()
                     paused = time.time()  # checkpoints and evaluations do not count as training time
@@ -282,32 +263,35 @@ class Trainer:
         log.close()
         return summary
 
-    def _log(self, log, bar, acc, n_acc, dt) -> None:
+    def _log(self, log, bar, timed: int, dt: float) -> None:
         # the one host sync per log interval (and one all-reduce across ranks); loss and grad norm are
-        # means over the steps that were not skipped (None when all were)
-        loss_sum, gn_sum, n_ok = dist_utils.mean_across_ranks(acc).tolist()
+        # means over the interval's steps that were not skipped (None when all were)
+        st = self.state
+        loss_sum, gn_sum, n_ok = dist_utils.mean_across_ranks(st.interval).tolist()
+        st.interval.zero_()
+        st.interval_steps = 0
         mean_loss = loss_sum / n_ok if n_ok else None
         stats = self.objective.stats
         buckets = stats.bucketed(10, "raw") if stats is not None else None
-        img_s = n_acc * self.images_per_step / dt
-        extra = {}
-        for h in self.hooks:  # look-ahead components: their own metrics, and the share of time they took
-            extra.update(getattr(h, "metrics", lambda: {})())
+        img_s = timed * self.images_per_step / dt if dt > 0 else None
+        extra = self.objective.metrics()
+        if self.interference is not None:
+            extra.update(self.interference.metrics())
         hook_s = sum(v for k, v in extra.items() if k.endswith("lookahead_s"))
         cv = None if stats is None else float(loss_cv(stats, self.cfg.diagnostics.loss_cv_buckets))
         log.log(self.step, images=self.images, loss=mean_loss, grad_norm=gn_sum / n_ok if n_ok else None,
-                lr=self.lr_sched.get_last_lr()[0], sec_per_step=dt / n_acc, images_per_sec=img_s,
-                mfu=img_s * self.flops_per_image / self.peak_flops if self.peak_flops else None,
-                skipped_steps=int(self.skipped), loss_by_t_bucket=None if buckets is None else buckets["mean"],
-                loss_cv=cv, lookahead_share=hook_s / dt if self.hooks else None, **extra)
+                lr=self.lr_sched.get_last_lr()[0], sec_per_step=dt / timed if timed else None, images_per_sec=img_s,
+                mfu=img_s * self.flops_per_image / self.peak_flops if self.peak_flops and img_s else None,
+                skipped_steps=int(st.skipped), loss_by_t_bucket=None if buckets is None else buckets["mean"],
+                loss_cv=cv, lookahead_share=hook_s / dt if self.hooks and dt > 0 else None, **extra)
         bar.set_postfix(loss=f"{mean_loss:.4f}" if mean_loss is not None else "skipped")
 
     def _check_nonfinite(self) -> None:
-        run = int(self.skipped_run)
+        run = int(self.state.skipped_run)
         if run >= self.cfg.train.max_nonfinite:  # fit's handler writes crash.pt
             kept = "the last good checkpoint is kept" if self.checkpoints.latest() else "no checkpoint had been written"
-            raise FloatingPointError(f"stopped at step {self.step}: {run} non-finite steps in a row (skipped, weights "
-                                     f"kept); {kept}, crash.pt holds this state (try a lower optim.lr)")
+            raise NonFiniteStop(f"stopped at step {self.step}: {run} non-finite steps in a row (skipped, weights "
+                                f"kept); {kept}, crash.pt holds this state (try a lower optim.lr)")
 
     def _weights_work(self) -> bool:
         """Finite weights whose output is finite on a probe (the last update could have made them
@@ -327,29 +311,30 @@ class Trainer:
     def _save_if_good(self) -> None:
         """Never save over last.pt from a state whose last steps were not finite or whose weights are
         not (the previous last.pt stays the one to resume from)."""
-        bad = int(self.skipped_run) > 0 or not self._weights_work()
+        bad = int(self.state.skipped_run) > 0 or not self._weights_work()
         if bad:
             if self.dist.is_main:
-                print(f"fasttrain: not saving at step {self.step}: the last steps were not finite "
-                      f"(the previous last.pt is kept)", file=sys.stderr)
+                kept = "the previous last.pt is kept" if self.checkpoints.latest() else "no checkpoint is written"
+                print(f"fasttrain: not saving at step {self.step}: the last steps were not finite ({kept})",
+                      file=sys.stderr)
             return
         self.save()
 
     # -- the end of a run: samples, evaluation, plots -------------------------------------------------
-    def reference(self):
+    def eval_reference(self):
         """The real data evaluations compare with: read (and for folders decoded) once per run."""
-        if getattr(self, "_reference", None) is None:
-            self._reference = reference_for(self.cfg, self.spec)
-        return self._reference
+        if getattr(self, "_eval_reference", None) is None:
+            self._eval_reference = reference_for(self.cfg, self.spec)
+        return self._eval_reference
 
     def evaluate(self, log) -> dict:
         metrics = run_evaluation(self.bundle, EvalSettings.from_config(self.cfg),
-                                 self.reference())  # on every rank (FSDP forwards are collective)
+                                 self.eval_reference())  # on every rank (FSDP forwards are collective)
         log.log(self.step, images=self.images, **{f"eval/{k}": v for k, v in metrics.items()})
         return metrics
 
     def finish(self, log) -> dict:
-        cfg, out = self.cfg, {"steps": self.step, "images": self.images, "skipped_steps": int(self.skipped)}
+        cfg, out = self.cfg, {"steps": self.step, "images": self.images, "skipped_steps": int(self.state.skipped)}
         self.bundle.step, self.bundle.images = self.step, self.images
         if cfg.sample.num:
             labels = None
@@ -359,7 +344,7 @@ class Trainer:
             x = self.bundle.generate(n, labels, steps=cfg.sample.steps, solver=cfg.sample.solver,
                                      guidance=cfg.sample.guidance, eta=cfg.sample.eta, progress=cfg.train.progress)
             if self.dist.is_main:
-                ref = self.reference().train if not self.spec.image_size else None
+                ref = self.eval_reference().train if not self.spec.image_size else None
                 plots.save_samples(self.run_dir / "samples.png", x, self.spec, reference=ref)
                 if not self.spec.image_size:
                     out["sample_mean"], out["sample_std"] = x.mean(0).tolist(), x.std(0).tolist()
@@ -376,23 +361,27 @@ class Trainer:
             self.lock.release()
 
 
+class _NoLog:
+    """What ranks other than 0 log to."""
+
+    def log(self, *args, **kwargs):
+        pass
+
+    def close(self):
+        pass
+
+
 def train(cfg: DictConfig, resume: bool = False, restart: bool = False) -> dict:
     trainer = Trainer(cfg, resume=resume, restart=restart)
     try:
         if resume:
             last = trainer.checkpoints.latest()
             if last is None:
-                raise _no_checkpoint(trainer.run_dir)
+                raise ckpt.no_checkpoint(trainer.run_dir)
             trainer.restore(last)
         return trainer.fit()
     finally:
         trainer.close()
-
-
-def _no_checkpoint(run_dir: Path) -> FileNotFoundError:
-    crash = "; crash.pt holds a failed run's state, not a resumable one: start over with --restart" \
-        if (run_dir / "crash.pt").exists() else ""
-    return FileNotFoundError(f"--resume: no checkpoint at {run_dir / 'last.pt'} or {run_dir / 'dcp'}{crash}")
 
 
 def _report_failure(what: str, fn) -> None:

@@ -53,19 +53,47 @@ def test_guidance_mixes_conditional_and_unconditional(tmp_path):
     b.x0_hat = fake_x0
     labels = torch.zeros(4, dtype=torch.long)
     for g, expect in ((1.0, 0.0), (3.0, -2.0)):  # uncond + g·(cond - uncond) = 1 + g·(0 - 1)
-        x0, _ = b.denoiser(labels, guidance=g)(torch.randn(4, 1, 8, 8), 10)
+        x0, _ = b.solver_fn(labels, guidance=g)(torch.randn(4, 1, 8, 8), 10)
         torch.testing.assert_close(x0, torch.full_like(x0, expect))
     with pytest.raises(ValueError, match="guidance must be a finite number"):
-        b.denoiser(labels, guidance=float("nan"))
+        b.solver_fn(labels, guidance=float("nan"))
 
 
 def test_non_finite_weights_are_refused(tmp_path, capsys):
     main(["train", f"run_dir={tmp_path}", "train.steps=1", "model.args.ch=8"] + TINY)
     st = torch.load(tmp_path / "last.pt", weights_only=True)
-    name = next(iter(st["ema"]))
-    st["ema"][name] = st["ema"][name] * float("nan")
+    name = next(iter(st["ema"]["shadow"]))
+    st["ema"]["shadow"][name] = st["ema"]["shadow"][name] * float("nan")
     torch.save(st, tmp_path / "last.pt")
     capsys.readouterr()
     assert main(["sample", "--ckpt", str(tmp_path), "--out", str(tmp_path / "s")]) == 1
     assert "non-finite weights" in capsys.readouterr().err
     assert main(["eval", "--ckpt", str(tmp_path)]) == 1
+
+
+@pytest.mark.parametrize("prediction", ["eps", "mixed"])
+def test_sample_eval_report_build_no_sampler_and_no_statistics(tmp_path, monkeypatch, prediction):
+    """A model's x̂0 conversion lives in the network wrapper: loading an adaptive run (a learned policy,
+    a loss history) to sample, evaluate and report constructs no timestep sampler and no statistics."""
+    from fasttrain.diffusion.samplers import TimestepSampler
+    from fasttrain.diffusion.stats import TimestepStats
+
+    run = tmp_path / "run"
+    extra = ["diffusion.prediction=mixed", "diffusion.mixed.mode=argmin"] if prediction == "mixed" else []
+    assert main(["train", f"run_dir={run}", "train.steps=4", "model.args.ch=8", "diffusion.sampler=adaptive",
+                 "diffusion.sampler_args.every=2", "diffusion.sampler_args.tau_grid=4", "sample.num=4",
+                 "sample.steps=2", "train.log_every=2", "diffusion.stats_every=2"] + extra + TINY[:1] + TINY[2:]) == 0
+    assert (run / "timesteps.png").is_file()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a timestep sampler or statistics was constructed")
+
+    monkeypatch.setattr(TimestepSampler, "__init__", refuse)
+    monkeypatch.setattr(TimestepStats, "__init__", refuse)
+    b = ModelBundle.load(run)
+    assert b.generate(3, torch.arange(3), steps=2).shape == (3, 1, 8, 8)
+    assert main(["sample", "--ckpt", str(run), "--n", "4", "--steps", "2", "--out", str(tmp_path / "s")]) == 0
+    assert main(["eval", "--ckpt", str(run), "--n", "8", "--steps", "2"]) == 0
+    assert main(["report", str(run)]) == 0
+    if prediction == "mixed":  # argmin's per-timestep choice came back with the weights
+        assert (b.net.output.choice >= 0).any()

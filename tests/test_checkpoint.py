@@ -80,7 +80,7 @@ def test_pickled_entries_inside_dcp_shards_are_refused(tmp_path):
 
 def test_the_real_metadata_passes_the_allow_list(tmp_path):
     folder = _dcp_folder(tmp_path, {"config": {"a": 1}, "data_spec": {}, "step": 7})
-    assert ckpt.read_dcp_extra(folder)["step"] == 7
+    assert ckpt.read_dcp_extra(folder)["train"]["step"] == 7
     holder = {"model": {"w": torch.zeros(3, 4)}}
     ckpt.load_dcp(folder, holder)
     assert holder["model"]["w"].abs().sum() > 0
@@ -148,7 +148,7 @@ def test_a_dcp_save_killed_mid_swap_loses_nothing(tmp_path, monkeypatch):
         ckpt.save_dcp(folder, state(2), True)
     monkeypatch.setattr(Path, "rename", real)
     assert calls == ["dcp", "dcp.tmp"] and not folder.exists()
-    assert ckpt.read_plain(run)["step"] == 1
+    assert ckpt.read_plain(run)["train"]["step"] == 1
     ckpt.save_dcp(folder, state(3), True)
-    assert ckpt.latest(run) == folder and ckpt.read_plain(run)["step"] == 3
+    assert ckpt.latest(run) == folder and ckpt.read_plain(run)["train"]["step"] == 3
     assert sorted(p.name for p in run.iterdir()) == ["dcp"]

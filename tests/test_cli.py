@@ -137,7 +137,7 @@ def test_out_paths_onto_or_under_a_file(tmp_path, capsys):
 def test_every_preset_loads_validates_and_builds(preset):
     """A preset that names a renamed key (sample.method → sample.solver) fails here, not on a user."""
     from fasttrain.bundle import DataSpec, build_network, build_objective
-    from fasttrain.config import load_config, validate
+    from fasttrain.configure import load_config, validate
     from fasttrain.data import build_data
 
     cfg = load_config(preset)
@@ -155,7 +155,7 @@ def test_list_valued_model_arguments(capsys):
     args = ["train", "model.args.ch_mult=[1,2]", "model.args.attn_resolutions=[4]", "--print-config"]
     assert main(args) == 0
     from fasttrain.bundle import DataSpec, build_network
-    from fasttrain.config import load_config
+    from fasttrain.configure import load_config
 
     net = build_network(load_config("default", args[1:3]), DataSpec("digits", 1, 8, 10, 0.1))
     assert len(net.net.repeated_blocks()) > 0

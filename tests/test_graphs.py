@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fasttrain import graphs
-from fasttrain.config import load_config
+from fasttrain.configure import load_config
 from fasttrain.train import Trainer
 
 TINY = ["train.progress=false", "sample.num=0", "eval.num_samples=0", "eval.bpd=false", "train.threads=1",
@@ -21,8 +21,8 @@ def test_static_buffer_step_equals_the_plain_step(tmp_path):
     plain = Trainer(load_config("default", [f"run_dir={tmp_path / 'a'}", "train.steps=8"] + TINY))
     static = Trainer(load_config("default", [f"run_dir={tmp_path / 'b'}", "train.steps=8"] + TINY))
     try:
-        static.graph = graphs.GraphedStep(static, capture=False)
-        assert all(g["lr"] is static.graph.lr for g in static.opt.param_groups)  # a device tensor the graph reads
+        static.step_fn = graph = graphs.GraphedStep(static._step, static.opt, static.gen, capture=False)
+        assert all(g["lr"] is graph.lr for g in static.opt.param_groups)  # a device tensor the graph reads
         off0 = int(static.objective.offset)
         a, b = _run(plain, 8), _run(static, 8)
         assert a[0] == b[0]  # bit-identical losses
@@ -30,7 +30,7 @@ def test_static_buffer_step_equals_the_plain_step(tmp_path):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
         assert static.ema.n == plain.ema.n == 8
         assert int(static.objective.offset) == off0 + 8 * 8 * 64  # advanced on the device, in place
-        assert static.graph.lr.item() == pytest.approx(plain.opt.param_groups[0]["lr"])
+        assert graph.lr.item() == pytest.approx(plain.opt.param_groups[0]["lr"])
     finally:
         plain.close()
         static.close()
@@ -44,7 +44,7 @@ def test_interference_on_the_static_buffer_step_equals_the_plain_step(tmp_path):
     plain = Trainer(load_config("default", [f"run_dir={tmp_path / 'a'}", "train.steps=7"] + TINY + diag))
     static = Trainer(load_config("default", [f"run_dir={tmp_path / 'b'}", "train.steps=7"] + TINY + diag))
     try:
-        static.graph = graphs.GraphedStep(static, capture=False)
+        static.step_fn = graphs.GraphedStep(static._step, static.opt, static.gen, capture=False)
         for tr in (plain, static):
             for _ in range(7):
                 tr.train_step()
@@ -61,7 +61,7 @@ def test_interference_on_the_static_buffer_step_equals_the_plain_step(tmp_path):
 def test_unsupported_steps_say_why_and_fall_back(tmp_path, capsys):
     tr = Trainer(load_config("default", [f"run_dir={tmp_path}", "train.steps=2", "train.cuda_graph=true"] + TINY))
     try:
-        assert tr.graph is None
+        assert not isinstance(tr.step_fn, graphs.GraphedStep)
         err = capsys.readouterr().err.strip().splitlines()
         assert err == ["fasttrain: train.cuda_graph: keeping the eager step (CUDA graphs need a CUDA device)"]
         tr.train_step()  # the eager step still trains
@@ -76,9 +76,9 @@ def test_captured_step_replays_like_the_eager_step(tmp_path, precision):
     plain = Trainer(load_config("default", [f"run_dir={tmp_path / 'a'}"] + over + TINY))
     graphed = Trainer(load_config("default", [f"run_dir={tmp_path / 'b'}", "train.cuda_graph=true"] + over + TINY))
     try:
-        assert graphed.graph is not None
+        assert isinstance(graphed.step_fn, graphs.GraphedStep)
         a, b = _run(plain, 10), _run(graphed, 10)
-        assert graphed.graph.graph is not None  # captured after the warm-up
+        assert graphed.step_fn.graph is not None  # captured after the warm-up
         torch.testing.assert_close(torch.tensor(a[0]), torch.tensor(b[0]), rtol=1e-5, atol=1e-6)
         for x, y in zip(a[1], b[1]):
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)

@@ -1,10 +1,10 @@
-"""fasttrain/plot_adaptive.py: the heatmap of the learned p(t) and S over time, from a sampler's history."""
+"""fasttrain/plots/adaptive.py: the heatmap of the learned p(t) and S over time, from a sampler's history."""
 import numpy as np
 import pytest
 import torch
 
 from fasttrain import diffusion as fd
-from fasttrain.plot_adaptive import plot_adaptive
+from fasttrain.plots import plot_adaptive
 
 
 def test_plot_from_a_sampler_history(tmp_path):

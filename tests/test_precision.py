@@ -3,7 +3,7 @@ bf16, losses stay close to fp32, weights, optimizer state and checkpoints stay f
 import pytest
 import torch
 
-from fasttrain.config import load_config
+from fasttrain.configure import load_config
 from fasttrain.precision import resolve
 from fasttrain.train import Trainer, train
 
@@ -38,7 +38,7 @@ def test_bf16_losses_stay_close_to_fp32(tmp_path):
             tmp_path / prec / "metrics.jsonl") if "loss" in r]
         sd = torch.load(tmp_path / prec / "last.pt", weights_only=True)
         assert all(v.dtype == torch.float32 for v in sd["model"].values() if v.is_floating_point())
-        assert all(v.dtype == torch.float32 for v in sd["ema"].values())
+        assert all(v.dtype == torch.float32 for v in sd["ema"]["shadow"].values())
     assert runs["fp32"] != runs["bf16"]  # bf16 did act
     for a, b in zip(runs["fp32"], runs["bf16"]):
         assert b == pytest.approx(a, rel=0.05, abs=0.02)

@@ -8,7 +8,7 @@ import signal
 import pytest
 import torch
 
-from fasttrain.config import load_config
+from fasttrain.configure import load_config
 from fasttrain.logger import read_jsonl
 from fasttrain.train import Trainer, train
 
@@ -26,7 +26,7 @@ def _losses(run):
 
 def _weights(path):
     st = torch.load(path, weights_only=True)
-    return st["model"], st["ema"]
+    return st["model"], st["ema"]["shadow"]
 
 
 def _assert_same_state(a, b):
@@ -193,7 +193,7 @@ def test_a_skipped_step_changes_nothing(tmp_path):
         tr.train_step()
         after = [p.detach() for p in tr.model.parameters()] + list(tr.ema.shadow)
         assert all(torch.equal(a, b) for a, b in zip(before, after))
-        assert int(tr.skipped) == 1 and int(tr.skipped_run) == 1
+        assert int(tr.state.skipped) == 1 and int(tr.state.skipped_run) == 1
         assert torch.isfinite(tr.objective.stats.window.data).all()
     finally:
         tr.close()

@@ -8,6 +8,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..errors import InvalidInput
+
 TOYS = ("moons", "8gaussians", "checkerboard")
 
 
@@ -17,7 +19,7 @@ def digits(image_size: int = 8, split: str = "train", holdout: int = 400, seed: 
     from sklearn.datasets import load_digits
 
     if split not in ("train", "test", "all"):
-        raise ValueError(f"split must be train, test or all, got {split!r}")
+        raise InvalidInput(f"split must be train, test or all, got {split!r}")
     d = load_digits()
     x = torch.from_numpy(d.images.astype(np.float32) / 8.0 - 1.0)[:, None]
     y = torch.from_numpy(d.target.astype(np.int64))
@@ -49,7 +51,7 @@ def toy(name: str, n: int = 20000, seed: int = 0) -> torch.Tensor:
         x2 = rng.uniform(0, 1, n) + rng.integers(0, 2, n) * 2 - 2 + (np.floor(x1) % 2)
         x = np.stack([x1, x2], 1) / 1.15
     else:
-        raise ValueError(f"unknown toy data set {name!r}; choose from {', '.join(TOYS)}")
+        raise InvalidInput(f"unknown toy data set {name!r}; choose from {', '.join(TOYS)}")
     return torch.from_numpy(x.astype(np.float32))
 
 

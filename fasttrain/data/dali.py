@@ -1,6 +1,6 @@
 """NVIDIA DALI pipelines (the `dali` data backend): image folders and .npy latent folders.
 
-Decoding runs in DALI's worker threads: on a GPU machine images are decoded by nvJPEG ("mixed") and
+Decoding runs in DALI's worker threads: on a GPU machine images are decoded by nvJPEG (DALI's 'mixed' device) and
 batches arrive on the GPU; without one the pipeline is CPU-only (`device_id=None`: DALI 2.4 treats
 its old CPU_ONLY_DEVICE_ID as a GPU request). Order and sharding are explicit, so that they are exact and resumable: each epoch
 is a permutation of the file list drawn from (seed, epoch); rank r of W takes every W-th file of it
@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import UserError
-from .order import augment_table, epoch_order
+from ..errors import DataError, InvalidInput
+from .order import Position, augment_table, epoch_order
 
 LAST_BATCH = ("drop", "partial", "pad")
 
@@ -62,7 +62,7 @@ def _image_pipeline(root, files, labels, aug, batch_size, image_size, channels, 
                                   pad_last_batch=True, name="Reader")
         mirror = source(0, np.int32) if flip else 0
         px, py = (source(1, np.float32), source(2, np.float32)) if random_crop else (0.5, 0.5)
-        img = fn.decoders.image(data, device="mixed" if gpu else "cpu",
+        img = fn.decoders.image(data, device='mixed' if gpu else "cpu",  # 'mixed': nvJPEG, host + GPU
                                 output_type=types.RGB if channels == 3 else types.GRAY)
         img = fn.resize(img, resize_shorter=image_size, antialias=True)
         img = fn.crop_mirror_normalize(img, crop=(image_size, image_size), crop_pos_x=px, crop_pos_y=py,
@@ -87,7 +87,7 @@ def _latent_pipeline(root, files, labels, batch_size, num_threads, device_id):
     return pipe()
 
 
-class DaliStream:
+class DaliStream(Position):
     """Infinite stream of (x, labels) batches with `state_dict()` = (epoch, position in this rank's
     shard), the same interface and the same epoch-crossing semantics as the in-memory stream.
 
@@ -99,7 +99,7 @@ class DaliStream:
                  seed: int = 0, rank: int = 0, world_size: int = 1, device="cpu", num_threads: int = 2,
                  crop: str = "center", flip: bool = True, last_batch: str = "drop", chunk: int = 8192):
         if not available():
-            raise UserError("data.backend=dali needs NVIDIA DALI: pip install 'fasttrain[dali]'")
+            raise InvalidInput("data.backend=dali needs NVIDIA DALI: pip install 'fasttrain[dali]'")
         if last_batch not in LAST_BATCH:
             raise ValueError(f"last_batch must be one of {', '.join(LAST_BATCH)}, got {last_batch!r}")
         if kind not in ("images", "latents"):
@@ -107,7 +107,7 @@ class DaliStream:
         self.kind, self.root, self.files = kind, str(root), [(str(f), int(y)) for f, y in files]
         self.per_rank = len(self.files) // world_size
         if self.per_rank < batch_size:
-            raise ValueError(f"data.batch_size {batch_size} is larger than one rank's shard "
+            raise DataError(f"data.batch_size {batch_size} is larger than one rank's shard "
                              f"({len(self.files)} files over {world_size} ranks)")
         self.batch_size, self.image_size, self.channels = batch_size, image_size, channels
         self.seed, self.rank, self.world_size = seed, rank, world_size
@@ -160,7 +160,7 @@ class DaliStream:
                 self._it = None
                 continue
             except RuntimeError as e:  # DALI reports only "Critical error in pipeline": name the file
-                raise ValueError(self._diagnose(e)) from None
+                raise DataError(self._diagnose(e)) from None
             self.pos += x.shape[0]
             while self.pos >= self.per_rank:
                 self.epoch, self.pos = self.epoch + 1, self.pos - self.per_rank
@@ -188,9 +188,5 @@ class DaliStream:
             yield self._convert(out)
         self.epoch, self.pos, self._it = self.epoch + 1, 0, None
 
-    def state_dict(self):
-        return {"epoch": self.epoch, "pos": self.pos}
-
-    def load_state_dict(self, state):
-        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+    def _restart(self):
         self._it = None

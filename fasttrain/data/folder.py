@@ -15,6 +15,8 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision import transforms
 
+from ..errors import DataError
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 LATENT_EXTENSIONS = (".npy",)
 
@@ -24,13 +26,13 @@ def scan(root: str | Path, extensions=IMAGE_EXTENSIONS) -> tuple[list[tuple[str,
     (sorted names → 0, 1, ...), a flat folder gives label 0. Returns (files, class names)."""
     root = Path(root)
     if not root.is_dir():
-        raise ValueError(f"data.root {str(root)!r} is not a directory")
+        raise DataError(f"data.root {str(root)!r} is not a directory")
     subdirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     if subdirs:
         per_class = [[f for f in sorted(d.rglob("*")) if f.suffix.lower() in extensions] for d in subdirs]
         empty = [d.name for d, fs in zip(subdirs, per_class) if not fs]
         if empty and any(per_class):
-            raise ValueError(f"data.root {str(root)!r}: class folder {empty[0]!r} holds no "
+            raise DataError(f"data.root {str(root)!r}: class folder {empty[0]!r} holds no "
                              f"{'/'.join(extensions)} files (remove it, or it would count as a class)")
         files = [(str(f.relative_to(root)), i) for i, fs in enumerate(per_class) for f in fs]
         classes = [d.name for d in subdirs]
@@ -38,7 +40,7 @@ def scan(root: str | Path, extensions=IMAGE_EXTENSIONS) -> tuple[list[tuple[str,
         files = [(f.name, 0) for f in sorted(root.iterdir()) if f.suffix.lower() in extensions]
         classes = []
     if not files:
-        raise ValueError(f"data.root {str(root)!r} holds no {'/'.join(extensions)} files")
+        raise DataError(f"data.root {str(root)!r} holds no {'/'.join(extensions)} files")
     return files, classes
 
 
@@ -76,7 +78,7 @@ class ImageFolderDataset(Dataset):
             with Image.open(self.root / path) as im:
                 im = self.resize(im.convert(self.mode))
         except (OSError, ValueError, SyntaxError) as e:  # PIL's errors for truncated or corrupt files
-            raise ValueError(f"cannot decode {self.root / path} ({type(e).__name__}); it changed after "
+            raise DataError(f"cannot decode {self.root / path} ({type(e).__name__}); it changed after "
                              f"`fasttrain data prepare` was run: run it again") from None
         w, h = im.size
         left, top = round(cx * (w - self.size)), round(cy * (h - self.size))  # (0.5, 0.5): CenterCrop's offsets
@@ -108,5 +110,5 @@ class LatentFolderDataset(Dataset):
         try:
             return torch.from_numpy(np.load(self.root / path).astype(np.float32)), torch.tensor(label)
         except (OSError, ValueError) as e:
-            raise ValueError(f"cannot read {self.root / path} ({type(e).__name__}); run `fasttrain data prepare` "
+            raise DataError(f"cannot read {self.root / path} ({type(e).__name__}); run `fasttrain data prepare` "
                              f"again") from None

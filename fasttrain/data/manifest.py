@@ -17,6 +17,7 @@ import numpy as np
 from PIL import Image
 from tqdm.auto import tqdm
 
+from ..errors import DataError, InvalidInput
 from .folder import IMAGE_EXTENSIONS, LATENT_EXTENSIONS, ImageFolderDataset, scan
 
 MANIFEST = "fasttrain-manifest.json"
@@ -60,7 +61,7 @@ def build_manifest(root: str | Path, progress: bool = True) -> dict:
 def load_manifest(root: str | Path, path: str | Path | None = None) -> dict | None:
     """The manifest at `path` (which must exist) or ROOT/fasttrain-manifest.json (None if absent)."""
     if path and not Path(path).is_file():
-        raise ValueError(f"data.manifest {str(path)!r} does not exist")
+        raise DataError(f"data.manifest {str(path)!r} does not exist")
     p = Path(path) if path else Path(root) / MANIFEST
     if not p.is_file():
         return None
@@ -70,7 +71,7 @@ def load_manifest(root: str | Path, path: str | Path | None = None) -> dict | No
         if not isinstance(m["classes"], list) or not isinstance(m["bad"], list):
             raise TypeError
     except (ValueError, KeyError, TypeError):
-        raise ValueError(f"data.manifest: {p} is not a fasttrain manifest (run `fasttrain data prepare` again)") from None
+        raise DataError(f"data.manifest: {p} is not a fasttrain manifest (run `fasttrain data prepare` again)") from None
     m["files"] = [list(f) for f in files]
     return m
 
@@ -78,9 +79,17 @@ def load_manifest(root: str | Path, path: str | Path | None = None) -> dict | No
 def load_encoder(spec: str):
     """'package.module:function' → the function (images [N, 3, S, S] in [-1, 1] → latents [N, ...])."""
     if ":" not in spec:
-        raise ValueError(f"--encoder must look like module:function, got {spec!r}")
+        raise InvalidInput(f"--encoder must look like module:function, got {spec!r}")
     mod, fn = spec.split(":", 1)
-    return getattr(importlib.import_module(mod), fn)
+    try:
+        module = importlib.import_module(mod)
+    except ModuleNotFoundError as e:
+        if e.name and mod.startswith(e.name):  # the module itself is missing, not one it imports
+            raise InvalidInput(f"--encoder {spec}: no module named {e.name!r}") from None
+        raise
+    if not callable(getattr(module, fn, None)):
+        raise InvalidInput(f"--encoder {spec}: module {mod!r} has no function {fn!r}")
+    return getattr(module, fn)
 
 
 def encode_folder(manifest: dict, encoder, out: str | Path, image_size: int, batch_size: int = 64,
@@ -112,7 +121,7 @@ def prepare(root: str | Path, out: str | Path | None = None, encoder: str | None
               "sizes": m["sizes"]}
     if encoder:
         if not latents_out:
-            raise ValueError("--latents-out is needed with --encoder")
+            raise DataError("--latents-out is needed with --encoder")
         lm = encode_folder(m, load_encoder(encoder), latents_out, image_size, batch_size)
         lpath = Path(latents_out) / MANIFEST
         lpath.write_text(json.dumps(lm, indent=1))

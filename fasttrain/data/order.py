@@ -25,3 +25,23 @@ def augment_table(per_rank: int, seed: int, epoch: int, rank: int, flip: bool, r
     if not random_crop:
         aug[:, 1:] = 0.5
     return aug
+
+
+class Position:
+    """A stream's place in the data: (epoch, pos) on this rank's shard, saved with the world size it was
+    counted in; a resume on another world size keeps the fraction of the epoch (shards are n // world)."""
+
+    epoch: int
+    pos: int
+    world_size: int
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        pos, old = int(state["pos"]), int(state.get("world_size", self.world_size))
+        self.epoch, self.pos = int(state["epoch"]), pos * old // self.world_size
+        self._restart()
+
+    def _restart(self) -> None:
+        """Drop what was read ahead of the restored position."""

@@ -49,7 +49,8 @@ import torch
 from fasttrain import seeds
 from fasttrain.kernels import philox
 
-from . import policy as P
+from ..errors import InvalidInput
+from . import policy as pol
 from .lookahead import HookTimer, LookAhead, LookAheadContext, Probe, RankSplit, all_reduce_sum_, broadcast_, x0_mse
 from .samplers import TimestepSampler, register
 from .schedule import NoiseSchedule
@@ -93,26 +94,27 @@ class Adaptive(TimestepSampler, LookAhead):
     model variance (large, official | small);
     width: channels of the policy's first conv; chunk: probe elements per forward (0 = 4 micro-batches);
     seed: the policy's initialisation and the probes' noise (the same on every rank)."""
+    seeded = True
 
     def __init__(self, schedule: NoiseSchedule, policy: str = "beta", unbiased: bool = False, tau_grid: int = 16,
                  every: int = 100, n_select: int = 3, capacity: int = 20, lr: float = 1e-2, entropy: float = 1e-2,
                  grad_clip: float = 1.0, variance: str = "large", width: int = 16, chunk: int = 0, seed: int = 0):
         super().__init__(schedule)
         if policy not in POLICIES:
-            raise ValueError(f"unknown adaptive policy {policy!r}; choose from {', '.join(POLICIES)}")
+            raise InvalidInput(f"unknown adaptive policy {policy!r}; choose from {', '.join(POLICIES)}")
         if variance not in VARIANCES:
-            raise ValueError(f"variance must be one of {', '.join(VARIANCES)}, got {variance!r}")
+            raise InvalidInput(f"variance must be one of {', '.join(VARIANCES)}, got {variance!r}")
         if not 0 <= tau_grid <= self.T:
-            raise ValueError(f"tau_grid must lie in [0, T={self.T}] (0 = all timesteps), got {tau_grid!r}")
+            raise InvalidInput(f"tau_grid must lie in [0, T={self.T}] (0 = all timesteps), got {tau_grid!r}")
         self.K = self.T if tau_grid == 0 else int(tau_grid)
         for name, v, lo in (("every", every, 1), ("capacity", capacity, 2), ("n_select", n_select, 1),
                             ("width", width, 1), ("chunk", chunk, 0)):
             if v < lo:
-                raise ValueError(f"{name} must be >= {lo}, got {v!r}")
+                raise InvalidInput(f"{name} must be >= {lo}, got {v!r}")
         if n_select > self.K:
-            raise ValueError(f"n_select={n_select} exceeds the τ-grid's {self.K} strata (tau_grid)")
+            raise InvalidInput(f"n_select={n_select} exceeds the τ-grid's {self.K} strata (tau_grid)")
         if not (lr > 0 and entropy >= 0 and grad_clip > 0):
-            raise ValueError("lr and grad_clip must be > 0 and entropy >= 0")
+            raise InvalidInput("lr and grad_clip must be > 0 and entropy >= 0")
         self.policy_kind, self.unbiased, self.biased = policy, bool(unbiased), not unbiased
         self.every, self.n_select, self.capacity = int(every), int(n_select), int(capacity)
         self.lr, self.entropy, self.grad_clip = float(lr), float(entropy), float(grad_clip)
@@ -147,7 +149,7 @@ class Adaptive(TimestepSampler, LookAhead):
         """Policy and optimizer from a fixed seed (not the rank): identical on every process."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            net = P.GlobalBeta() if self.policy_kind == "global" else P.ConditionalBeta(in_shape, self.width)
+            net = pol.GlobalBeta() if self.policy_kind == "global" else pol.ConditionalBeta(in_shape, self.width)
         self.in_shape = None if in_shape is None else tuple(int(s) for s in in_shape)
         self.net = net.to(self.device)
         self.opt = torch.optim.Adam(self.net.parameters(), lr=self.lr, betas=(0.9, 0.999))
@@ -168,19 +170,22 @@ class Adaptive(TimestepSampler, LookAhead):
     def set_partition(self, rank=0, world_size=1, accum_steps=1):
         self.rank, self.world_size, self.accum_steps = int(rank), int(world_size), int(accum_steps)
 
+    def lookahead(self) -> "Adaptive":
+        return self  # the policy learns from the look-ahead around the optimizer step
+
     def sample(self, n, generator=None, x0=None):
         # Every op here runs once per micro-batch: on CPU each costs ~20-40 µs right after a training
         # step (cold caches), so the path is kept short (no clamps, stacks or copies it does not need).
         with torch.no_grad():
             conc = self._conc_of(x0, n)
-            u = P.sample(conc, generator)
-        t = P.to_timestep(u, self.T)
+            u = pol.sample(conc, generator)
+        t = pol.to_timestep(u, self.T)
         if self.micro_step == 0:  # the draws the look-ahead's reward will be credited to
             self._u, self._conc = u, conc
         self.micro_step = (self.micro_step + 1) % self.accum_steps
         if not self.unbiased:
             return t, torch.ones(n, dtype=torch.float32, device=t.device)
-        p = P.timestep_masses(conc[:, 0], conc[:, 1], t, self.T)  # p(t_b | x0_b) of the exact Beta
+        p = pol.timestep_masses(conc[:, 0], conc[:, 1], t, self.T)  # p(t_b | x0_b) of the exact Beta
         return t, (1.0 / (self.T * p.clamp_min(1e-12))).float()
 
     def probs(self, n=None) -> torch.Tensor:
@@ -193,9 +198,9 @@ class Adaptive(TimestepSampler, LookAhead):
         elif self._conc is not None:
             ab = self._conc[:AB_KEEP]
         else:  # before the first draw: the initial policy (weights 0, bias 0.5 in the last layer)
-            init = torch.nn.functional.softplus(torch.tensor(P.INIT_BIAS)) + P.MIN_CONC
+            init = torch.nn.functional.softplus(torch.tensor(pol.INIT_BIAS)) + pol.MIN_CONC
             ab = init.expand(1, 2).to(self.device)
-        return P.timestep_probs(ab[:, 0], ab[:, 1], self.T)
+        return pol.timestep_probs(ab[:, 0], ab[:, 1], self.T)
 
     # -- the look-ahead --------------------------------------------------------------------------
     def _grid(self, update: int) -> torch.Tensor:
@@ -211,12 +216,12 @@ class Adaptive(TimestepSampler, LookAhead):
         faster on CPU and GPU alike)."""
         return self.chunk or 4 * B
 
-    def _vlb(self, mse, t, objective):
-        key = (mse.device, id(objective))
+    def _vlb(self, mse, t, model):
+        key = (mse.device, id(model))
         if key not in self._tables:
             sch = self.schedule.to(mse.device)
             coef, const = vlb_tables(sch, self.variance)
-            self._tables = {key: (coef.float(), const.float(), valid_steps(sch, objective))}
+            self._tables = {key: (coef.float(), const.float(), valid_steps(sch, model.x0_defined().to(mse.device)))}
         coef, const, valid = self._tables[key]
         return torch.where(valid[t], coef[t] * mse + const[t], torch.zeros_like(mse))
 
@@ -251,7 +256,7 @@ class Adaptive(TimestepSampler, LookAhead):
                                  seed=_subseed(self.seed, 4 + ctx.rank), offset=self.updates * STRIDE)
             probe = Probe.cat(g_probe, b_probe)
             chunk = self._chunk(B)
-            before = self._vlb(x0_mse(ctx.model, ctx.objective, probe, chunk), probe.t, ctx.objective)
+            before = self._vlb(x0_mse(ctx.model, probe, chunk), probe.t, ctx.model)
             self._pending = (probe, split, before, s_tau)
 
     def after_update(self, ctx: LookAheadContext) -> None:
@@ -261,7 +266,7 @@ class Adaptive(TimestepSampler, LookAhead):
         self._pending = None
         x0, B, n, W = ctx.x0, ctx.x0.shape[0], self.n_select, ctx.world_size
         with self.timer.span(x0.device):
-            after = self._vlb(x0_mse(ctx.model, ctx.objective, probe, self._chunk(B)), probe.t, ctx.objective)
+            after = self._vlb(x0_mse(ctx.model, probe, self._chunk(B)), probe.t, ctx.model)
             delta = before - after
             d_grid = split.scatter(delta[:split.per])
             reward = delta[split.per:].view(B, n).sum(1)
@@ -293,7 +298,7 @@ class Adaptive(TimestepSampler, LookAhead):
         params = list(self.net.parameters())
         with torch.enable_grad():
             a, b = self._conc_of(x0, B).unbind(-1)
-            logp, H = P.log_prob(P.clamp_u(self._u), a, b), P.entropy(a, b)
+            logp, H = pol.log_prob(pol.clamp_u(self._u), a, b), pol.entropy(a, b)
             r = reward.detach().float() + self.entropy * H
             loss = -(logp * r).sum() / (B * world_size)
             grads = torch.autograd.grad(loss, params)
@@ -341,7 +346,7 @@ class Adaptive(TimestepSampler, LookAhead):
         timesteps ⌊kT/bins⌋..⌊(k+1)T/bins⌋−1), S [U, n_select] timesteps, T."""
         import numpy as np
 
-        p = [P.timestep_probs(ab[:, 0], ab[:, 1], self.T, bins=bins).cpu().numpy() for ab in self.hist_ab]
+        p = [pol.timestep_probs(ab[:, 0], ab[:, 1], self.T, bins=bins).cpu().numpy() for ab in self.hist_ab]
         return {"steps": np.asarray(self.hist_steps, dtype=np.int64),
                 "p": np.stack(p) if p else np.zeros((0, bins)),
                 "S": (torch.stack(self.hist_S).cpu().numpy() if self.hist_S else np.zeros((0, self.n_select), np.int64)),

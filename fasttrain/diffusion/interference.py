@@ -33,6 +33,7 @@ import torch
 
 from fasttrain.kernels import philox
 
+from ..errors import InvalidInput
 from .lookahead import LookAhead, LookAheadContext, all_reduce_sum_
 from .variation import bucket_timesteps, coefficient_of_variation
 
@@ -46,9 +47,11 @@ def _dot(a: list, b: list) -> torch.Tensor:
 
 
 class InterferenceDiagnostic(LookAhead):
+    acts_before = False  # it measures after the update only
+
     def __init__(self, T: int, every: int = 500, n_buckets: int = 4, probe_size: int = 16, seed: int = 0):
         if every < 1 or n_buckets < 2 or probe_size < 1:
-            raise ValueError("interference needs every >= 1, n_buckets >= 2 and probe_size >= 1")
+            raise InvalidInput("interference needs every >= 1, n_buckets >= 2 and probe_size >= 1")
         self.T, self.every, self.n_buckets, self.probe_size, self.seed = T, every, n_buckets, probe_size, seed
         self.probe = None
         self.history: list[dict] = []  # {"step", "matrix" [B, B], "grad_norms" [B], "losses" [B]}
@@ -69,6 +72,8 @@ class InterferenceDiagnostic(LookAhead):
 
     def _bucket_grad(self, ctx, i: int) -> torch.Tensor:
         """Backward of bucket i's mean probe loss into .grad; returns the loss (detached)."""
+        if self.probe["x0"].device != ctx.x0.device:  # restored from a checkpoint (host tensors)
+            self.probe = {k: (v.to(ctx.x0.device) if isinstance(v, torch.Tensor) else v) for k, v in self.probe.items()}
         p = self.probe
         sl = slice(i * p["P"], (i + 1) * p["P"])
         lab = None if p["labels"] is None else p["labels"][sl]
@@ -137,7 +142,7 @@ class InterferenceDiagnostic(LookAhead):
                                                  for k, v in self.probe.items()}
         return {"history": self.history, "probe": probe}
 
-    def load_state_dict(self, state: dict, device=None) -> None:
+    def load_state_dict(self, state: dict) -> None:
+        """The probe comes back as host tensors and moves to the model's device when first used."""
         self.history = list(state["history"])
-        p = state["probe"]
-        self.probe = None if p is None else {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in p.items()}
+        self.probe = None if state["probe"] is None else dict(state["probe"])

@@ -16,8 +16,8 @@ The machinery (what both components share):
                measures the update, not the noise.
   x0_mse       per-element mean_d (x0 − x̂0)² of a Probe: ONE model forward per element, in chunks
                of equal size (FSDP needs every rank to make the same calls with the same shapes),
-               no autograd, fp32 arithmetic after the model, x̂0 through `objective.x0_hat` (so a
-               mixed-prediction objective is honoured). Any per-timestep loss is a table times this
+               no autograd, fp32 arithmetic after the model, x̂0 through the network's output head
+               (`Denoiser.x0_hat`, so a mixed prediction is honoured). Any per-timestep loss is a table times this
                (vlb.py: L_τ = coef[τ]·mse + const[τ]; a training weighting: w[t]·c(t)·mse).
   RankSplit    a grid of n probe elements split in contiguous, equal, padded shares over ranks;
                `scatter` puts a rank's values at their global positions (zeros elsewhere), so ONE
@@ -47,8 +47,8 @@ from fasttrain.kernels import ops
 
 @dataclass
 class LookAheadContext:
-    model: Any                      # the training model (possibly FSDP/DDP-wrapped): call it, do not unwrap it
-    objective: Any                  # the DiffusionObjective: schedule, tables, seed, x0_hat(output, x_t, t)
+    model: Any                      # the training Denoiser (possibly FSDP/DDP-wrapped): call it, do not unwrap it
+    objective: Any                  # the training objective: schedule, tables, seed, backend, probe_loss
     x0: torch.Tensor                # the step's first micro-batch
     labels: torch.Tensor | None     # its labels (after label dropout), or None
     step: int                       # the optimizer step about to be taken (0-based)
@@ -59,9 +59,12 @@ class LookAheadContext:
 
 
 class LookAhead:
-    """Mixin for components with a look-ahead. `every` is the period in optimizer steps."""
+    """Mixin for components with a look-ahead. `every` is the period in optimizer steps; `acts_before`
+    declares whether `before_update` does anything (a component that acts only after the update can
+    follow a step replayed from a CUDA graph)."""
 
     every: int = 0
+    acts_before: bool = True
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -71,6 +74,10 @@ class LookAhead:
 
     def after_update(self, ctx: LookAheadContext) -> None:
         pass
+
+    def metrics(self) -> dict:
+        """Values for the trainer's log lines (0-d tensors or floats); read at log steps only."""
+        return {}
 
 
 def lookaheads(*components) -> list[LookAhead]:
@@ -112,7 +119,7 @@ class Probe:
              seed: int, offset: int) -> "Probe":
         """x_t = a[t]·x0 + s[t]·ε with ε of element i, dimension d at counter offset + i·D + d of the
         Philox stream `seed` (kernel A, the training step's own noise path and backend)."""
-        backend = ops.resolve_backend(getattr(objective, "backend", "auto"), x0.device)
+        backend = ops.resolve_backend(objective.backend, x0.device)
         x_t = ops.noise(x0, t, objective.alpha, objective.sigma, seed=seed, offset=offset, backend=backend)
         return cls(x0, t, x_t, labels)
 
@@ -154,18 +161,18 @@ def probe_mode(model):
 
 
 @torch.no_grad()
-def x0_mse(model, objective, probe: Probe, chunk: int = 0) -> torch.Tensor:
+def x0_mse(model, probe: Probe, chunk: int = 0) -> torch.Tensor:
     """mean_d (x0 − x̂0)² per probe element, fp32 [N]: one forward per element, `chunk` elements per
-    call (0: all at once). The number and shapes of calls depend only on N and chunk."""
+    call (0: all at once), x̂0 through the network's own output head (`Denoiser.x0_hat`, so a mixed
+    prediction is honoured). The number and shapes of calls depend only on N and chunk."""
     n = len(probe)
     chunk = n if chunk <= 0 else chunk
     out = []
     with probe_mode(model):
         for i in range(0, n, chunk):
             sl = slice(i, min(i + chunk, n))
-            x_t, t = probe.x_t[sl], probe.t[sl]
-            kw = {} if probe.labels is None else {"y": probe.labels[sl]}
-            x0_hat = objective.x0_hat(model(x_t, t, **kw).float(), x_t.float(), t)
+            y = None if probe.labels is None else probe.labels[sl]
+            x0_hat = model.x0_hat(probe.x_t[sl], probe.t[sl], y, dtype=torch.float32)
             out.append((probe.x0[sl].float() - x0_hat).pow(2).flatten(1).mean(1))
     return torch.cat(out)
 

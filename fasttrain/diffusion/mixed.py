@@ -45,11 +45,13 @@ from torch import nn
 from fasttrain.kernels import mixed_reference as mref
 from fasttrain.kernels import ops, ops_mixed
 
+from ..errors import ConfigError, InvalidInput
 from . import prediction as P
-from .objective import DiffusionObjective
+from .objective import Objective
+from .objective import register as register_objective
 from .schedule import NoiseSchedule
 from .stats import TimestepStats
-from .weighting import effective_x0_weight, loss_weight, uncertainty_loss
+from .weighting import loss_weight
 
 HEADS = ("eps", "x0", "v", "flow")
 GATES = ("pixel", "timestep")
@@ -62,17 +64,17 @@ def check_heads(heads, schedule: NoiseSchedule | None = None) -> tuple[str, ...]
     heads = tuple(heads)
     bad = [h for h in heads if h not in HEADS]
     if bad:
-        raise ValueError(f"unknown mixed head {bad[0]!r}; choose two or more of {', '.join(HEADS)}")
+        raise InvalidInput(f"unknown mixed head {bad[0]!r}; choose two or more of {', '.join(HEADS)}")
     if len(heads) < 2 or len(set(heads)) != len(heads):
-        raise ValueError(f"mixed.heads needs two or more distinct heads, got {list(heads)}")
+        raise InvalidInput(f"mixed.heads needs two or more distinct heads, got {list(heads)}")
     if "flow" in heads and schedule is not None and schedule.name != "flow":
-        raise ValueError(f"the flow head needs the flow schedule, not {schedule.name!r}")
+        raise InvalidInput(f"the flow head needs the flow schedule, not {schedule.name!r}")
     return heads
 
 
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
-        raise ValueError(f"mixed.{name} must be one of {', '.join(choices)}, got {value!r}")
+        raise InvalidInput(f"mixed.{name} must be one of {', '.join(choices)}, got {value!r}")
     return value
 
 
@@ -121,7 +123,7 @@ def prior_bias(heads, schedule: NoiseSchedule, prior: bool = True) -> torch.Tens
 def head_table(heads, schedule: NoiseSchedule, aux_weight: float = 0.1, prior: bool = True) -> torch.Tensor:
     """The kernels' float32 [H, NROWS, T] table (layout: kernels/mixed_reference.py)."""
     if not float(aux_weight) >= 0:
-        raise ValueError(f"mixed.aux_weight must be >= 0, got {aux_weight!r}")
+        raise InvalidInput(f"mixed.aux_weight must be >= 0, got {aux_weight!r}")
     heads = check_heads(heads, schedule)
     a, s = schedule.alpha.double().cpu(), schedule.sigma.double().cpu()
     k1, _, ok = conversion(heads, schedule)
@@ -132,17 +134,6 @@ def head_table(heads, schedule: NoiseSchedule, aux_weight: float = 0.1, prior: b
         fb = torch.where(ok[i], 0.0, -1.0)  # e = k1·d + fb·x0: x̂0 := 0 where undefined
         rows.append(torch.stack([ce, cx, k1[i], fb, beta[i], torch.full_like(a, float(aux_weight))]))
     return torch.stack(rows).float().to(schedule.device)
-
-
-class TimestepGate(nn.Module):
-    """A learned table of gate logits per timestep and head (zero at start: the prior decides)."""
-
-    def __init__(self, T: int, heads: int):
-        super().__init__()
-        self.logits = nn.Parameter(torch.zeros(T, heads))
-
-    def forward(self, t: torch.Tensor) -> torch.Tensor:
-        return self.logits[t]  # [B, H]; autograd scatters its gradient back to the rows t
 
 
 def argmin_heads(errors: torch.Tensor, usable: torch.Tensor, n_buckets: int) -> torch.Tensor:
@@ -161,10 +152,75 @@ def argmin_heads(errors: torch.Tensor, usable: torch.Tensor, n_buckets: int) -> 
     return best[bucket]
 
 
-class MixedObjective(DiffusionObjective):
-    """DiffusionObjective for prediction="mixed": the same call and info (plus "x0_error" [B, H]), the
-    fused mixed loss (kernels/ops_mixed.py), statistics with one x0-error kind per head, and x0_hat
-    returning the mixed estimate (mode=gate) or the argmin head's (mode=argmin).
+class MixedOutput(nn.Module):
+    """The network wrapper's output → x̂0 conversion for a mixed prediction (denoiser.py): the gated mix
+    Σ π ⊙ x̂0⁽ⁱ⁾ (mode=gate), or the head with the lowest running x0 error per timestep where the
+    training statistics have chosen one (mode=argmin; `choice`, a persistent buffer of the network
+    that MixedObjective writes at every statistics sync, so a loaded model generates as trained).
+    The output has H·C + H channels (the timestep gate's wrapper appends its logits)."""
+
+    def __init__(self, heads, schedule: NoiseSchedule, gate: str = "pixel", mode: str = "gate", prior: bool = True):
+        super().__init__()
+        self.heads = check_heads(heads, schedule)
+        self.gate = check_choice("gate", gate, GATES)
+        self.mode = check_choice("mode", mode, MODES)
+        k1, k2, ok = conversion(self.heads, schedule)
+        dev = schedule.device
+        self.register_buffer("k12", torch.stack([k1, k2]).float().to(dev), persistent=False)
+        self.register_buffer("bias", prior_bias(self.heads, schedule, prior).float().to(dev), persistent=False)
+        self.register_buffer("usable", ok.to(dev), persistent=False)
+        self.register_buffer("choice", torch.full((schedule.T,), -1, dtype=torch.long, device=dev))
+        self._register_load_state_dict_pre_hook(self._default_choice)
+
+    def _default_choice(self, state, prefix, *args):
+        # a checkpoint written before the choice lived in the network holds no entry: -1 (the gate)
+        state.setdefault(prefix + "choice", torch.full_like(self.choice, -1))
+
+    @property
+    def H(self) -> int:
+        return len(self.heads)
+
+    def split(self, output: torch.Tensor, x_t: torch.Tensor):
+        H, C = self.H, x_t.shape[1]
+        if output.shape[1] != H * C + H or output.shape[2:] != x_t.shape[2:]:
+            raise ValueError(f"a mixed model's output must be [B, {H * C + H}, *S] ({H} heads × {C} channels "
+                             f"+ {H} gate logits), got {tuple(output.shape)}")
+        return mref.split(output, H, C, True)
+
+    def head_x0(self, output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Every head's x̂0 [B, H, C, *S] in fp32 (0 where a head cannot recover x0 at t)."""
+        heads, _ = self.split(output, x_t)
+        k1, k2 = (k[:, t].T.reshape(x_t.shape[0], self.H, *([1] * (x_t.ndim - 1))) for k in self.k12)
+        return k1 * heads.float() + k2 * x_t.float()[:, None]
+
+    def gate_weights(self, output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """π [B, H, 1, *S]: softmax over heads of the gate logits plus the prior (zero where masked)."""
+        _, g = self.split(output, x_t)
+        bias = self.bias[:, t].T.reshape(x_t.shape[0], self.H, *([1] * (x_t.ndim - 1)))
+        return torch.softmax(g.float().unsqueeze(2) + bias, dim=1)
+
+    def to_x0(self, output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        xs = self.head_x0(output, x_t, t)
+        est = (self.gate_weights(output, x_t, t) * xs).sum(1)
+        if self.mode == "argmin":
+            c = self.choice[t]
+            pick = xs[torch.arange(xs.shape[0], device=xs.device), c.clamp_min(0)]
+            est = torch.where((c >= 0).view(-1, *([1] * (est.ndim - 1))), pick, est)
+        return est.to(x_t.dtype)
+
+    def x0_defined(self) -> torch.Tensor:
+        return self.usable.any(0)  # some head recovers x0 at every t of an allowed head set
+
+    def check_sampling(self) -> None:
+        """Heads that cannot recover x0 at a timestep are masked there: every step can be sampled."""
+
+
+@register_objective("mixed")
+class MixedObjective(Objective):
+    """The objective for prediction="mixed": the same call and info as DiffusionObjective (plus
+    "x0_error" [B, H]), the fused mixed loss (kernels/ops_mixed.py) and statistics with one x0-error
+    kind per head. With `output` (the network wrapper's MixedOutput) and mode=argmin, every
+    statistics sync writes the per-timestep head choice into the network.
 
     `weighting` is an x0-space weighting (loss_weight(name, schedule, "x0"): "simple" and "constant"
     are the plain x0-MSE). The network is called as model(x_t, t[, y]); with gate="timestep" as
@@ -176,39 +232,62 @@ class MixedObjective(DiffusionObjective):
                  sampler="uniform", *, aux_weight: float = 0.1, mode: str = "gate", prior: bool = True,
                  argmin_buckets: int = 20, weighting_args: dict | None = None, sampler_args: dict | None = None,
                  stats: TimestepStats | bool = True, learned_weighting: bool = False, backend: str = "auto",
-                 seed: int = 0):
+                 seed: int = 0, output: MixedOutput | None = None):
         self.heads = check_heads(heads, schedule)
         if isinstance(weighting, str):  # the main term is an x0-space MSE: the x0-space weight
             weighting = loss_weight(weighting, schedule, "x0", **(weighting_args or {}))
-        super().__init__(schedule, "x0", weighting, sampler, sampler_args=sampler_args, stats=False,
+        super().__init__(schedule, weighting, sampler, sampler_args=sampler_args, stats=stats,
+                         stat_kinds=("raw", "weighted") + tuple(f"x0_error_{h}" for h in self.heads),
                          learned_weighting=learned_weighting, backend=backend, seed=seed)
-        self.prediction, self.pred = "mixed", None
-        del self.coef  # the single-head target table; the heads' tables are `tab`
+        self.prediction = "mixed"
         self.gate = check_choice("gate", gate, GATES)
         self.mode = check_choice("mode", mode, MODES)
         if not 1 <= int(argmin_buckets) <= schedule.T:
-            raise ValueError(f"mixed.argmin_buckets must lie in [1, T={schedule.T}], got {argmin_buckets!r}")
+            raise InvalidInput(f"mixed.argmin_buckets must lie in [1, T={schedule.T}], got {argmin_buckets!r}")
         self.argmin_buckets = int(argmin_buckets)
-        k1, k2, ok = conversion(self.heads, schedule)
+        self.output = output  # not a submodule: the network owns it
+        _, _, ok = conversion(self.heads, schedule)
         self.register_buffer("tab", head_table(self.heads, schedule, aux_weight, prior), persistent=False)
-        self.register_buffer("k12", torch.stack([k1, k2]).float().to(schedule.device), persistent=False)
         self.register_buffer("usable", ok.to(schedule.device), persistent=False)
-        self.register_buffer("choice", torch.full((schedule.T,), -1, dtype=torch.long, device=schedule.device),
-                             persistent=False)
-        if stats is True:
-            stats = TimestepStats(schedule.T, schedule.device, history=getattr(self.sampler, "history", 0),
-                                  kinds=self.stat_kinds)
-        if stats and tuple(stats.kinds) != self.stat_kinds:
-            raise ValueError(f"mixed statistics need kinds {self.stat_kinds}, got {tuple(stats.kinds)}")
-        self.stats = stats or None
+
+    # -- the network contract ----------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, diffusion, schedule: NoiseSchedule, output: MixedOutput | None = None, **kw):
+        m = diffusion.mixed
+        return cls(schedule, list(m.heads), m.gate, diffusion.weighting, diffusion.sampler, aux_weight=m.aux_weight,
+                   mode=m.mode, prior=m.prior, argmin_buckets=m.argmin_buckets, output=output, **kw)
+
+    @classmethod
+    def out_channels(cls, diffusion, channels: int) -> int:
+        return output_channels(list(diffusion.mixed.heads), channels, diffusion.mixed.gate)
+
+    @classmethod
+    def output_head(cls, diffusion, schedule: NoiseSchedule) -> MixedOutput:
+        m = diffusion.mixed
+        return MixedOutput(list(m.heads), schedule, m.gate, m.mode, m.prior)
+
+    @classmethod
+    def gate_heads(cls, diffusion) -> int:
+        return len(diffusion.mixed.heads) if diffusion.mixed.gate == "timestep" else 0
+
+    @classmethod
+    def check_config(cls, diffusion, schedule: NoiseSchedule, model_args: dict) -> None:
+        """What a mixed prediction's config must satisfy beyond the field types (one line naming the key)."""
+        m = diffusion.mixed
+        try:
+            check_heads(list(m.heads), schedule)
+        except InvalidInput as e:
+            raise ConfigError(f"bad value for 'diffusion.mixed.heads': {list(m.heads)} ({e})") from None
+        if not 1 <= m.argmin_buckets <= schedule.T:
+            raise ConfigError(f"bad value for 'diffusion.mixed.argmin_buckets': {m.argmin_buckets!r} (in [1, "
+                              f"diffusion.T])")
+        if "out_channels" in model_args:
+            raise ConfigError("bad value for 'model.args.out_channels': a mixed prediction sets the output width "
+                              "itself")
 
     @property
     def H(self) -> int:
         return len(self.heads)
-
-    @property
-    def stat_kinds(self) -> tuple[str, ...]:
-        return ("raw", "weighted") + tuple(f"x0_error_{h}" for h in self.heads)
 
     # -- training --------------------------------------------------------------------------------
     def _network(self, model, x_t, t, cond):
@@ -233,10 +312,7 @@ class MixedObjective(DiffusionObjective):
                                    backend=backend, bins=st.window if st is not None else None)
         if st is not None:
             st.record(t, res.weighted)
-        loss, per_sample = res.loss, res.per_sample
-        if logvar is not None:
-            per_sample = uncertainty_loss(per_sample, logvar)
-            loss = per_sample.mean()
+        loss, per_sample = self._with_uncertainty(res.loss, res.per_sample, logvar)
         info = {"t": t, "iw": iw, "raw": res.raw.detach(), "weighted": res.weighted.detach(),
                 "loss_per_sample": per_sample.detach(), "x0_error": res.x0_error.detach()}
         return loss, info
@@ -249,62 +325,36 @@ class MixedObjective(DiffusionObjective):
         out, logvar, gate = self._network(model, x_t, t, cond)
         iw = torch.ones(x0.shape[0], device=x0.device)
         per = ops_mixed.mixed_loss(out, x0, t, self.weight, iw, self.tab, gate=gate, eps=eps, backend=backend).per_sample
-        return per if logvar is None else uncertainty_loss(per, logvar)
-
-    # -- the estimate ----------------------------------------------------------------------------
-    def head_x0(self, output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """Every head's x̂0 [B, H, C, *S] in fp32 (0 where a head cannot recover x0 at t)."""
-        heads, _ = self._split(output, x_t)
-        k1, k2 = (k[:, t].T.reshape(x_t.shape[0], self.H, *([1] * (x_t.ndim - 1))) for k in self.k12)
-        return k1 * heads.float() + k2 * x_t.float()[:, None]
-
-    def gate_weights(self, output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """π [B, H, 1, *S]: softmax over heads of the gate logits plus the prior (zero where masked)."""
-        _, g = self._split(output, x_t)
-        bias = self.tab[:, mref.BIAS, t].T.reshape(x_t.shape[0], self.H, *([1] * (x_t.ndim - 1)))
-        return torch.softmax(g.float().unsqueeze(2) + bias, dim=1)
-
-    def x0_hat(self, output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """The mixed estimate Σ π ⊙ x̂0⁽ⁱ⁾ (mode=gate), or the argmin head's x̂0 where that timestep has
-        a choice (mode=argmin; the mix elsewhere). `output` has H·C + H channels (see the module
-        docstring: the timestep gate's wrapper appends its logits)."""
-        xs = self.head_x0(output, x_t, t)
-        est = (self.gate_weights(output, x_t, t) * xs).sum(1)
-        if self.mode == "argmin":
-            c = self.choice[t]
-            pick = xs[torch.arange(xs.shape[0], device=xs.device), c.clamp_min(0)]
-            est = torch.where((c >= 0).view(-1, *([1] * (est.ndim - 1))), pick, est)
-        return est.to(x_t.dtype)
-
-    def _split(self, output, x_t):
-        H, C = self.H, x_t.shape[1]
-        if output.shape[1] != H * C + H or output.shape[2:] != x_t.shape[2:]:
-            raise ValueError(f"a mixed model's output must be [B, {H * C + H}, *S] ({H} heads × {C} channels "
-                             f"+ {H} gate logits), got {tuple(output.shape)}")
-        return mref.split(output, H, C, True)
+        return self._with_uncertainty(None, per, logvar)[1]
 
     # -- statistics, argmin, persistence ---------------------------------------------------------
-    def head_errors(self) -> torch.Tensor:
+    def head_error_table(self) -> torch.Tensor:
         """[H, T]: each head's running (EMA) x0 error per timestep; NaN where unseen, and where the head
         cannot recover x0 (the kernel's residual there is −x0, not an error of the head)."""
         if self.stats is None:
             return torch.full((self.H, self.T), torch.nan, dtype=torch.float64, device=self.alpha.device)
-        err = torch.stack([self.stats.ema_view(k) for k in self.stat_kinds[2:]])
+        err = torch.stack([self.stats.ema_view(f"x0_error_{h}") for h in self.heads])
         return torch.where(self.usable.to(err.device).reshape(err.shape), err, torch.nan)
 
-    def update_choice(self) -> None:
-        self.choice.copy_(argmin_heads(self.head_errors().to(self.usable.device), self.usable, self.argmin_buckets))
+    def head_errors(self) -> dict:
+        return dict(zip(self.heads, self.head_error_table()))
+
+    def choice(self) -> torch.Tensor:
+        """Long[T]: the argmin head per timestep from the statistics (-1: the gate)."""
+        return argmin_heads(self.head_error_table().to(self.usable.device), self.usable, self.argmin_buckets)
+
+    def _publish_choice(self) -> None:
+        if self.output is not None and self.mode == "argmin":
+            self.output.choice.copy_(self.choice().to(self.output.choice.device))
 
     def sync_stats(self) -> None:
         super().sync_stats()
-        self.update_choice()
+        self._publish_choice()
 
-    def load_extra_state(self, state: dict) -> None:
-        super().load_extra_state(state)
-        self.update_choice()  # derived from the restored statistics: a resumed run chooses the same heads
+    def set_extra_state(self, state: dict) -> None:
+        super().set_extra_state(state)
+        self._publish_choice()  # derived from the restored statistics: a resumed run chooses the same heads
 
     def effective_weight(self, probs: torch.Tensor | None = None) -> torch.Tensor:
         """T·p(t)·iw(t)·w_x0(t) of the main (mixed x0-space) term."""
-        p = self.probs() if probs is None else probs
-        iw = None if self.sampler.biased else 1.0 / (self.T * p)
-        return effective_x0_weight(self.weight64, self.schedule, "x0", p, iw)
+        return self._effective("x0", probs)

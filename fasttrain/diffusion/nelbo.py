@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from ..errors import InvalidInput
 from .schedule import NoiseSchedule
 
 
@@ -50,7 +51,7 @@ def nelbo_bits_per_dim(x0_hat, schedule: NoiseSchedule, x0: torch.Tensor, *, lab
     parts. `x0_hat(x_t, t, labels) -> x̂0` is the trained network's estimate (bundle.py)."""
     T, dev = schedule.T, x0.device
     if T < 2:
-        raise ValueError("the NELBO needs T >= 2")
+        raise InvalidInput("the NELBO needs T >= 2")
     sch = schedule.to(dev)
     alpha, sigma, snr = sch.alpha, sch.sigma, sch.snr
     snr_prev = torch.cat([snr[:1], snr[:-1]])  # SNR_{i-1}; unused at i = 0

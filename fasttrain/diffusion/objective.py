@@ -1,14 +1,21 @@
-"""DiffusionObjective: schedule × prediction × weighting × sampler × stats → one training loss.
+"""Training objectives: schedule × prediction × weighting × sampler × stats → one training loss.
 
     loss, info = objective(model, x0, cond)
 
-One step (docs/architecture.md): t, iw ~ sampler; kernel A: x_t = alpha[t]·x0 + sigma[t]·eps with eps
-from the counter-based stream (seed, offset); pred = model(x_t, t, cond); kernel B: per-sample
+`Objective` is what every objective shares: the timestep draw, the noise counter, the statistics and
+their sync with the sampler, persistence, and the hooks the trainer calls (declared here, never
+discovered by attribute). Two objectives are registered by prediction kind (`OBJECTIVES`):
+`DiffusionObjective` below for a single prediction type (every name of the prediction registry),
+and `MixedObjective` (mixed.py) for several heads mixed by a gate. Each also says what the network
+must output (`out_channels`) and gives the network wrapper its output → x̂0 conversion
+(`output_head`, held by `Denoiser`): generation never builds an objective.
+
+One step (docs/architecture.md): t, iw ~ sampler; the noise kernel: x_t = alpha[t]·x0 + sigma[t]·eps with eps
+from the counter-based stream (seed, offset); pred = model(x_t, t, cond); the loss kernel: per-sample
 ℓ_b = w[t_b]·iw_b·mean((pred - target)²) with the same eps, the gradient written in the forward pass,
 and the raw and weighted losses scattered into the TimestepStats window. Nothing here syncs with the
 host: the noise offset is a device counter advanced in place. With a learned weighting the network
 also returns its per-timestep log-variance u(t) (EDM2), and ℓ_b becomes ℓ_b/exp(u) + u.
-The kernels come from `fasttrain.kernels.ops`; every backend draws the same noise stream.
 """
 from __future__ import annotations
 
@@ -17,40 +24,44 @@ from torch import nn
 
 from fasttrain.kernels import ops, philox
 
+from ..errors import InvalidInput
+from ..registry import Registry
 from . import prediction as P
+from .denoiser import PredictionOutput
 from .samplers import TimestepSampler, timestep_sampler
 from .schedule import NoiseSchedule
 from .stats import TimestepStats
 from .weighting import effective_x0_weight, loss_weight, uncertainty_loss
 
 BACKENDS = ops.BACKENDS
+OBJECTIVES = Registry("objective", positional=1)  # prediction kinds beyond the single types → their class
+register = OBJECTIVES.register
 
 
-class DiffusionObjective(nn.Module):
-    def __init__(self, schedule: NoiseSchedule, prediction: str = "eps", weighting="simple",
-                 sampler="uniform", *, weighting_args: dict | None = None, sampler_args: dict | None = None,
-                 stats: TimestepStats | bool = True, learned_weighting: bool = False,
-                 backend: str = "auto", seed: int = 0):
+class Objective(nn.Module):
+    """The shared part: tables, sampler, statistics, noise counter, persistence and the trainer's hooks.
+    Subclasses implement `forward` and `probe_loss`, and the class-level network contract."""
+
+    def __init__(self, schedule: NoiseSchedule, weight: torch.Tensor, sampler, *, sampler_args: dict | None,
+                 stats: TimestepStats | bool, stat_kinds: tuple[str, ...], learned_weighting: bool, backend: str,
+                 seed: int):
         super().__init__()
         self.schedule = schedule
-        self.prediction = P.check(prediction)
-        self.pred = P.get(prediction)
         if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+            raise InvalidInput(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
         self.backend = backend  # resolved per call against the data's device
-        if isinstance(weighting, str):
-            weighting = loss_weight(weighting, schedule, prediction, **(weighting_args or {}))
         # fp32 copies of the tables: what the kernels gather by t
-        self.register_buffer("weight", weighting.to(torch.float32), persistent=False)
-        self.register_buffer("weight64", weighting.to(torch.float64), persistent=False)  # for plots
+        self.register_buffer("weight", weight.to(torch.float32), persistent=False)
+        self.register_buffer("weight64", weight.to(torch.float64), persistent=False)  # for plots
         self.register_buffer("alpha", schedule.alpha.float(), persistent=False)
         self.register_buffer("sigma", schedule.sigma.float(), persistent=False)
-        self.register_buffer("coef", self.pred.table(schedule.alpha, schedule.sigma), persistent=False)
         self.register_buffer("offset", torch.zeros((), dtype=torch.int64), persistent=False)
         self.sampler: TimestepSampler = (timestep_sampler(sampler, schedule, **(sampler_args or {}))
                                          if isinstance(sampler, str) else sampler)
         if stats is True:
-            stats = TimestepStats(schedule.T, schedule.device, history=getattr(self.sampler, "history", 0))
+            stats = TimestepStats(schedule.T, schedule.device, history=self.sampler.history, kinds=stat_kinds)
+        if stats and tuple(stats.kinds) != tuple(stat_kinds):
+            raise ValueError(f"this objective's statistics need kinds {tuple(stat_kinds)}, got {tuple(stats.kinds)}")
         self.stats: TimestepStats | None = stats or None
         self.learned_weighting = bool(learned_weighting)
         self.seed = philox.check_seed(seed)
@@ -70,6 +81,27 @@ class DiffusionObjective(nn.Module):
     def T(self) -> int:
         return self.schedule.T
 
+    # -- the network contract (class level: the bundle builds the network before any objective) ------
+    @classmethod
+    def out_channels(cls, diffusion, channels: int) -> int | None:
+        """The backbone's output width for `channels` data channels (None: the model's default)."""
+        return None
+
+    @classmethod
+    def output_head(cls, diffusion, schedule: NoiseSchedule) -> nn.Module:
+        """The network wrapper's output → x̂0 conversion (denoiser.py)."""
+        raise NotImplementedError
+
+    @classmethod
+    def gate_heads(cls, diffusion) -> int:
+        """Heads of a per-timestep gate table the network wrapper holds (0: none)."""
+        return 0
+
+    @classmethod
+    def check_config(cls, diffusion, schedule: NoiseSchedule, model_args: dict) -> None:
+        """What this prediction kind needs of the rest of the config (configure.py); InvalidInput."""
+
+    # -- one step --------------------------------------------------------------------------------
     def noise(self, like: torch.Tensor) -> torch.Tensor:
         """The eps of the next (seed, offset) (what the kernels would draw); advances the offset."""
         eps = philox.noise(like.shape, self.seed, self.offset.to(like.device), like.device)
@@ -78,7 +110,7 @@ class DiffusionObjective(nn.Module):
 
     def draw(self, x0: torch.Tensor, generator: torch.Generator | None = None, t: torch.Tensor | None = None):
         """The step's (t, iw, backend, noise offset, x_t): timesteps from the sampler (or given, iw = 1),
-        kernel A at this step's counter; the device counter moves on in place."""
+        the noise kernel at this step's counter; the device counter moves on in place."""
         B = x0.shape[0]
         if t is None:
             t, iw = self.sampler.sample(B, generator, x0)
@@ -91,67 +123,61 @@ class DiffusionObjective(nn.Module):
                         backend=backend)
         return t, iw, backend, offset, x_t
 
-    def forward(self, model, x0: torch.Tensor, cond=None, generator: torch.Generator | None = None,
-                t: torch.Tensor | None = None):
-        t, iw, backend, offset, x_t = self.draw(x0, generator, t)
-        kw = {} if cond is None else {"y": cond}
-        if self.learned_weighting:
-            pred, logvar = model(x_t, t, return_logvar=True, **kw)
-        else:
-            pred, logvar = model(x_t, t, **kw), None
-        st = self.stats
-        loss, per_sample, raw, weighted = ops.loss(pred, x0, t, self.weight, iw, self.coef, uses=self.pred.uses,
-                                                   seed=self.seed, offset=offset, backend=backend,
-                                                   bins=st.window if st is not None else None)
-        if st is not None:
-            st.record(t, weighted)
-        if logvar is not None:
-            per_sample = uncertainty_loss(per_sample, logvar)
-            loss = per_sample.mean()
-        info = {"t": t, "iw": iw, "raw": raw.detach(), "weighted": weighted.detach(),
-                "loss_per_sample": per_sample.detach()}
-        return loss, info
+    def _with_uncertainty(self, loss, per_sample, logvar):
+        if logvar is None:
+            return loss, per_sample
+        per_sample = uncertainty_loss(per_sample, logvar)
+        return per_sample.mean(), per_sample
 
-    def probe_loss(self, model, x0: torch.Tensor, t: torch.Tensor, eps: torch.Tensor, cond=None) -> torch.Tensor:
-        """Per-sample loss ℓ_b (iw = 1) at the given t and eps, with no statistics and no noise-counter
-        move: for probes (diagnostics, look-aheads). Differentiable in the model's parameters."""
-        backend = ops.resolve_backend(self.backend, x0.device)
-        x_t = ops.noise(x0, t, self.alpha, self.sigma, eps=eps, backend=backend)
-        kw = {} if cond is None else {"y": cond}
-        pred, logvar = model(x_t, t, return_logvar=True, **kw) if self.learned_weighting else (model(x_t, t, **kw), None)
-        iw = torch.ones(x0.shape[0], device=x0.device)
-        per = ops.loss(pred, x0, t, self.weight, iw, self.coef, uses=self.pred.uses, eps=eps, backend=backend).per_sample
-        return per if logvar is None else uncertainty_loss(per, logvar)
+    # -- hooks the trainer calls ------------------------------------------------------------------
+    def set_partition(self, rank: int = 0, world_size: int = 1, accum_steps: int = 1) -> None:
+        """Where this process's micro-batches sit in the global batch (the sampler's strata)."""
+        self.sampler.set_partition(rank, world_size, accum_steps)
 
-    def x0_hat(self, output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """The network's estimate of x0 from its raw output at (x_t, t): the one conversion that
-        look-aheads, diagnostics and generation use (prediction.py; a mixed prediction overrides it)."""
-        shape = (-1,) + (1,) * (x_t.ndim - 1)
-        a, s = self.alpha[t].view(shape).to(x_t.dtype), self.sigma[t].view(shape).to(x_t.dtype)
-        return self.pred.to_x0_eps(output.to(x_t.dtype), x_t, a, s)[0]
+    def lookaheads(self) -> list:
+        """The components of this objective that learn from a look-ahead around the optimizer step."""
+        la = self.sampler.lookahead()
+        return [] if la is None else [la]
 
-    # -- views for plots and logs ----------------------------------------------------------------
-    def probs(self) -> torch.Tensor:
-        return self.sampler.probs()
+    def metrics(self) -> dict:
+        """Values for the trainer's log lines (the sampler's)."""
+        return self.sampler.metrics()
 
-    def effective_weight(self, probs: torch.Tensor | None = None) -> torch.Tensor:
-        """T·p(t)·iw(t)·w(t)·c(t): the x0-space weight of each timestep in this objective."""
-        p = self.probs() if probs is None else probs
-        iw = None if self.sampler.biased else 1.0 / (self.T * p)
-        return effective_x0_weight(self.weight64, self.schedule, self.prediction, p, iw)
+    def capture_problem(self) -> str | None:
+        """Why this objective's step cannot be captured in a CUDA graph, or None."""
+        return self.sampler.capture_problem()
+
+    def p_history(self, bins: int = 100) -> dict | None:
+        """The sampler's learned p(t) over training, for plots (None when it does not learn one)."""
+        return self.sampler.p_history(bins)
 
     def sync_stats(self) -> None:
         """All-reduce the statistics and let the sampler learn from them (every K steps)."""
         if self.stats is not None:
             self.stats.all_reduce()
-            self.sampler.update(self.stats)
+            self.sampler.observe(self.stats)
+
+    # -- views for plots and logs ----------------------------------------------------------------
+    def probs(self) -> torch.Tensor:
+        return self.sampler.probs()
+
+    def head_errors(self) -> dict | None:
+        """Per-head running x0 error per timestep (mixed prediction's third plot row), or None."""
+        return None
+
+    def _effective(self, prediction: str, probs: torch.Tensor | None) -> torch.Tensor:
+        p = self.probs() if probs is None else probs
+        iw = None if self.sampler.biased else 1.0 / (self.T * p)
+        return effective_x0_weight(self.weight64, self.schedule, prediction, p, iw)
 
     # -- persistence: shared (identical on every rank) and per-rank parts --------------------------
-    def extra_state(self) -> dict:
+    # The shared part is nn.Module's extra state, so `state_dict()`/`load_state_dict()` carry it (the
+    # objective has no persistent tensors of its own); the per-rank part is `rank_state`.
+    def get_extra_state(self) -> dict:
         return {"offset": int(self.offset), "sampler": self.sampler.state_dict(),
                 "stats": self.stats.state_dict() if self.stats is not None else None}
 
-    def load_extra_state(self, state: dict) -> None:
+    def set_extra_state(self, state: dict) -> None:
         """The seed is not restored: it is derived per rank from the config (seeds.py)."""
         self.offset.fill_(int(state["offset"]))
         self.sampler.load_state_dict(state["sampler"])
@@ -161,6 +187,95 @@ class DiffusionObjective(nn.Module):
     def rank_state(self) -> dict:
         return {"window": self.stats.window_state() if self.stats is not None else None}
 
-    def load_rank_state(self, state: dict | None) -> None:
-        if self.stats is not None:
-            self.stats.load_window_state(None if state is None else state["window"])
+    def load_rank_states(self, states: list[dict], rank: int, world_size: int) -> None:
+        """This rank's pending statistics window from the checkpoint's per-rank states: its own on the
+        same layout; on another world size rank 0 takes every rank's window, merged."""
+        if self.stats is None:
+            return
+        if len(states) == world_size:
+            self.stats.load_window_state(states[rank]["window"])
+            return
+        windows = [s["window"] for s in states if s["window"] is not None]
+        self.stats.load_window_state(self.stats.merge_window_states(windows) if windows and rank == 0 else None)
+
+
+class DiffusionObjective(Objective):
+    """One prediction type (prediction.py): the fused noise and loss kernels."""
+
+    def __init__(self, schedule: NoiseSchedule, prediction: str = "eps", weighting="simple",
+                 sampler="uniform", *, weighting_args: dict | None = None, sampler_args: dict | None = None,
+                 stats: TimestepStats | bool = True, learned_weighting: bool = False,
+                 backend: str = "auto", seed: int = 0):
+        self.prediction = P.check(prediction)
+        if isinstance(weighting, str):
+            weighting = loss_weight(weighting, schedule, prediction, **(weighting_args or {}))
+        super().__init__(schedule, weighting, sampler, sampler_args=sampler_args, stats=stats,
+                         stat_kinds=("raw", "weighted"), learned_weighting=learned_weighting, backend=backend,
+                         seed=seed)
+        self.pred = P.get(prediction)
+        self.register_buffer("coef", self.pred.table(schedule.alpha, schedule.sigma), persistent=False)
+
+    @classmethod
+    def from_config(cls, diffusion, schedule: NoiseSchedule, output: nn.Module | None = None,
+                    **kw) -> "DiffusionObjective":
+        """`output` (the network's output head) is not needed: a single prediction learns nothing for it."""
+        return cls(schedule, diffusion.prediction, diffusion.weighting, diffusion.sampler, **kw)
+
+    @classmethod
+    def output_head(cls, diffusion, schedule: NoiseSchedule) -> nn.Module:
+        return PredictionOutput(diffusion.prediction, schedule)
+
+    @classmethod
+    def check_config(cls, diffusion, schedule: NoiseSchedule, model_args: dict) -> None:
+        """A prediction whose x̂0 is undefined at some step (ε at SNR = 0) cannot be sampled: refused now."""
+        if bool((P.conditioning(diffusion.prediction, schedule) < 1e-6).any()):
+            raise InvalidInput(f"{diffusion.prediction!r} cannot be sampled on this schedule (SNR = 0 at t = T-1 "
+                               f"makes x̂0 = (x - σ·ε̂)/α undefined); use v, x0 or flow")
+
+    def _call(self, model, x_t, t, cond):
+        kw = {} if cond is None else {"y": cond}
+        if self.learned_weighting:
+            return model(x_t, t, return_logvar=True, **kw)
+        return model(x_t, t, **kw), None
+
+    def forward(self, model, x0: torch.Tensor, cond=None, generator: torch.Generator | None = None,
+                t: torch.Tensor | None = None):
+        t, iw, backend, offset, x_t = self.draw(x0, generator, t)
+        pred, logvar = self._call(model, x_t, t, cond)
+        st = self.stats
+        loss, per_sample, raw, weighted = ops.loss(pred, x0, t, self.weight, iw, self.coef, uses=self.pred.uses,
+                                                   seed=self.seed, offset=offset, backend=backend,
+                                                   bins=st.window if st is not None else None)
+        if st is not None:
+            st.record(t, weighted)
+        loss, per_sample = self._with_uncertainty(loss, per_sample, logvar)
+        info = {"t": t, "iw": iw, "raw": raw.detach(), "weighted": weighted.detach(),
+                "loss_per_sample": per_sample.detach()}
+        return loss, info
+
+    def probe_loss(self, model, x0: torch.Tensor, t: torch.Tensor, eps: torch.Tensor, cond=None) -> torch.Tensor:
+        """Per-sample loss ℓ_b (iw = 1) at the given t and eps, with no statistics and no noise-counter
+        move: for probes (diagnostics, look-aheads). Differentiable in the model's parameters."""
+        backend = ops.resolve_backend(self.backend, x0.device)
+        x_t = ops.noise(x0, t, self.alpha, self.sigma, eps=eps, backend=backend)
+        pred, logvar = self._call(model, x_t, t, cond)
+        iw = torch.ones(x0.shape[0], device=x0.device)
+        per = ops.loss(pred, x0, t, self.weight, iw, self.coef, uses=self.pred.uses, eps=eps, backend=backend).per_sample
+        return self._with_uncertainty(None, per, logvar)[1]
+
+    def effective_weight(self, probs: torch.Tensor | None = None) -> torch.Tensor:
+        """T·p(t)·iw(t)·w(t)·c(t): the x0-space weight of each timestep in this objective."""
+        return self._effective(self.prediction, probs)
+
+
+def objective_class(prediction: str) -> type[Objective]:
+    """The objective for a prediction kind: a registered one (mixed.py), else a single prediction type."""
+    if prediction in OBJECTIVES:
+        return OBJECTIVES.get(prediction)
+    P.check(prediction)
+    return DiffusionObjective
+
+
+def prediction_kinds() -> tuple[str, ...]:
+    """Every value `diffusion.prediction` can take."""
+    return P.names() + OBJECTIVES.names()

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import InvalidInput
+
 INIT_BIAS = 0.5   # official `_initialize_weights`: α = β = softplus(0.5) + 1e-5 at the start
 MIN_CONC = 1e-5   # official: softplus(·) + 1e-5 keeps α, β > 0
 U_EPS = 1e-6      # draws are kept inside (0, 1) so that log π(u) stays finite when α or β < 1
@@ -62,7 +64,7 @@ class ConditionalBeta(nn.Module):
             self.trunk = nn.Identity()
             feat = self.in_shape[0]
         else:
-            raise ValueError(f"the adaptive policy takes [B, C, H, W] or [B, D] data, got per-sample shape {in_shape}")
+            raise InvalidInput(f"the adaptive policy takes [B, C, H, W] or [B, D] data, got per-sample shape {in_shape}")
         # official `mlp(input, hidden, hidden_depth=2, 2)`: Linear-ReLU-Linear-ReLU-Linear
         self.mlp = nn.Sequential(nn.Linear(feat, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), _head(hidden))
 

@@ -7,8 +7,16 @@ Biased samplers (they change the objective on purpose) return iw = 1; the unbias
 returns iw = 1/(T·p_t) so that E[iw·loss] equals the uniform-t objective (Nichol & Dhariwal 2021, §3.3).
 
 A sampler is a class registered by name (`@register("name")`); its constructor's keyword arguments
-are its config arguments (`diffusion.sampler_args.*`). Samplers that learn from a look-ahead around
-the optimizer step also implement `lookahead.LookAhead` (adaptive.py).
+are its config arguments (`diffusion.sampler_args.*`). What a sampler needs from the rest of the
+trainer is declared on `TimestepSampler`, with defaults, never discovered by attribute:
+
+  history        losses per timestep it reads from the statistics' ring (0: none); sizes the ring
+  seeded         its constructor takes `seed` (its own weights or noise); the objective derives one
+  lookahead()    the `LookAhead` it learns from around the optimizer step (adaptive.py), or None
+  observe(stats) called with the all-reduced statistics every K steps (samplers that learn from them)
+  set_partition  where this process's micro-batches sit in the global batch (stratified sampling)
+  metrics()      values for the trainer's log lines;  p_history(bins): its learned p(t) over training
+  capture_problem()  why a CUDA graph cannot capture a step that draws from it (None: it can)
 """
 from __future__ import annotations
 
@@ -17,6 +25,7 @@ import math
 import numpy as np
 import torch
 
+from ..errors import InvalidInput
 from ..registry import Registry
 from .schedule import NoiseSchedule
 
@@ -26,7 +35,9 @@ register = SAMPLERS.register
 
 class TimestepSampler:
     name = "base"
-    biased = True
+    biased = True      # False: returns importance weights that keep the uniform-t objective
+    history = 0        # losses per timestep read from TimestepStats' ring in observe() (0: none)
+    seeded = False     # the constructor takes `seed` (the objective passes one derived from train.seed)
 
     def __init__(self, schedule: NoiseSchedule):
         self.T = schedule.T
@@ -41,11 +52,32 @@ class TimestepSampler:
     def probs(self, n: int | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def update(self, stats) -> None:
-        """Called every K steps with the (all-reduced) TimestepStats; adaptive samplers learn here."""
+    def observe(self, stats) -> None:
+        """Called every K steps with the (all-reduced) TimestepStats; samplers that learn from them do here."""
 
     def set_partition(self, rank: int = 0, world_size: int = 1, accum_steps: int = 1) -> None:
         """Where this process's micro-batches sit in the global batch (stratified sampling)."""
+
+    def lookahead(self):
+        """The `lookahead.LookAhead` this sampler learns from around the optimizer step, or None."""
+        return None
+
+    def metrics(self) -> dict:
+        """Values for the trainer's log lines (0-d tensors or floats); read at log steps only."""
+        return {}
+
+    def p_history(self, bins: int = 100) -> dict | None:
+        """The learned p(t) over training for plots ({"steps", "p", "S", "T"} host arrays), or None
+        for a sampler whose p(t) does not change."""
+        return None
+
+    def capture_problem(self) -> str | None:
+        """Why a step that draws from this sampler cannot be captured in a CUDA graph, or None."""
+        if self.lookahead() is not None:
+            return f"the {self.name} sampler's look-ahead runs host logic around the optimizer step"
+        if self.history > 0:
+            return f"the {self.name} sampler keeps a host-side queue of recent losses"
+        return None
 
     def state_dict(self) -> dict:
         return {}
@@ -123,7 +155,7 @@ class LogitNormal(TimestepSampler):
     def __init__(self, schedule, mean: float = 0.0, std: float = 1.0):
         super().__init__(schedule)
         if not std > 0:
-            raise ValueError(f"std must be > 0, got {std!r}")
+            raise InvalidInput(f"std must be > 0, got {std!r}")
         self.mean, self.std = float(mean), float(std)
 
     def _draw(self, n, generator):
@@ -143,7 +175,7 @@ class Mode(TimestepSampler):
     def __init__(self, schedule, scale: float = 1.29):
         super().__init__(schedule)
         if not -1.0 <= scale <= 2 / (math.pi - 2):
-            raise ValueError(f"scale must lie in [-1, {2 / (math.pi - 2):.4f}] for a monotone map, got {scale!r}")
+            raise InvalidInput(f"scale must lie in [-1, {2 / (math.pi - 2):.4f}] for a monotone map, got {scale!r}")
         self.scale = float(scale)
 
     def _f(self, u):
@@ -171,7 +203,7 @@ class LogNormal(TimestepSampler):
     def __init__(self, schedule, p_mean: float = -1.2, p_std: float = 1.2):
         super().__init__(schedule)
         if not p_std > 0:
-            raise ValueError(f"p_std must be > 0, got {p_std!r}")
+            raise InvalidInput(f"p_std must be > 0, got {p_std!r}")
         self.p_mean, self.p_std = float(p_mean), float(p_std)
         self.schedule = schedule
         self.edges = schedule.log_sigma_edges().to(self.device)
@@ -196,9 +228,9 @@ class Speed(TimestepSampler):
     def __init__(self, schedule, k: float = 5.0, tau: int = 700, dual: bool = True):
         super().__init__(schedule)
         if not k > 0:
-            raise ValueError(f"k must be > 0, got {k!r}")
+            raise InvalidInput(f"k must be > 0, got {k!r}")
         if not 0 <= tau <= self.T:
-            raise ValueError(f"tau must lie in [0, T={self.T}], got {tau!r}")
+            raise InvalidInput(f"tau must lie in [0, T={self.T}], got {tau!r}")
         self.k, self.tau, self.dual = float(k), int(tau), bool(dual)
         p = torch.ones(self.T, dtype=torch.float64)
         p[: self.tau] = self.k
@@ -209,7 +241,7 @@ class Speed(TimestepSampler):
         self.m = int(np.argmax(flat)) + 1
         if self.dual and (not flat.any() or self.m >= self.T):
             # e.g. the flow schedule: sigma grows linearly, so there is no convergence area to mirror
-            raise ValueError(f"sampler 'speed' with dual=true needs a schedule whose sigma saturates "
+            raise InvalidInput(f"sampler 'speed' with dual=true needs a schedule whose sigma saturates "
                              f"(d sigma/dt < 1e-4 somewhere), which {schedule.name!r} does not; use "
                              f"diffusion.sampler_args.dual=false")
 
@@ -236,19 +268,19 @@ class Speed(TimestepSampler):
 class LossSecondMoment(TimestepSampler):
     """iDDPM `LossSecondMomentResampler` (improved_diffusion/resample.py): p_t ∝ sqrt(E[L_t²]) over the
     last `history` losses of each t, mixed with `uniform_prob` of uniform; uniform until every t has
-    `history` losses. Unbiased: iw = 1/(T·p_t). Reads the loss ring of TimestepStats in `update`."""
+    `history` losses. Unbiased: iw = 1/(T·p_t). Reads the loss ring of TimestepStats in `observe`."""
     biased = False
 
     def __init__(self, schedule, history: int = 10, uniform_prob: float = 0.001):
         super().__init__(schedule)
         if not (isinstance(history, int) and history >= 1):
-            raise ValueError(f"history must be an integer >= 1, got {history!r}")
+            raise InvalidInput(f"history must be an integer >= 1, got {history!r}")
         if not 0 < uniform_prob <= 1:
-            raise ValueError(f"uniform_prob must lie in (0, 1], got {uniform_prob!r}")
+            raise InvalidInput(f"uniform_prob must lie in (0, 1], got {uniform_prob!r}")
         self.history, self.uniform_prob = history, float(uniform_prob)
         self.p = torch.full((self.T,), 1.0 / self.T, dtype=torch.float64, device=self.device)
 
-    def update(self, stats):
+    def observe(self, stats):
         ring, count = stats.history_ring(self.history)
         w = torch.sqrt(torch.mean(ring.double() ** 2, dim=1))
         p = w / w.sum() * (1 - self.uniform_prob) + self.uniform_prob / self.T

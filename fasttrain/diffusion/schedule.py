@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..errors import InvalidInput
+
 SCHEDULES = ("linear", "scaled_linear", "cosine", "quad", "flow")
 
 
@@ -80,7 +82,7 @@ def _betas(name: str, T: int) -> np.ndarray:
             return math.cos((u + 0.008) / 1.008 * math.pi / 2) ** 2
 
         return np.array([min(1 - abar((i + 1) / T) / abar(i / T), 0.999) for i in range(T)], dtype=np.float64)
-    raise ValueError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
+    raise InvalidInput(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
 
 
 def _zero_terminal_snr(alpha: np.ndarray) -> np.ndarray:
@@ -93,14 +95,14 @@ def _zero_terminal_snr(alpha: np.ndarray) -> np.ndarray:
 def schedule(name: str = "linear", T: int = 1000, zero_terminal_snr: bool = False) -> NoiseSchedule:
     """Build a schedule by name; tables are float64 CPU tensors (use `.to(device)` to move them)."""
     if not isinstance(T, int) or T < 2:
-        raise ValueError(f"T must be an integer >= 2, got {T!r}")
+        raise InvalidInput(f"T must be an integer >= 2, got {T!r}")
     if name == "flow":
         s = (np.arange(T, dtype=np.float64) + 1.0) / T  # s_{T-1} = 1: pure noise, SNR = 0 already
         alpha, sigma = 1.0 - s, s
     else:
         betas = _betas(name, T)
         if not ((betas > 0) & (betas < 1)).all():
-            raise ValueError(f"schedule {name!r} with T={T} gives betas outside (0, 1); use a larger T")
+            raise InvalidInput(f"schedule {name!r} with T={T} gives betas outside (0, 1); use a larger T")
         abar = np.cumprod(1.0 - betas)
         alpha = np.sqrt(abar)
         if zero_terminal_snr:

@@ -26,17 +26,20 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import InvalidInput
 from ..registry import Registry
 from .schedule import NoiseSchedule
 
-SOLVERS = Registry("solver", positional=4)  # fn(denoise, x, ts, schedule, *, generator, **options)
+# fn(denoise, x, ts, schedule, *, generator, **options); declared per solver: its step spacing and
+# whether it needs the flow schedule
+SOLVERS = Registry("solver", positional=4, defaults={"spacing": "uniform", "requires_flow": False})
 register = SOLVERS.register
 
 
 def respaced(T: int, steps: int) -> list[int]:
     """`steps` timesteps from T-1 down to 0, evenly spaced (iDDPM respacing), strictly decreasing."""
     if not 1 <= steps <= T:
-        raise ValueError(f"steps must lie in [1, T={T}], got {steps!r}")
+        raise InvalidInput(f"steps must lie in [1, T={T}], got {steps!r}")
     ts = torch.linspace(T - 1, 0, steps).round().long().tolist()
     return sorted(set(ts), reverse=True)
 
@@ -45,7 +48,7 @@ def edm_timesteps(schedule: NoiseSchedule, steps: int, rho: float = 7.0, sigma_m
     """Karras et al. 2022, Eq. 5: sigma_i = (smax^(1/ρ) + i/(N-1)·(smin^(1/ρ) - smax^(1/ρ)))^ρ, each
     mapped to the nearest timestep in ln sigma_e; strictly decreasing."""
     if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps!r}")
+        raise InvalidInput(f"steps must be >= 1, got {steps!r}")
     log_se = torch.log(schedule.edm_sigma().cpu())  # increasing in t, +inf at a zero-SNR step
     smin = float(log_se[0].exp())
     smax = min(sigma_max, float(log_se[torch.isfinite(log_se)].max().exp()))
@@ -57,7 +60,7 @@ def edm_timesteps(schedule: NoiseSchedule, steps: int, rho: float = 7.0, sigma_m
 
 def spacing(solver: str, schedule: NoiseSchedule, steps: int) -> list[int]:
     fn = SOLVERS.get(solver)
-    return edm_timesteps(schedule, steps) if getattr(fn, "spacing", "uniform") == "edm" else respaced(schedule.T, steps)
+    return edm_timesteps(schedule, steps) if fn.spacing == "edm" else respaced(schedule.T, steps)
 
 
 def _tables(schedule, t, device):
@@ -108,7 +111,7 @@ def heun(denoise, x, ts, schedule, *, generator=None, progress: bool = False):
 
 def _flow(denoise, x, ts, schedule, second_order: bool, progress: bool):
     if schedule.is_vp:
-        raise ValueError(f"the flow solvers need the flow schedule, not {schedule.name!r}")
+        raise InvalidInput(f"the flow solvers need the flow schedule, not {schedule.name!r}")
     for t, nxt, (_, s_t), (_, s_s) in _steps(ts, schedule, x.device, progress):
         x0, eps = denoise(x, t)
         if nxt is None:
@@ -138,8 +141,23 @@ def generate(denoise, schedule: NoiseSchedule, shape, *, solver: str = "ddim", s
     """Start from N(0, I) (the prior at t = T-1; with a nonzero a_{T-1} the remaining signal is
     negligible for the supported schedules) and run a solver over its step spacing."""
     fn = SOLVERS.get(solver)
-    SOLVERS.check_args(solver, {k: v for k, v in options.items()})
-    if getattr(fn, "requires_flow", False) and schedule.is_vp:
-        raise ValueError(f"solver {solver!r} needs the flow schedule, not {schedule.name!r}")
+    check_options(solver, schedule, **options)
     x = torch.randn(shape, generator=generator, device=device)
     return fn(denoise, x, spacing(solver, schedule, steps), schedule, generator=generator, progress=progress, **options)
+
+
+def check_options(solver: str, schedule: NoiseSchedule, **options) -> None:
+    """One check of a solver's options for the config (`sample.*`) and the command line (`--eta`):
+    the solver takes them, their values are in range, and it fits the schedule. None means "unset"."""
+    fn = SOLVERS.get(solver)
+    given = {k: v for k, v in options.items() if v is not None}
+    takes = SOLVERS.args(solver)
+    for k in given:
+        if k not in takes:
+            raise InvalidInput(f"unknown argument {k!r} (solver {solver!r} takes no {k})")
+    SOLVERS.check_args(solver, given)
+    eta = given.get("eta")
+    if eta is not None and not (eta == eta and 0 <= eta < float("inf")):
+        raise InvalidInput(f"eta must be a finite number >= 0, got {eta!r}")
+    if fn.requires_flow and schedule.is_vp:
+        raise InvalidInput(f"solver {solver!r} needs the flow schedule, not {schedule.name!r}")

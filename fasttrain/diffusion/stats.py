@@ -7,7 +7,7 @@ same pass as the loss. Every K steps `all_reduce()` sums the windows of all rank
 every rank holds the same pivots), reads the window's (count, mean, M2) through `bins.moments()`,
 merges it into the running totals with Chan et al.'s parallel update, moves the pivots to the new
 means, updates the EMA view and the ring of recent losses, and clears the window. All ranks
-therefore see identical statistics, and samplers read them in `update(stats)`.
+therefore see identical statistics, and samplers read them in `observe(stats)`.
 
 Checkpoints: the totals are the same on every rank (`state_dict`); the window is each rank's own
 (`window_state`), saved per rank and merged when a run resumes on another number of processes.
@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from fasttrain.kernels import TimestepBins
+
+from ..errors import InvalidInput
 
 KINDS = ("raw", "weighted")
 
@@ -36,7 +38,7 @@ class TimestepStats:
     def __init__(self, T: int, device="cpu", ema_decay: float = 0.9, history: int = 0,
                  kinds: tuple[str, ...] = KINDS):
         if not 0 <= ema_decay < 1:
-            raise ValueError(f"ema_decay must lie in [0, 1), got {ema_decay!r}")
+            raise InvalidInput(f"ema_decay must lie in [0, 1), got {ema_decay!r}")
         self.T, self.ema_decay, self.history, self.kinds = T, ema_decay, history, tuple(kinds)
         self.window = TimestepBins(T, len(self.kinds), device)
         z = lambda: torch.zeros(T, dtype=torch.float64, device=self.device)  # noqa: E731
@@ -62,7 +64,7 @@ class TimestepStats:
         return self
 
     # -- per step (no host sync) -----------------------------------------------------------------
-    def update(self, t: torch.Tensor, *values: torch.Tensor) -> None:
+    def add(self, t: torch.Tensor, *values: torch.Tensor) -> None:
         """Add one batch without a fused kernel: t Long[B] and one [B] tensor per kind."""
         t = t.to(self.device)
         self.window.scatter_(t, torch.stack([v.detach().to(self.device, torch.float64) for v in values]))

@@ -33,6 +33,7 @@ import math
 
 import torch
 
+from ..errors import InvalidInput
 from .schedule import NoiseSchedule
 
 VARIANCES = ("large", "small")
@@ -41,7 +42,7 @@ VARIANCES = ("large", "small")
 def vlb_tables(schedule: NoiseSchedule, variance: str = "large") -> tuple[torch.Tensor, torch.Tensor]:
     """(coef, const), float64 [T] on the schedule's device: L_τ = coef[τ]·mean_d(x0 − x̂0)² + const[τ]."""
     if variance not in VARIANCES:
-        raise ValueError(f"unknown model variance {variance!r}; choose from {', '.join(VARIANCES)}")
+        raise InvalidInput(f"unknown model variance {variance!r}; choose from {', '.join(VARIANCES)}")
     a, s = schedule.alpha.double(), schedule.sigma.double()
     a_t, s_t, a_s, s_s = a[1:], s[1:], a[:-1], s[:-1]
     s2_ts = s_t**2 - (a_t / a_s) ** 2 * s_s**2          # s²_{t|s} (VDM Eq. 33)
@@ -56,9 +57,8 @@ def vlb_tables(schedule: NoiseSchedule, variance: str = "large") -> tuple[torch.
     return torch.cat([coef0, coef]) / math.log(2), torch.cat([const0, const]) / math.log(2)
 
 
-def valid_steps(schedule: NoiseSchedule, objective=None) -> torch.Tensor:
-    """Bool [T]: steps where x̂0 is defined for the objective's prediction type (all, without one)."""
-    pred = getattr(objective, "pred", None)
-    if pred is None:
+def valid_steps(schedule: NoiseSchedule, defined: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool [T]: steps where the network's x̂0 is defined (`Denoiser.x0_defined()`; all, without it)."""
+    if defined is None:
         return torch.ones(schedule.T, dtype=torch.bool, device=schedule.device)
-    return pred.det(schedule.alpha.double(), schedule.sigma.double()).abs() > 0
+    return defined.to(torch.bool)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..errors import InvalidInput
 from ..registry import Registry
 from . import prediction as P
 from .schedule import NoiseSchedule
@@ -40,7 +41,7 @@ register = WEIGHTINGS.register
 
 def _positive(name: str, value) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
+        raise InvalidInput(f"{name} must be a positive number, got {value!r}")
     return float(value)
 
 
@@ -85,7 +86,7 @@ def speed_caw(schedule: NoiseSchedule, lam: float = 0.6, tau: int = 700) -> torc
     g = np.gradient(1 - ᾱ) over all T steps, w = (1-λ) + (2λ-1)·(g - min g)/(max g - min g) for
     t < τ and w = 1 for t ≥ τ (`speed/diffusion/speed/__init__.py`, `_weights`)."""
     if not 0 <= tau <= schedule.T:
-        raise ValueError(f"tau must lie in [0, T={schedule.T}], got {tau!r}")
+        raise InvalidInput(f"tau must lie in [0, T={schedule.T}], got {tau!r}")
     g = np.gradient(schedule.sigma.cpu().numpy() ** 2)  # 1 - ᾱ = sigma² on VP schedules
     k = 1.0 - lam
     w = k + (1 - 2 * k) * (g - g.min()) / (g.max() - g.min())
@@ -96,7 +97,7 @@ def speed_caw(schedule: NoiseSchedule, lam: float = 0.6, tau: int = 700) -> torc
 @register("speed")
 def speed(s, prediction, lam: float = 0.6, tau: int = 700):
     if not 0.5 <= lam <= 1.0:
-        raise ValueError(f"lam must lie in [0.5, 1] (weights in [1-λ, λ]), got {lam!r}")
+        raise InvalidInput(f"lam must lie in [0.5, 1] (weights in [1-λ, λ]), got {lam!r}")
     return speed_caw(s, lam, int(tau)) * s.snr
 
 
@@ -126,7 +127,7 @@ def loss_weight(name: str, schedule: NoiseSchedule, prediction: str = "eps", **a
     w = torch.where(s.snr == 0, torch.ones_like(w), w)  # SNR = 0 guard (Min-SNR PR #4)
     if not torch.isfinite(w).all():
         bad = int(torch.nonzero(~torch.isfinite(w))[0])
-        raise ValueError(f"weighting {name!r} is not finite at t={bad} for this schedule")
+        raise InvalidInput(f"weighting {name!r} is not finite at t={bad} for this schedule")
     return w.to(schedule.device)
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import InvalidInput
 from ..registry import Registry, discover
 
-MODELS = Registry("model")
+MODELS = Registry("model", defaults={"check": None})  # check(image_size, **args): sizes, before building
 register = MODELS.register
 
 discover(__name__)  # unet.py, dit.py, mlp.py, ... register their presets
@@ -27,10 +28,10 @@ def build_model(name: str, *, in_channels: int, image_size: int | None = None, n
     kwargs = dict(in_channels=in_channels, num_classes=num_classes, **overrides)
     if is_image_model(name):
         if image_size is None:
-            raise ValueError(f"model {name!r} is an image model; the data are not images (choose model.name=mlp)")
+            raise InvalidInput(f"model {name!r} is an image model; the data are not images (choose model.name=mlp)")
         kwargs["image_size"] = image_size
     elif image_size is not None:
-        raise ValueError(f"model {name!r} takes flat vectors; the data are {image_size}×{image_size} images")
+        raise InvalidInput(f"model {name!r} takes flat vectors; the data are {image_size}×{image_size} images")
     return MODELS.get(name)(**kwargs)
 
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import InvalidInput
 from . import register
 from .layers import TimeLabelEmbedding
 
@@ -63,15 +64,20 @@ class DiTBlock(nn.Module):
         return x + g2[:, None] * self.mlp(_modulate(self.norm2(x), s2, sc2))
 
 
+def check_sizes(image_size: int, patch: int = 2, hidden: int = 384, heads: int = 6, **_) -> None:
+    """The DiT's structural needs, checked before it is built (configure.py)."""
+    if image_size % patch:
+        raise InvalidInput(f"image_size {image_size} is not divisible by patch {patch} (model.args.patch)")
+    if hidden % heads:
+        raise InvalidInput(f"model.args.hidden {hidden} is not divisible by model.args.heads {heads}")
+
+
 class DiT(nn.Module):
     def __init__(self, in_channels: int = 4, image_size: int = 32, patch: int = 2, hidden: int = 384,
                  depth: int = 12, heads: int = 6, mlp_ratio: float = 4.0, num_classes: int = 0,
                  out_channels: int | None = None):
         super().__init__()
-        if image_size % patch:
-            raise ValueError(f"image_size {image_size} is not divisible by patch {patch}")
-        if hidden % heads:
-            raise ValueError(f"hidden {hidden} is not divisible by heads {heads}")
+        check_sizes(image_size, patch, hidden, heads)
         self.in_channels, self.image_size, self.patch = in_channels, image_size, patch
         self.out_channels = out_channels or in_channels
         self.grid = image_size // patch
@@ -109,8 +115,8 @@ class DiT(nn.Module):
 
 DIT_SIZES = {"s": (384, 12, 6), "b": (768, 12, 12), "l": (1024, 24, 16), "xl": (1152, 28, 16)}  # hidden, depth, heads
 
-register("dit_tiny")(partial(DiT, patch=2, hidden=128, depth=4, heads=4))  # CPU preset
+register("dit_tiny", check=check_sizes)(partial(DiT, patch=2, hidden=128, depth=4, heads=4))  # CPU preset
 for _size, (_h, _d, _n) in DIT_SIZES.items():  # Peebles & Xie 2023, Table 1: dit_s2 … dit_xl8
     for _p in (2, 4, 8):
-        register(f"dit_{_size}{_p}")(partial(DiT, patch=_p, hidden=_h, depth=_d, heads=_n))
+        register(f"dit_{_size}{_p}", check=check_sizes)(partial(DiT, patch=_p, hidden=_h, depth=_d, heads=_n))
 

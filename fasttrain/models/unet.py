@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import InvalidInput
 from . import register
 from .layers import TimeLabelEmbedding, zero_module
 
@@ -64,7 +65,18 @@ def _check_int_list(name: str, values, empty_ok: bool) -> None:
     ok = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values) and (empty_ok or len(values))
     if not ok:
         need = "a list of positive integers" if empty_ok else "a non-empty list of positive integers"
-        raise ValueError(f"model.args.{name} must be {need}, got {list(values)!r}")
+        raise InvalidInput(f"model.args.{name} must be {need}, got {list(values)!r}")
+
+
+def check_sizes(image_size: int, ch_mult=(1, 2, 2), attn_resolutions=(16,), **_) -> None:
+    """The UNet's structural needs, checked before it is built (configure.py): level lists of positive
+    integers, and an image size it can halve len(ch_mult) − 1 times."""
+    _check_int_list("ch_mult", ch_mult, empty_ok=False)
+    _check_int_list("attn_resolutions", attn_resolutions, empty_ok=True)
+    f = 2 ** (len(ch_mult) - 1)
+    if image_size % f:
+        raise InvalidInput(f"the UNet halves the image size {len(ch_mult) - 1} times (model.args.ch_mult): "
+                           f"it must be a multiple of {f}")
 
 
 class UNet(nn.Module):
@@ -128,12 +140,12 @@ class UNet(nn.Module):
 
 
 # CPU presets: the 8×8 digits recipe and friends
-register("unet_tiny")(partial(UNet, ch=32, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=(4,), heads=4))
-register("unet_small")(partial(UNet, ch=64, ch_mult=(1, 2, 2), num_res_blocks=2, attn_resolutions=(8,), heads=4))
+register("unet_tiny", check=check_sizes)(partial(UNet, ch=32, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=(4,), heads=4))
+register("unet_small", check=check_sizes)(partial(UNet, ch=64, ch_mult=(1, 2, 2), num_res_blocks=2, attn_resolutions=(8,), heads=4))
 # ADM (Dhariwal & Nichol 2021, Table 14 / iDDPM): CIFAR-10 32², ImageNet 64², 256² (64 channels per head)
-register("adm_32")(partial(UNet, ch=128, ch_mult=(1, 2, 2, 2), num_res_blocks=3, attn_resolutions=(16, 8),
+register("adm_32", check=check_sizes)(partial(UNet, ch=128, ch_mult=(1, 2, 2, 2), num_res_blocks=3, attn_resolutions=(16, 8),
                            head_channels=64, dropout=0.1))
-register("adm_64")(partial(UNet, ch=192, ch_mult=(1, 2, 3, 4), num_res_blocks=3, attn_resolutions=(32, 16, 8),
+register("adm_64", check=check_sizes)(partial(UNet, ch=192, ch_mult=(1, 2, 3, 4), num_res_blocks=3, attn_resolutions=(32, 16, 8),
                            head_channels=64, dropout=0.1))
-register("adm_256")(partial(UNet, ch=256, ch_mult=(1, 1, 2, 2, 4, 4), num_res_blocks=2, attn_resolutions=(32, 16, 8),
+register("adm_256", check=check_sizes)(partial(UNet, ch=256, ch_mult=(1, 1, 2, 2, 4, 4), num_res_blocks=2, attn_resolutions=(32, 16, 8),
                             head_channels=64))

@@ -83,7 +83,7 @@ def test_resume_mid_epoch_continues_the_same_batches(image_folder):
     b.load_state_dict(state)
     for (xa, ya), (xb, yb) in zip(rest, [next(b) for _ in range(4)]):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
-    assert state == {"epoch": 0, "pos": 6} and len(first) == 2
+    assert state == {"epoch": 0, "pos": 6, "world_size": 1} and len(first) == 2
 
 
 def test_latent_pipeline_is_exact(latent_folder):

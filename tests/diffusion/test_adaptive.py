@@ -13,6 +13,7 @@ from sklearn.feature_selection import SelectKBest, f_regression
 from fasttrain import diffusion as fd
 from fasttrain.diffusion import policy as P
 from fasttrain.diffusion.adaptive import f_statistic, select_k_best
+from fasttrain.diffusion.denoiser import Denoiser, PredictionOutput
 from fasttrain.diffusion.lookahead import Probe, reference_step, x0_mse
 from fasttrain.diffusion.vlb import vlb_tables
 from fasttrain.models import build_model
@@ -37,6 +38,7 @@ def make(model="unet_tiny", shape=(1, 8, 8), classes=10, pred="eps", weighting="
         net = build_model(model, in_channels=shape[0], image_size=shape[1], num_classes=classes, **model_args)
     else:
         net = build_model("mlp", in_channels=shape[0], hidden=32, depth=2, num_classes=classes)
+    net = Denoiser(net, PredictionOutput(pred, schedule), schedule)  # the network with its x̂0 conversion
     obj = fd.DiffusionObjective(schedule, pred, weighting, "adaptive", sampler_args=args)
     return net, obj, torch.optim.AdamW(net.parameters(), lr=lr)
 
@@ -156,7 +158,7 @@ def test_common_random_numbers_lower_the_reward_variance_on_a_fixed_model():
     xb, tb = x0.repeat_interleave(3, 0), torch.tensor([10, 300, 700]).repeat(8)
 
     def reward(p, q):
-        return (coef[p.t] * x0_mse(before, obj, p) - coef[q.t] * x0_mse(net, obj, q)).view(8, 3).sum(1)
+        return (coef[p.t] * x0_mse(before, p) - coef[q.t] * x0_mse(net, q)).view(8, 3).sum(1)
 
     crn, fresh = [], []
     for i in range(12):
@@ -200,14 +202,14 @@ def test_state_round_trip_and_exact_resume():
     net, obj, opt = make(**args)
     gen = run(net, obj, opt, 5)  # steps 0-4: updates at 0, 2, 4
     saved = dict(net=copy.deepcopy(net.state_dict()), opt=copy.deepcopy(opt.state_dict()),
-                 obj=copy.deepcopy(obj.extra_state()), gen=gen.get_state())
+                 obj=copy.deepcopy(obj.state_dict()), gen=gen.get_state())
     torch.save(saved, _buffer := __import__("io").BytesIO())  # the state survives serialisation
     run(net, obj, opt, 6, start=5, gen=gen)
     net2, obj2, opt2 = make(**args)
     loaded = torch.load(__import__("io").BytesIO(_buffer.getvalue()), weights_only=False)
     net2.load_state_dict(loaded["net"])
     opt2.load_state_dict(loaded["opt"])
-    obj2.load_extra_state(loaded["obj"])
+    obj2.load_state_dict(loaded["obj"])
     gen2 = torch.Generator().manual_seed(0)
     gen2.set_state(loaded["gen"])
     run(net2, obj2, opt2, 6, start=5, gen=gen2)

@@ -5,6 +5,7 @@ import torch
 
 from fasttrain import diffusion as fd
 from fasttrain.diffusion import prediction as PR
+from fasttrain.diffusion.denoiser import Denoiser, PredictionOutput
 from fasttrain.diffusion.lookahead import (LookAhead, Probe, RankSplit, probe_mode, reference_step, x0_mse)
 from fasttrain.kernels import philox
 
@@ -30,21 +31,22 @@ def test_probe_is_the_philox_stream_and_x0_mse_is_the_hand_computation():
     torch.testing.assert_close(probe.x_t, a * x0 + sg * eps)
     again = Probe.draw(obj, x0, t, seed=5, offset=123)
     assert torch.equal(again.x_t, probe.x_t)  # the same (seed, offset) is the same ε: CRN
-    model = Linear(6)
-    mse = x0_mse(model, obj, probe, chunk=3)
+    lin = Linear(6)
+    model = Denoiser(lin, PredictionOutput("v", s), s)  # the network with its x̂0 conversion
+    mse = x0_mse(model, probe, chunk=3)
     with torch.no_grad():
-        x0_hat = PR.to_x0_eps("v", model.lin(probe.x_t), probe.x_t, a, sg)[0]
+        x0_hat = PR.to_x0_eps("v", lin.lin(probe.x_t), probe.x_t, a, sg)[0]
     torch.testing.assert_close(mse, (x0 - x0_hat).pow(2).mean(1))
-    assert [c[0] for c in model.calls] == [(3, 6)] * 3 + [(1, 6)]   # one forward per element, chunked
-    torch.testing.assert_close(x0_mse(model, obj, probe), mse)       # chunking does not change values
+    assert [c[0] for c in lin.calls] == [(3, 6)] * 3 + [(1, 6)]   # one forward per element, chunked
+    torch.testing.assert_close(x0_mse(model, probe), mse)       # chunking does not change values
 
 
 def test_probe_mode_turns_off_active_dropout_only_while_probing():
     s = fd.schedule("linear", T=100)
     obj = fd.DiffusionObjective(s, "eps")
     probe = Probe.draw(obj, torch.randn(4, 8), torch.randint(0, 100, (4,)), seed=0, offset=0)
-    model = Linear(8, dropout=0.5).train()
-    assert torch.equal(x0_mse(model, obj, probe), x0_mse(model, obj, probe))
+    model = Denoiser(Linear(8, dropout=0.5), PredictionOutput("eps", s), s).train()
+    assert torch.equal(x0_mse(model, probe), x0_mse(model, probe))
     assert model.training
     with probe_mode(model):
         assert not model.training

@@ -44,6 +44,7 @@ def test_each_head_x0_conversion_is_exact(sched, heads):
     against prediction.to_x0_eps, the single-head conversion, in float64 and fp32."""
     s = fd.schedule(sched, T=100)
     obj = M.MixedObjective(s, heads, backend="torch")
+    head = M.MixedOutput(heads, s)  # the network wrapper's x̂0 conversion
     g = torch.Generator().manual_seed(0)
     B, C, H = 6, 3, len(heads)
     t = torch.tensor([0, 1, 30, 60, 97, 98])
@@ -53,7 +54,7 @@ def test_each_head_x0_conversion_is_exact(sched, heads):
     preds = [P.target(h, x0.double(), eps.double(), a, sg) + 0.3 * torch.randn(B, C, 4, generator=g, dtype=torch.float64)
              for h in heads]
     out = torch.cat([p.float() for p in preds] + [torch.randn(B, H, 4, generator=g)], 1)
-    xs = obj.head_x0(out, x_t, t)
+    xs = head.head_x0(out, x_t, t)
     for i, h in enumerate(heads):
         expect = P.to_x0_eps(h, preds[i], x_t.double(), a, sg)[0]
         torch.testing.assert_close(xs[:, i].double(), expect, rtol=1e-5, atol=1e-5)
@@ -63,7 +64,7 @@ def test_each_head_x0_conversion_is_exact(sched, heads):
         torch.testing.assert_close((e[:, i] + x0).double(), expect, rtol=1e-5, atol=1e-5)
     # exact targets give x0 back through every head
     exact = torch.cat([P.target(h, x0.double(), eps.double(), a, sg).float() for h in heads] + [out[:, H * C:]], 1)
-    torch.testing.assert_close(obj.x0_hat(exact, x_t, t), x0, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(head.to_x0(exact, x_t, t), x0, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("sched,heads", [("linear", ("eps", "x0", "v")), ("flow", ("flow", "eps", "x0"))])
@@ -102,7 +103,8 @@ def test_argmin_picks_the_head_with_the_lowest_x0_error():
     (zero-terminal SNR) whatever its error."""
     T = 50
     s = zts(T)
-    obj = M.MixedObjective(s, ("eps", "x0", "v"), mode="argmin", argmin_buckets=T, backend=BACKEND, seed=2)
+    head = M.MixedOutput(("eps", "x0", "v"), s, mode="argmin")
+    obj = M.MixedObjective(s, ("eps", "x0", "v"), mode="argmin", argmin_buckets=T, backend=BACKEND, seed=2, output=head)
     x0 = torch.rand(T, 1, 3, 3) * 2 - 1
     t = torch.arange(T)
     t[10:13] = 9  # timesteps 10..12 unseen: the gate stays in charge there
@@ -121,18 +123,18 @@ def test_argmin_picks_the_head_with_the_lowest_x0_error():
     expect = expect_err.argmin(1)
     expect[-1] = expect_err[-1, 1:].argmin() + 1  # masked eps head
     expect[10:13] = -1
-    assert obj.choice.tolist() == expect.tolist()
+    assert head.choice.tolist() == expect.tolist()  # written into the network at the statistics sync
     assert {0, 1, 2} <= set(expect.tolist())  # the case exercises every head
     # x0_hat follows the choice: head i's estimate is x0 + i + 1 everywhere (k1 of x0 is 1)
     x_t = torch.randn(T, 1, 3, 3)
-    k1, k2 = (k[:, t].T.reshape(T, 3, 1, 1, 1) for k in obj.k12.double())
+    k1, k2 = (k[:, t].T.reshape(T, 3, 1, 1, 1) for k in head.k12.double())
     target = torch.stack([x0 + i + 1 for i in range(3)], 1).double()
     heads = torch.where(k1 != 0, (target - k2 * x_t.double()[:, None]) / torch.where(k1 != 0, k1, 1.0), 0.0)
     out = torch.cat([heads.reshape(T, 3, 3, 3).float(), torch.zeros(T, 3, 3, 3)], 1)
-    got = obj.x0_hat(out, x_t, t)
+    got = head.to_x0(out, x_t, t)
     for b in range(T):
-        c = int(obj.choice[t[b]])
-        expect_b = x0[b] + c + 1 if c >= 0 else (obj.gate_weights(out, x_t, t)[b] * obj.head_x0(out, x_t, t)[b]).sum(0)
+        c = int(head.choice[t[b]])
+        expect_b = x0[b] + c + 1 if c >= 0 else (head.gate_weights(out, x_t, t)[b] * head.head_x0(out, x_t, t)[b]).sum(0)
         torch.testing.assert_close(got[b], expect_b, rtol=1e-4, atol=1e-4)
 
 
@@ -172,7 +174,7 @@ def test_numerical_safety_where_alpha_or_sigma_vanish(sched, heads):
         assert torch.equal(ge[-1], torch.zeros_like(ge[-1]))  # masked: no mixed gradient at all
     obj = M.MixedObjective(s, heads, backend="torch")
     x_t = ops.noise(x0, t, obj.alpha, obj.sigma, eps=eps, backend="torch")
-    assert torch.isfinite(obj.x0_hat(out, x_t, t)).all()
+    assert torch.isfinite(M.MixedOutput(heads, s).to_x0(out, x_t, t)).all()
 
 
 @pytest.mark.parametrize("sched,heads,gate,mode", [("zts", ("eps", "x0", "v"), "pixel", "gate"),
@@ -182,7 +184,6 @@ def test_oracle_heads_reproduce_the_mixture_posterior_mean(sched, heads, gate, m
     """A mixed model whose heads are the exact Gaussian-mixture oracle: any gate mixes identical x0
     estimates, so x0_hat must return E[x0 | x_t] (where a head is masked its estimate must not leak in)."""
     s = zts(200) if sched == "zts" else fd.schedule(sched, T=200)
-    obj = M.MixedObjective(s, heads, gate, mode=mode, backend="torch")
     oracles = [gmm.OracleModel(s, h) for h in heads]
     H = len(heads)
 
@@ -191,16 +192,16 @@ def test_oracle_heads_reproduce_the_mixture_posterior_mean(sched, heads, gate, m
             g = torch.randn(x.shape[0], H, generator=torch.Generator().manual_seed(5)) * 3
             return torch.cat([o(x, t) for o in oracles] + ([g] if gate == "pixel" else []), 1)
 
-    model = Denoiser(Net(), s, gate_heads=H if gate == "timestep" else 0)
+    model = Denoiser(Net(), M.MixedOutput(heads, s, gate, mode), s, gate_heads=H if gate == "timestep" else 0)
     if gate == "timestep":
         torch.nn.init.normal_(model.gate.logits, std=3.0)
     if mode == "argmin":
-        obj.choice.copy_(torch.arange(s.T) % (H + 1) - 1)  # every head and the gate somewhere
+        model.output.choice.copy_(torch.arange(s.T) % (H + 1) - 1)  # every head and the gate somewhere
     g = torch.Generator().manual_seed(6)
     t = torch.cat([torch.randint(0, s.T, (60,), generator=g), torch.tensor([0, s.T - 1])])
     x0 = gmm.sample(t.numel(), g)
     x_t = (col(s.alpha[t], 2) * x0 + col(s.sigma[t], 2) * torch.randn(x0.shape, generator=g, dtype=torch.float64))
-    est = obj.x0_hat(model(x_t.float(), t), x_t.float(), t)
+    est = model.x0_hat(x_t.float(), t)
     expect = gmm.x0_posterior_mean(x_t, s.alpha[t], s.sigma[t])
     torch.testing.assert_close(est.double(), expect, rtol=1e-3, atol=2e-3)
 
@@ -210,7 +211,7 @@ def test_timestep_gate_is_a_network_parameter_and_learns_by_t():
     s = fd.schedule("linear", T=100)
     obj = M.MixedObjective(s, ("eps", "x0", "v"), "timestep", "min_snr", backend=BACKEND, seed=3)
     net = Net(torch.nn.Conv1d(2, 6, 1))
-    model = Denoiser(net, s, gate_heads=3)
+    model = Denoiser(net, M.MixedOutput(("eps", "x0", "v"), s, "timestep"), s, gate_heads=3)
     torch.nn.init.normal_(model.gate.logits)
     assert any(p is model.gate.logits for p in model.parameters()) and "gate.logits" in model.state_dict()
     x0 = torch.rand(6, 2, 5) * 2 - 1
@@ -236,7 +237,7 @@ def test_objective_on_fused_kernel_matches_reference_and_fills_statistics(gate):
     s = fd.schedule("cosine", T=1000)
     obj = M.MixedObjective(s, ("eps", "v"), gate, "min_snr", "stratified", backend=BACKEND, seed=4)
     net = Net(torch.nn.Linear(3, 6 + (2 if gate == "pixel" else 0)))
-    model = Denoiser(net, s, gate_heads=2 if gate == "timestep" else 0)
+    model = Denoiser(net, M.MixedOutput(("eps", "v"), s, gate), s, gate_heads=2 if gate == "timestep" else 0)
     x0 = torch.rand(5, 3) * 2 - 1
     offset = int(obj.offset)
     loss, info = obj(model, x0, generator=torch.Generator().manual_seed(0))
@@ -265,7 +266,9 @@ def test_resume_restores_statistics_and_argmin_choice_exactly():
     s = fd.schedule("linear", T=100)
 
     def make():
-        return M.MixedObjective(s, ("eps", "x0"), mode="argmin", argmin_buckets=10, backend="torch", seed=1)
+        head = M.MixedOutput(("eps", "x0"), s, mode="argmin")
+        return M.MixedObjective(s, ("eps", "x0"), mode="argmin", argmin_buckets=10, backend="torch", seed=1,
+                                output=head)
 
     net = Net(torch.nn.Linear(2, 6))
     a = make()
@@ -274,17 +277,17 @@ def test_resume_restores_statistics_and_argmin_choice_exactly():
         a.sync_stats()
     a(net, torch.randn(16, 2))  # a pending window too
     b = make()
-    b.load_extra_state(a.extra_state())
-    b.load_rank_state(a.rank_state())
-    assert torch.equal(a.choice, b.choice) and (a.choice >= 0).any()
+    b.load_state_dict(a.state_dict())
+    b.load_rank_states([a.rank_state()], 0, 1)
+    assert torch.equal(a.output.choice, b.output.choice) and (a.output.choice >= 0).any()
     x = torch.randn(8, 2)
     la, ia = a(net, x, generator=torch.Generator().manual_seed(9))
     lb, ib = b(net, x, generator=torch.Generator().manual_seed(9))
     assert torch.equal(la, lb) and torch.equal(ia["x0_error"], ib["x0_error"])
     a.sync_stats()
     b.sync_stats()
-    assert torch.equal(a.choice, b.choice)
-    for k in a.stat_kinds:
+    assert torch.equal(a.output.choice, b.output.choice)
+    for k in a.stats.kinds:
         torch.testing.assert_close(a.stats.means(k), b.stats.means(k), rtol=0, atol=0, equal_nan=True)
 
 
@@ -299,10 +302,12 @@ def test_every_model_family_outputs_heads_and_gate(name, kw):
     heads = ("eps", "x0", "v")
     C = kw["in_channels"]
     shape = (2, C) + ((kw["image_size"],) * 2 if "image_size" in kw else ())
-    with torch.device("meta"):
-        for gate in M.GATES:
+    s = fd.schedule("linear", T=1000)
+    for gate in M.GATES:
+        head = M.MixedOutput(heads, s, gate)
+        with torch.device("meta"):
             net = build_model(name, out_channels=M.output_channels(heads, C, gate), **kw)
-            model = Denoiser(net, fd.schedule("linear", T=1000), gate_heads=3 if gate == "timestep" else 0)
+            model = Denoiser(net, head, s, gate_heads=3 if gate == "timestep" else 0)
             out = model(torch.empty(shape), torch.zeros(2, dtype=torch.long))
             assert out.shape == (2, 3 * C + 3) + shape[2:]
 
@@ -323,7 +328,8 @@ def test_head_set_and_option_validation():
         M.head_table(("eps", "x0"), lin, aux_weight=-1)
     assert M.output_channels(("eps", "x0", "v"), 3, "pixel") == 12 and M.output_channels(("eps", "x0"), 4, "timestep") == 8
     with pytest.raises(ValueError, match="no timestep gate"):
-        Denoiser(Net(torch.nn.Identity()), lin)(torch.zeros(1, 2), torch.zeros(1, dtype=torch.long), return_gate=True)
+        Denoiser(Net(torch.nn.Identity()), M.MixedOutput(("eps", "x0"), lin), lin)(
+            torch.zeros(1, 2), torch.zeros(1, dtype=torch.long), return_gate=True)
 
 
 def test_coefficient_of_variation_helpers():
@@ -333,7 +339,7 @@ def test_coefficient_of_variation_helpers():
     st = fd.TimestepStats(10)
     t = torch.tensor([0, 1, 5, 6, 9])
     loss = torch.tensor([1.0, 3.0, 2.0, 2.0, 8.0], dtype=torch.float64)
-    st.update(t, loss, loss)
+    st.add(t, loss, loss)
     st.all_reduce()
     assert V.loss_cv(st, n_buckets=2).item() == pytest.approx(np.std([2.0, 4.0]) / 3.0)  # buckets [0,5), [5,10)
     ts = V.bucket_timesteps(1000, 4, 3)
@@ -369,19 +375,19 @@ def ops_ref_loss(obj, lin, x0, t, eps):
 
 @pytest.mark.parametrize("sched,heads,gate", [("zts", ("eps", "x0", "v"), "pixel"), ("flow", ("eps", "flow"), "pixel")])
 def test_sampling_a_mixed_oracle_reproduces_the_mixture(sched, heads, gate):
-    """Generation goes through the objective's mixed x̂0: with oracle heads and a random gate, DDIM
+    """Generation goes through the network's mixed x̂0 head: with oracle heads and a random gate, DDIM
     reproduces the Gaussian mixture, also where a head (eps) is masked at SNR = 0."""
     from fasttrain.diffusion.solvers import generate
 
     s = zts(1000) if sched == "zts" else fd.schedule(sched, T=1000)
-    obj = M.MixedObjective(s, heads, gate, backend="torch")
+    head = M.MixedOutput(heads, s, gate)
     oracles = [gmm.OracleModel(s, h) for h in heads]
 
     def denoise(x, t):
         tt = torch.full((x.shape[0],), t, dtype=torch.long)
         g = torch.randn(x.shape[0], len(heads), generator=torch.Generator().manual_seed(t)) * 2
         out = torch.cat([o(x, tt) for o in oracles] + [g], 1)
-        x0 = obj.x0_hat(out, x, tt)
+        x0 = head.to_x0(out, x, tt)
         return x0, (x - s.alpha[t].float() * x0) / s.sigma[t].float()
 
     x = generate(denoise, s, (4000, 2), solver="ddim", steps=50, generator=torch.Generator().manual_seed(0)).double()

@@ -93,7 +93,7 @@ def test_stratified_covers_every_stratum_of_the_global_batch():
 
 
 def _push(stats, t, v):
-    stats.update(torch.tensor(t), torch.tensor(v, dtype=torch.float32), torch.tensor(v, dtype=torch.float32))
+    stats.add(torch.tensor(t), torch.tensor(v, dtype=torch.float32), torch.tensor(v, dtype=torch.float32))
 
 
 def test_loss_second_moment_hand_computed():
@@ -102,11 +102,11 @@ def test_loss_second_moment_hand_computed():
     stats = fd.TimestepStats(4, history=2)
     _push(stats, [0, 1, 2, 3, 0, 1, 2], [5.0, 2.0, 3.0, 4.0, 1.0, 2.0, 3.0])
     stats.all_reduce()
-    smp.update(stats)
+    smp.observe(stats)
     torch.testing.assert_close(smp.probs(), torch.full((4,), 0.25, dtype=torch.float64))  # t=3 has 1 loss
     _push(stats, [3, 0], [4.0, 1.0])  # t=0 now holds its last two losses (1, 1): the 5 dropped out
     stats.all_reduce()
-    smp.update(stats)
+    smp.observe(stats)
     w = np.array([1.0, 2.0, 3.0, 4.0])  # sqrt(mean(L²)) over the last two losses of each t
     expect = w / w.sum() * 0.9 + 0.1 / 4
     np.testing.assert_allclose(smp.probs().numpy(), expect, rtol=1e-12)
@@ -124,7 +124,7 @@ def test_loss_second_moment_is_unbiased():
     for _ in range(3):
         _push(stats, list(range(T)), (per_t * (1 + 0.1 * torch.rand(T, generator=g, dtype=torch.float64))).tolist())
     stats.all_reduce()
-    smp.update(stats)
+    smp.observe(stats)
     p = smp.probs()
     assert p.max() / p.min() > 10  # it is learning something
     # Monte Carlo with the sampler's own draws and importance weights: E[iw·ℓ_t] = the uniform-t mean
@@ -174,8 +174,8 @@ def test_no_host_sync_on_cuda(name):
     try:
         for _ in range(3):
             t, iw = smp.sample(64, g)
-            stats.update(t, iw, iw)
+            stats.add(t, iw, iw)
         stats.all_reduce()
-        smp.update(stats)
+        smp.observe(stats)
     finally:
         torch.cuda.set_sync_debug_mode(0)

@@ -59,7 +59,8 @@ def test_snr_zero_schedules_tolerate_model_error(sched, zt, pred):
 
 def test_eps_prediction_is_refused_where_alpha_is_zero():
     """x̂0 = (x - σ·ε̂)/α at α = 0: the bundle and the config refuse the combination."""
-    from fasttrain.config import ConfigError, load_config
+    from fasttrain.configure import load_config
+    from fasttrain.errors import ConfigError
 
     for over in (["diffusion.schedule=flow"], ["diffusion.zero_terminal_snr=true"]):
         with pytest.raises(ConfigError, match="'diffusion.prediction'.*cannot be sampled"):

@@ -34,7 +34,7 @@ def test_against_numpy(offset):
     batches = _batches(T, offset=offset)
     st = fd.TimestepStats(T)
     for i, (t, raw, w) in enumerate(batches):
-        st.update(t, raw, w)
+        st.add(t, raw, w)
         if i % 5 == 4:  # merge windows of several steps, as the trainer does every K steps
             st.all_reduce()
     st.all_reduce()
@@ -52,13 +52,13 @@ def test_windows_are_centred_on_the_running_mean():
     st = fd.TimestepStats(T)
     g = torch.Generator().manual_seed(0)
     first = 1e6 + torch.rand(T, generator=g, dtype=torch.float64)
-    st.update(torch.arange(T), first, first)  # one loss per timestep: M2 = 0 exactly, pivot = that loss
+    st.add(torch.arange(T), first, first)  # one loss per timestep: M2 = 0 exactly, pivot = that loss
     st.all_reduce()
     allv = [[v] for v in first.tolist()]
     for _ in range(20):
         t = torch.randint(0, T, (16,), generator=g)
         v = 1e6 + torch.rand(16, generator=g, dtype=torch.float64)
-        st.update(t, v, v)
+        st.add(t, v, v)
         for ti, vi in zip(t.tolist(), v.tolist()):
             allv[ti].append(vi)
         st.all_reduce()
@@ -70,7 +70,7 @@ def test_bucketed_view_against_numpy():
     batches = _batches(T)
     st = fd.TimestepStats(T)
     for t, raw, w in batches:
-        st.update(t, raw, w)
+        st.add(t, raw, w)
     st.all_reduce()
     b = st.bucketed(3, "weighted")
     assert b["edges"] == [0, 2, 5, 7]
@@ -87,7 +87,7 @@ def test_ema_view():
     for vals in ([1.0, 3.0], [5.0], [7.0, 9.0]):
         t = torch.zeros(len(vals), dtype=torch.long)
         v = torch.tensor(vals, dtype=torch.float64)
-        st.update(t, v, v)
+        st.add(t, v, v)
         st.all_reduce()
     # window means 2, 5, 8: ema = 2 → 0.5·2 + 0.5·5 = 3.5 → 0.5·3.5 + 0.5·8 = 5.75
     assert st.ema_view("raw")[0].item() == pytest.approx(5.75)
@@ -96,10 +96,10 @@ def test_ema_view():
 
 def test_pending_until_all_reduce_and_state_round_trip():
     st = fd.TimestepStats(5, history=2)
-    st.update(torch.tensor([1, 1, 3]), torch.tensor([1.0, 2.0, 3.0]), torch.tensor([2.0, 4.0, 6.0]))
+    st.add(torch.tensor([1, 1, 3]), torch.tensor([1.0, 2.0, 3.0]), torch.tensor([2.0, 4.0, 6.0]))
     assert st.count.sum() == 0  # nothing visible before the sync
     st.all_reduce()
-    st.update(torch.tensor([4]), torch.tensor([5.0]), torch.tensor([10.0]))  # pending at save time
+    st.add(torch.tensor([4]), torch.tensor([5.0]), torch.tensor([10.0]))  # pending at save time
     other = fd.TimestepStats(5, history=2)
     other.load_state_dict(st.state_dict())
     other.load_window_state(st.window_state())
@@ -114,11 +114,11 @@ def test_pending_until_all_reduce_and_state_round_trip():
 def test_ring_keeps_the_last_losses_in_order():
     st = fd.TimestepStats(2, history=3)
     v = torch.arange(1.0, 6.0)
-    st.update(torch.zeros(5, dtype=torch.long), v, v)  # 5 losses on t=0, ring of 3
+    st.add(torch.zeros(5, dtype=torch.long), v, v)  # 5 losses on t=0, ring of 3
     st.all_reduce()
     ring, count = st.history_ring(3)
     assert sorted(ring[0].tolist()) == [3.0, 4.0, 5.0] and count.tolist() == [5, 0]
-    st.update(torch.zeros(1, dtype=torch.long), torch.tensor([6.0]), torch.tensor([6.0]))
+    st.add(torch.zeros(1, dtype=torch.long), torch.tensor([6.0]), torch.tensor([6.0]))
     st.all_reduce()
     assert sorted(st.ring[0].tolist()) == [4.0, 5.0, 6.0]
     with pytest.raises(ValueError, match="history of 3"):

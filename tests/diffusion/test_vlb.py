@@ -8,6 +8,7 @@ import torch
 from torch.distributions import Normal, kl_divergence
 
 from fasttrain import diffusion as fd
+from fasttrain.diffusion.denoiser import PredictionOutput
 from fasttrain.diffusion.vlb import valid_steps, vlb_tables
 
 
@@ -56,7 +57,6 @@ def test_flow_and_zero_terminal_schedules_are_finite_and_mark_undefined_steps():
     for s in [fd.schedule("flow", T=100), fd.schedule("linear", T=100, zero_terminal_snr=True)]:
         coef, const = vlb_tables(s)
         assert torch.isfinite(coef).all() and torch.isfinite(const).all() and (coef >= 0).all()
-        obj = fd.DiffusionObjective(s, "eps")
-        valid = valid_steps(s, obj)
+        valid = valid_steps(s, PredictionOutput("eps", s).x0_defined())
         assert not valid[-1] and valid[:-1].all()  # eps cannot give x0 where alpha = 0
-        assert valid_steps(s, fd.DiffusionObjective(s, "v")).all()
+        assert valid_steps(s, PredictionOutput("v", s).x0_defined()).all()

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from fasttrain import diffusion as fd
 from fasttrain.diffusion.lookahead import reference_step
+from fasttrain.diffusion.denoiser import Denoiser, PredictionOutput
 from fasttrain.models import build_model
 from fasttrain.parallel import parallelize
 
@@ -27,6 +28,8 @@ def run(out: str, kind: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same model on every rank
     net = build_model("unet_tiny", in_channels=1, image_size=8, num_classes=10, ch=8, attn_resolutions=())
+    sched = fd.schedule("linear")
+    net = Denoiser(net, PredictionOutput("eps", sched), sched)  # the network with its x̂0 conversion
     if kind == "fsdp":
         net = parallelize(net, "fsdp", precision="bf16")
     obj = fd.DiffusionObjective(fd.schedule("linear"), "eps", "min_snr", "adaptive", sampler_args=ARGS,

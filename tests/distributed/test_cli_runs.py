@@ -35,15 +35,15 @@ def test_fsdp_resumes_across_world_sizes_and_commands_read_the_dcp_folder(tmp_pa
     cli(["train", "train.steps=4"] + common)  # 2 ranks, FSDP2 (auto under torchrun)
     assert (run / "dcp" / ".metadata").is_file() and not (run / "last.pt").exists()
     plain = ckpt.read_dcp_extra(run / "dcp")
-    assert plain["step"] == 4 and plain["world_size"] == 2 and len(plain["ranks"]) == 2
+    assert plain["train"]["step"] == 4 and plain["world_size"] == 2 and len(plain["ranks"]) == 2
     # the bundle alone (no process group) generates from the sharded checkpoint
     assert main(["sample", "--ckpt", str(run), "--n", "4", "--steps", "2", "--out", str(tmp_path / "s")]) == 0
     # 2 → 1: one process resumes the sharded checkpoint and writes last.pt
     assert main(["train", "train.steps=6", "--resume"] + common) == 0
-    assert ckpt.latest(run) == run / "last.pt" and torch.load(run / "last.pt", weights_only=True)["step"] == 6
+    assert ckpt.latest(run) == run / "last.pt" and torch.load(run / "last.pt", weights_only=True)["train"]["step"] == 6
     # 1 → 2: two ranks resume last.pt
     cli(["train", "train.steps=8", "--resume"] + common)
-    assert ckpt.read_dcp_extra(run / "dcp")["step"] == 8
+    assert ckpt.read_dcp_extra(run / "dcp")["train"]["step"] == 8
     steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
     assert steps == list(range(1, 9))  # one series across the three launches
     assert main(["report", str(run)]) == 0
@@ -62,7 +62,7 @@ def test_two_rank_resume_continues_exactly(tmp_path, strategy, model):
     _same_weights(tmp_path / "a", tmp_path / "b")
     sa, sb = (ckpt.read_dcp_extra(tmp_path / r / "dcp") for r in "ab")
     for k in ("count", "ring", "ring_count"):
-        assert torch.equal(sa["objective"]["stats"][k], sb["objective"]["stats"][k]), k
+        assert torch.equal(sa["objective"]["_extra_state"]["stats"][k], sb["objective"]["_extra_state"]["stats"][k]), k
     for ra, rb in zip(sa["ranks"], sb["ranks"]):  # each rank's own pending window
         assert torch.equal(ra["objective"]["window"]["bins"], rb["objective"]["window"]["bins"])
     windows = [r["objective"]["window"]["bins"] for r in sa["ranks"]]

@@ -74,7 +74,7 @@ def test_objective_on_fused_kernels_matches_reference(pred, backend):
 def test_trainer_runs_on_the_interpreter(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("the interpreter backend is for CPU tensors")
-    from fasttrain.config import load_config
+    from fasttrain.configure import load_config
     from fasttrain.train import train
 
     cfg = load_config("default", [f"run_dir={tmp_path}", "diffusion.backend=interpret", "train.steps=4",
@@ -83,6 +83,6 @@ def test_trainer_runs_on_the_interpreter(tmp_path):
     summary = train(cfg)
     assert summary["steps"] == 4
     state = torch.load(tmp_path / "last.pt", weights_only=True)
-    counted = state["objective"]["stats"]["count"].sum().item()
+    counted = state["objective"]["_extra_state"]["stats"]["count"].sum().item()
     pending = state["ranks"][0]["objective"]["window"]["bins"][0].sum().item()
     assert counted + pending == 4 * 16 and counted == 4 * 16  # stats_every=2 divides 4: nothing pending

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 def test_trainer_step_has_no_host_sync(tmp_path):
     """The whole Trainer step, data included, with samplers that learn from statistics."""
-    from fasttrain.config import load_config
+    from fasttrain.configure import load_config
     from fasttrain.train import Trainer
 
     for sampler in ("speed", "loss_second_moment", "stratified"):

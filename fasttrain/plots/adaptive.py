@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .plots import _finish  # first: importing plots selects the Agg backend (files only) before pyplot loads
+import numpy as np
+from matplotlib.colors import LogNorm
 
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.colors import LogNorm  # noqa: E402
+from .common import finish, plt
 
 
 def plot_adaptive(path, steps, p, S, T: int, title: str = "") -> Path:
@@ -29,7 +28,7 @@ def plot_adaptive(path, steps, p, S, T: int, title: str = "") -> Path:
     if len(p) == 0:
         for a in ax:
             a.text(0.5, 0.5, "no policy updates yet", ha="center", va="center", transform=a.transAxes)
-        return _finish(fig, path, title)
+        return finish(fig, path, title)
     bins = p.shape[1]
     rel = np.clip(p * bins, 1e-3, None)  # bin mass relative to uniform (bins·p = 1 everywhere for uniform)
     span = max(2.0, float(np.nanmax(np.abs(np.log10(rel)))) if np.isfinite(rel).all() else 2.0)
@@ -48,5 +47,5 @@ def plot_adaptive(path, steps, p, S, T: int, title: str = "") -> Path:
     ax[2].axhline(1, color="grey", ls=":", lw=0.8, label="uniform")
     ax[2].set(xlabel="timestep t", ylabel="p(t) relative to uniform", title="first and last p(t)", yscale="log")
     ax[2].legend(fontsize=8)
-    return _finish(fig, path, title)
+    return finish(fig, path, title)
 

@@ -1,17 +1,17 @@
-"""Checkpoints: the two formats, what goes into them, how they are found, and reading them safely.
+"""Checkpoint formats and reading them safely.
 
-Formats
   RUN/last.pt (and crash.pt)   one torch.save file, written by a single process: atomic (a temp file
                                unique to the process, then a rename), read with `weights_only=True`
   RUN/dcp/                     a sharded torch.distributed.checkpoint folder written by all ranks:
-                               complete in RUN/dcp.tmp first, then renamed over the old one
+                               complete in RUN/dcp.tmp first, then swapped in (RUN/dcp.old meanwhile)
 `latest(run_dir)` is whichever of the two was written last.
 
-Contents (`CheckpointManager` below builds and applies them; the trainer calls it)
-  config, data_spec, step, images, model, ema, ema_n, optimizer, lr_sched, objective (sampler and
-  statistics), data position, skipped-step count, interference history, gradient-scaler state,
-  ranks (one entry per process: generator and RNG states, that rank's pending statistics window)
-The bundle (bundle.py) needs only config, data_spec, model, ema and step: `read_bundle_state`.
+Contents (format 3; manager.py builds them): config, data_spec and world_size; model, ema ({"n",
+"shadow"}) and optimizer (tensors, sharded in DCP); the named states of the trainer's components
+(train: step/images/skipped, lr_sched, objective, data, interference, scaler); ranks: one entry per
+process of per-rank state (RNG streams, the pending statistics window). In a DCP folder everything
+but the tensors travels as one uint8 tensor, "extra". Format-2 files are upgraded on reading.
+The model bundle (bundle.py) needs only config, data_spec, model, ema and train: `read_bundle_state`.
 
 Safety: a checkpoint is data, never code. Files go through `torch.load(weights_only=True)`; DCP's
 `.metadata` is a plain pickle that torch reads with `pickle.load`, so it is read here through an
@@ -30,14 +30,10 @@ from pathlib import Path
 
 import torch
 
-from .errors import UserError
+from ..errors import CheckpointError
 
-FORMAT = 2
-REQUIRED = ("config", "data_spec", "step", "model", "ema")
-
-
-class CheckpointError(ValueError):
-    """An unreadable, malformed or unsafe checkpoint; the message is one line naming the path."""
+FORMAT = 3
+REQUIRED = ("config", "data_spec", "model", "ema")
 
 
 # -- single files --------------------------------------------------------------------------------
@@ -64,6 +60,7 @@ def load_file(path: str | os.PathLike) -> dict:
         if "weights_only" in str(e) or "Unsupported global" in str(e):
             first = "it holds objects other than tensors and plain data (refused: loading it could run code)"
         raise CheckpointError(f"cannot read checkpoint {path}: {first}") from None
+    state = _upgrade(state) if isinstance(state, dict) else state
     _check(state, path)
     return state
 
@@ -88,6 +85,51 @@ def from_tensor(t: torch.Tensor, where) -> dict:
         return torch.load(io.BytesIO(t.numpy().tobytes()), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure here means a malformed checkpoint
         raise CheckpointError(f"cannot read the state in {where}: {type(e).__name__}") from None
+
+
+def _upgrade(state: dict) -> dict:
+    """A format-2 checkpoint in format 3's layout (train state, EMA with its count, per-rank RNGs as one
+    entry, the objective as its module state, the data position with its world size)."""
+    if state.get("format", 2) >= 3:
+        return state
+    state = dict(state)
+    world = int(state.get("world_size", len(state.get("ranks", [])) or 1))
+    state["train"] = {"step": int(state.pop("step", 0)), "images": int(state.pop("images", 0)),
+                      "skipped": int(state.pop("skipped", 0))}
+    if "ema" in state and "shadow" not in state["ema"]:
+        state["ema"] = {"n": int(state.pop("ema_n", 0)), "shadow": state["ema"]}
+    if isinstance(state.get("objective"), dict):
+        state["objective"] = {"_extra_state": state["objective"]}
+    if isinstance(state.get("data"), dict):
+        state["data"] = {**state["data"], "world_size": world}
+    state["ranks"] = [{"rng": {"gen": r["gen"], **r["rng"]}, "objective": r["objective"]}
+                      for r in state.get("ranks", [])]
+    state["format"] = 3
+    return state
+
+
+def train_state(state: dict) -> dict:
+    """{"step", "images", "skipped"} of a checkpoint's plain state."""
+    t = state["train"]
+    return {"step": int(t["step"]), "images": int(t.get("images", 0)), "skipped": int(t.get("skipped", 0))}
+
+
+def load_weights(model: torch.nn.Module, state_dict: dict, path) -> None:
+    """`model.load_state_dict` with a one-line CheckpointError naming the file when the weights do not
+    fit the configured model (another model, other sizes)."""
+    try:
+        model.load_state_dict(state_dict)
+    except RuntimeError as e:
+        raise CheckpointError(f"{path}: the weights do not fit the configured model "
+                              f"({_first(e)[:200]})") from None
+
+
+def _first(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    # torch's load_state_dict: "Error(s) in loading state_dict for X:" then the first mismatch
+    return lines[0] + (" " + lines[1] if len(lines) > 1 and lines[0].endswith(":") else "")
 
 
 # -- DCP folders ---------------------------------------------------------------------------------
@@ -217,7 +259,7 @@ def read_dcp_extra(folder: str | os.PathLike) -> dict:
         raise CheckpointError(f"{folder} is not a fasttrain checkpoint (no extra state)")
     holder = {"extra": torch.empty(meta.size, dtype=torch.uint8)}
     load_dcp(folder, holder)
-    extra = from_tensor(holder["extra"], folder)
+    extra = _upgrade(from_tensor(holder["extra"], folder))
     _check({**extra, "model": 0, "ema": 0}, folder)
     return extra
 
@@ -252,7 +294,7 @@ def read_plain(path: str | os.PathLike) -> dict:
 
 
 def read_bundle_state(path: str | os.PathLike, build_model) -> tuple[dict, dict, dict]:
-    """(plain state, model state dict, EMA state dict) from a checkpoint, without any process group.
+    """(plain state, model state dict, EMA state {"n", "shadow"}) from a checkpoint, without any process group.
     `build_model(plain_state)` returns the (unsharded) model the weights belong to."""
     path = resolve(path)
     if path.is_file():
@@ -263,184 +305,4 @@ def read_bundle_state(path: str | os.PathLike, build_model) -> tuple[dict, dict,
     holder = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
               "ema": {k: v.detach().clone() for k, v in model.named_parameters()}}
     load_dcp(path, holder)
-    return extra, holder["model"], holder["ema"]
-
-
-# -- the run directory -----------------------------------------------------------------------------
-class RunLock:
-    """One trainer per run directory: an exclusive lock on RUN/.lock for the process's lifetime."""
-
-    def __init__(self, run_dir: str | os.PathLike):
-        import fcntl
-
-        self.path = Path(run_dir) / ".lock"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a+")
-        try:
-            fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self._f.close()
-            raise UserError(f"another fasttrain process is using {self.path.parent} "
-                               f"(wait for it or choose another run_dir)") from None
-        self._f.seek(0)
-        self._f.truncate()
-        self._f.write(str(os.getpid()))
-        self._f.flush()
-
-    def release(self) -> None:
-        import fcntl
-
-        if not self._f.closed:
-            fcntl.flock(self._f, fcntl.LOCK_UN)
-            self._f.close()
-
-
-def archive_previous_run(run_dir: str | os.PathLike) -> Path | None:
-    """`--restart`: move what an earlier run left (checkpoints, metrics, plots) into
-    RUN/previous-<n>/, so a fresh run starts clean and nothing is lost."""
-    run_dir = Path(run_dir)
-    items = [p for p in run_dir.iterdir() if not p.name.startswith((".", "previous-"))] if run_dir.is_dir() else []
-    if not items:
-        return None
-    n = 1
-    while (run_dir / f"previous-{n}").exists():
-        n += 1
-    dest = run_dir / f"previous-{n}"
-    dest.mkdir()
-    for p in items:
-        p.rename(dest / p.name)
-    return dest
-
-
-# -- what goes into a training checkpoint, and back -----------------------------------------------
-# Sections that must match for a checkpoint to be resumed (optim and train may change and are applied),
-# except keys that change how, not what, is computed (every backend draws the same noise and batches).
-RESUME_MUST_MATCH = ("data", "model", "diffusion")
-RESUME_MAY_CHANGE = ("diffusion.backend", "data.backend", "data.num_workers")
-
-
-def config_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k in sorted(set(a) | set(b)):
-        va, vb = a.get(k), b.get(k)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            out += config_diff(va, vb, f"{prefix}{k}.")
-        elif va != vb:
-            out.append(f"{prefix}{k}")
-    return out
-
-
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-class CheckpointManager:
-    """Saves a trainer's state in the format its process layout calls for and restores it, on this or
-    another number of processes. The trainer (fasttrain/train.py) provides the pieces as attributes:
-    cfg, spec, dist, model, opt, lr_sched, ema, objective, data, gen, scaler, interference, step, images,
-    skipped (a device counter)."""
-
-    def __init__(self, run_dir: str | os.PathLike, dist):
-        self.run_dir, self.dist = Path(run_dir), dist
-
-    def latest(self) -> Path | None:
-        return latest(self.run_dir)
-
-    def _plain(self, tr) -> dict:
-        """Everything but the weights and optimizer tensors; per-rank parts gathered from every rank."""
-        from dataclasses import asdict
-
-        from omegaconf import OmegaConf
-
-        from . import distributed as dist_utils
-
-        ranks = dist_utils.all_gather_objects({"gen": tr.gen.get_state(), "rng": _rng_state(),
-                                               "objective": tr.objective.rank_state()})
-        return {"format": FORMAT, "config": OmegaConf.to_container(tr.cfg), "data_spec": asdict(tr.spec),
-                "step": tr.step, "images": tr.images, "ema_n": tr.ema.n, "lr_sched": tr.lr_sched.state_dict(),
-                "objective": tr.objective.extra_state(), "data": tr.data.state_dict(),
-                "skipped": int(tr.skipped), "ranks": ranks, "world_size": self.dist.world_size,
-                "interference": tr.interference.state_dict() if tr.interference else None,
-                "scaler": tr.scaler.state_dict() if tr.scaler else None}
-
-    def save(self, tr, name: str = "last.pt") -> Path | None:
-        """RUN/last.pt (one process) or RUN/dcp (several ranks; another `name` is then skipped: a
-        collective save could hang on a rank that died)."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        ema = dict(zip(tr.ema.names, tr.ema.shadow))
-        if self.dist.world_size > 1:
-            if name != "last.pt":
-                return None
-            state = {"model": get_model_state_dict(tr.model), "optim": get_optimizer_state_dict(tr.model, tr.opt),
-                     "ema": ema, "extra": to_tensor(self._plain(tr))}
-            return save_dcp(self.run_dir / "dcp", state, self.dist.is_main)
-        return save_file(self.run_dir / name, {**self._plain(tr), "model": get_model_state_dict(tr.model), "ema": ema,
-                                               "optimizer": get_optimizer_state_dict(tr.model, tr.opt)})
-
-    def restore(self, tr, path) -> list[str]:
-        """Load a checkpoint into the trainer's pieces; returns the optimizer keys whose new values
-        were applied (the config may change them on resume)."""
-        from omegaconf import OmegaConf
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict, set_model_state_dict,
-                                                             set_optimizer_state_dict)
-
-        from . import seeds
-        from .optim import apply_optimizer_config
-
-        path = Path(path)
-        if path.is_dir():
-            plain = read_dcp_extra(path)
-            holder = {"model": get_model_state_dict(tr.model), "optim": get_optimizer_state_dict(tr.model, tr.opt),
-                      "ema": dict(zip(tr.ema.names, tr.ema.shadow))}
-            load_dcp(path, holder)
-            model_sd, optim_sd, ema_sd, full = holder["model"], holder["optim"], holder["ema"], False
-        else:
-            plain = load_file(path)
-            model_sd, optim_sd, ema_sd, full = plain["model"], plain["optimizer"], plain["ema"], True
-        mine = OmegaConf.to_container(tr.cfg)
-        for section in RESUME_MUST_MATCH:
-            diff = [k for k in config_diff(plain["config"][section], mine[section], section + ".")
-                    if k not in RESUME_MAY_CHANGE]
-            if diff:
-                raise ValueError(f"cannot resume {path}: config key '{diff[0]}' differs from the checkpoint")
-        world, rank = self.dist.world_size, self.dist.rank
-        opts = StateDictOptions(full_state_dict=full and world > 1)
-        set_model_state_dict(tr.model, model_sd, options=opts)
-        set_optimizer_state_dict(tr.model, tr.opt, optim_sd, options=opts)
-        tr.ema.load_state_dict({"n": plain["ema_n"], "shadow": ema_sd})
-        tr.lr_sched.load_state_dict(plain["lr_sched"])
-        if tr.scaler and plain.get("scaler"):
-            tr.scaler.load_state_dict(plain["scaler"])
-        changed = apply_optimizer_config(tr.opt, tr.lr_sched, plain["config"]["optim"], mine["optim"])
-        tr.objective.load_extra_state(plain["objective"])
-        if tr.interference and plain.get("interference"):
-            tr.interference.load_state_dict(plain["interference"], tr.device)
-        ranks = plain["ranks"]
-        data = dict(plain["data"])
-        old_world = int(plain.get("world_size", len(ranks)))
-        if old_world != world:  # shards of another size (n // world): keep the fraction of the epoch
-            data["pos"] = int(data["pos"]) * old_world // world
-        tr.data.load_state_dict(data)
-        if len(ranks) == world:  # the same layout: continue every rank's streams exactly
-            tr.gen.set_state(ranks[rank]["gen"])
-            _set_rng_state(ranks[rank]["rng"])
-            tr.objective.load_rank_state(ranks[rank]["objective"])
-        else:  # another world size: fresh per-rank streams; rank 0 takes every rank's pending statistics
-            tr.gen.manual_seed(seeds.derive(tr.cfg.train.seed, "reseed", rank, int(plain["step"])))
-            windows = [r["objective"]["window"] for r in ranks if r["objective"]["window"] is not None]
-            merged = {"window": tr.objective.stats.merge_window_states(windows)} if windows and rank == 0 else None
-            tr.objective.load_rank_state(merged)
-        tr.step, tr.images = int(plain["step"]), int(plain.get("images", 0))
-        tr.skipped.fill_(int(plain.get("skipped", 0)))
-        return changed
+    return extra, holder["model"], {"n": extra["ema"]["n"], "shadow": holder["ema"]}

@@ -1,30 +1,16 @@
-"""Matplotlib plots of a run: per-timestep loss mean/variance, sampling probability, effective
-x0-space weight, the loss curve, evaluation curves, and sample grids (images, latents, 2-D points).
-The trainer and the commands draw through `save_samples` and `plot_run`, so each figure is made in
-one place."""
+"""Matplotlib figures of a run: per-timestep loss mean/variance, sampling probability, effective
+x0-space weight, the loss curve, evaluation curves, sample grids (images, latents, 2-D points), the
+interference matrix. The trainer and the commands draw through `save_samples` and `plot_run`, so each
+figure is made in one place."""
 from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+import torch
 
-matplotlib.use("Agg")  # files only; no display on training machines
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-
-def _finish(fig, path, title: str = "") -> Path:
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return Path(path)
-
-
-def _np(x) -> np.ndarray:
-    return x.detach().double().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=float)
+from .adaptive import plot_adaptive
+from .common import finish, plt, to_numpy
 
 
 def plot_timesteps(path, stats, probs, eff_weight, title: str = "", buckets: int = 50,
@@ -37,7 +23,7 @@ def plot_timesteps(path, stats, probs, eff_weight, title: str = "", buckets: int
     fig, ax = plt.subplots(rows, 2, figsize=(12, 4 * rows), squeeze=False)
     if head_errors:
         for name, err in head_errors.items():
-            e = _np(err)
+            e = to_numpy(err)
             ok = np.isfinite(e) & (e > 0)
             ax[2, 0].plot(t[ok], e[ok], lw=1.2, label=name)
         ax[2, 0].set(yscale="log", xlabel="timestep t", ylabel="EMA of mean (x̂0 − x0)²",
@@ -47,22 +33,22 @@ def plot_timesteps(path, stats, probs, eff_weight, title: str = "", buckets: int
     for kind, color in (("raw", "C0"), ("weighted", "C1")):
         b = stats.bucketed(buckets, kind)
         centers = (np.array(b["edges"][:-1]) + np.array(b["edges"][1:]) - 1) / 2
-        mean = _np(stats.means(kind))
+        mean = to_numpy(stats.means(kind))
         ok = np.isfinite(mean) & (mean > 0)
         ax[0, 0].plot(t[ok], mean[ok], color=color, lw=0.5, alpha=0.3)
-        ax[0, 0].plot(centers, _np(b["mean"]), color=color, lw=1.8, label=f"{kind} (pred-space MSE)" if kind == "raw" else "weighted (w·MSE)")
-        ax[0, 1].plot(centers, np.sqrt(_np(b["var"])), color=color, lw=1.8, label=kind)
+        ax[0, 0].plot(centers, to_numpy(b["mean"]), color=color, lw=1.8, label=f"{kind} (pred-space MSE)" if kind == "raw" else "weighted (w·MSE)")
+        ax[0, 1].plot(centers, np.sqrt(to_numpy(b["var"])), color=color, lw=1.8, label=kind)
     ax[0, 0].set(yscale="log", xlabel="timestep t", ylabel="mean per-sample loss", title="loss per timestep")
     ax[0, 1].set(yscale="log", xlabel="timestep t", ylabel="std of per-sample loss", title=f"loss spread ({buckets} buckets)")
     ax[0, 0].legend(fontsize=8)
     ax[0, 1].legend(fontsize=8)
-    ax[1, 0].plot(t, _np(probs), color="C2")
+    ax[1, 0].plot(t, to_numpy(probs), color="C2")
     ax[1, 0].axhline(1 / stats.T, color="grey", ls=":", lw=0.8, label="uniform")
     ax[1, 0].set(xlabel="timestep t", ylabel="p(t)", title="sampling probability", ylim=(0, None))
     ax[1, 0].legend(fontsize=8)
-    ax[1, 1].plot(t, _np(eff_weight), color="C3")
+    ax[1, 1].plot(t, to_numpy(eff_weight), color="C3")
     ax[1, 1].set(yscale="log", xlabel="timestep t", ylabel="T·p(t)·iw·w(t)·c(t)", title="effective x0-space weight")
-    return _finish(fig, path, title)
+    return finish(fig, path, title)
 
 
 def plot_loss_curve(path, rows: list[dict]) -> Path:
@@ -71,7 +57,7 @@ def plot_loss_curve(path, rows: list[dict]) -> Path:
     if rows:
         ax.plot([r["images"] for r in rows], [r["loss"] for r in rows], lw=1)
     ax.set(xlabel="training images seen", ylabel="loss (mean over the log interval)", yscale="log", title="training loss")
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def plot_eval_curves(path, rows: list[dict]) -> Path | None:
@@ -84,17 +70,17 @@ def plot_eval_curves(path, rows: list[dict]) -> Path | None:
         pts = [(r["images"], r[k]) for r in rows if r.get(k) is not None]
         a.plot([p[0] for p in pts], [p[1] for p in pts], marker="o")
         a.set(xlabel="training images seen", ylabel=k.split("/")[1], title=k.split("/")[1].upper() + " over training")
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def plot_points(path, samples: torch.Tensor, data: torch.Tensor, title: str = "") -> Path:
     """Scatter of 2-D samples next to the data they should match."""
     fig, ax = plt.subplots(1, 2, figsize=(8, 4), sharex=True, sharey=True)
     for a, pts, name in ((ax[0], data, "data"), (ax[1], samples, "samples")):
-        p = _np(pts)
+        p = to_numpy(pts)
         a.scatter(p[:, 0], p[:, 1], s=2, alpha=0.5)
         a.set(title=name, aspect="equal")
-    return _finish(fig, path, title)
+    return finish(fig, path, title)
 
 
 def save_samples(path, x: torch.Tensor, spec, reference: torch.Tensor | None = None, nrow: int | None = None) -> Path:
@@ -124,7 +110,7 @@ def plot_interference(path, history: list[dict], title: str = "") -> Path | None
     (own-bucket progress) and off-diagonal entries over training."""
     if not history:
         return None
-    m = _np(history[-1]["matrix"])
+    m = to_numpy(history[-1]["matrix"])
     B = m.shape[0]
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.8))
     lim = np.nanmax(np.abs(m)) or 1.0
@@ -140,35 +126,28 @@ def plot_interference(path, history: list[dict], title: str = "") -> Path | None
     fig.colorbar(im, ax=ax[0], fraction=0.046)
     steps = [h["step"] for h in history]
     eye = np.eye(B, dtype=bool)
-    ax[1].plot(steps, [_np(h["matrix"])[eye].mean() for h in history], marker="o", label="own bucket (diagonal)")
-    ax[1].plot(steps, [_np(h["matrix"])[~eye].mean() for h in history], marker="o", label="other buckets (off-diagonal)")
+    ax[1].plot(steps, [to_numpy(h["matrix"])[eye].mean() for h in history], marker="o", label="own bucket (diagonal)")
+    ax[1].plot(steps, [to_numpy(h["matrix"])[~eye].mean() for h in history], marker="o", label="other buckets (off-diagonal)")
     ax[1].axhline(0, color="grey", lw=0.8, ls=":")
     ax[1].set(xlabel="training step", ylabel="mean first-order change of loss", title="interference over training")
     ax[1].legend(fontsize=8)
-    return _finish(fig, path, title)
+    return finish(fig, path, title)
 
 
 def plot_run(run_dir, objective=None, title: str = "", interference=None) -> list[Path]:
     """The run's figures: timesteps.png (from the objective's statistics), adaptive.png (a learned
     sampler's p(t) over training), interference.png, loss.png and eval.png (from metrics.jsonl)."""
-    from .logger import read_jsonl
+    from ..logger import read_jsonl
 
     run_dir, out = Path(run_dir), []
-    history = getattr(objective.sampler, "p_history", None) if objective is not None else None
-    if history is not None:
-        from .plot_adaptive import plot_adaptive
-
-        h = history(bins=100)
-        if len(h["steps"]):
-            out.append(plot_adaptive(run_dir / "adaptive.png", h["steps"], h["p"], h["S"], h["T"], title=title))
+    h = objective.p_history(bins=100) if objective is not None else None
+    if h is not None and len(h["steps"]):
+        out.append(plot_adaptive(run_dir / "adaptive.png", h["steps"], h["p"], h["S"], h["T"], title=title))
     if interference is not None and interference.history:
         out.append(plot_interference(run_dir / "interference.png", interference.history, title=title))
     if objective is not None and objective.stats is not None:
-        heads = None
-        if hasattr(objective, "head_errors"):
-            heads = dict(zip(objective.heads, objective.head_errors()))
         out.append(plot_timesteps(run_dir / "timesteps.png", objective.stats, objective.probs(),
-                                  objective.effective_weight(), title=title, head_errors=heads))
+                                  objective.effective_weight(), title=title, head_errors=objective.head_errors()))
     if (run_dir / "metrics.jsonl").is_file():
         rows = read_jsonl(run_dir / "metrics.jsonl")
         out.append(plot_loss_curve(run_dir / "loss.png", rows))

@@ -1,0 +1,116 @@
+"""Configure a run: read the config (config.py: schema and loading), then let every registered
+component check its own part, so that a run that starts will not fail on its settings later.
+
+    cfg = load_config("default", ["diffusion.prediction=v", "model.args.ch=48"])
+
+Each check lives with its component: registries check names and argument types (registry.py), a
+model family its sizes (`check` registered with the model), a prediction kind its combination with
+the schedule (`objective_class(...).check_config`), samplers and weightings their values (built once
+here), solvers their options (`solvers.check_options`). What is left here is naming the key: every
+error is one `ConfigError` line.
+"""
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+from .config import plain, read_config
+from .errors import ConfigError, InvalidInput
+
+__all__ = ["choices", "load_config", "validate"]
+
+
+def choices() -> dict[str, tuple[str, ...]]:
+    """Every key whose values come from a registry or a component's fixed set, for --help and checks."""
+    from .data import BACKENDS as DATA_BACKENDS
+    from .data import DATASETS
+    from .diffusion import SAMPLERS, SCHEDULES, WEIGHTINGS
+    from .diffusion.objective import BACKENDS, prediction_kinds
+    from .diffusion.solvers import SOLVERS
+    from .evaluate import EXTRACTORS
+    from .models import MODELS
+    from .parallel import AC_MODES, COMPILE, COMPILE_MODES, STRATEGIES
+    from .precision import PRECISIONS
+
+    return {"data.name": DATASETS, "data.backend": DATA_BACKENDS, "model.name": MODELS.names(),
+            "diffusion.schedule": SCHEDULES, "diffusion.prediction": prediction_kinds(),
+            "diffusion.weighting": WEIGHTINGS.names(), "diffusion.sampler": SAMPLERS.names(),
+            "diffusion.backend": BACKENDS, "sample.solver": SOLVERS.names(), "eval.extractor": EXTRACTORS,
+            "parallel.strategy": ("auto",) + STRATEGIES, "parallel.ac": AC_MODES, "parallel.precision": PRECISIONS,
+            "parallel.compile": COMPILE, "parallel.compile_mode": COMPILE_MODES}
+
+
+def load_config(preset: str = "default", overrides: list[str] | None = None) -> DictConfig:
+    """Defaults ← preset ← overrides (config.read_config), then `validate`."""
+    cfg = read_config(preset, overrides)
+    validate(cfg)
+    return cfg
+
+
+class _Key:
+    """Turns a component's one-line InvalidInput into a ConfigError naming the key."""
+
+    def __init__(self, key: str, cfg=None):
+        self.key, self.cfg = key, cfg
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if kind is not None and issubclass(kind, InvalidInput) and not issubclass(kind, ConfigError):
+            value = "" if self.cfg is None else f"{OmegaConf.select(self.cfg, self.key)!r} "
+            msg = str(e).replace("unknown argument", "unknown config key")
+            if msg.startswith(("unknown config key", "bad value for")):
+                raise ConfigError(msg) from None
+            raise ConfigError(f"bad value for '{self.key}': {value}({msg})") from None
+        return False
+
+
+def validate(cfg: DictConfig) -> None:
+    """Every choice against its registry, every argument against its component, and the combinations
+    that cannot work; one line naming the key."""
+    from .data import TOYS
+    from .diffusion import PREDICTIONS, SAMPLERS, WEIGHTINGS, loss_weight, timestep_sampler
+    from .diffusion import schedule as make_schedule
+    from .diffusion.objective import objective_class
+    from .diffusion.solvers import SOLVERS, check_options
+    from .models import MODELS, is_image_model
+
+    for key, allowed in choices().items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"bad value for '{key}': {value!r} (choose from {', '.join(allowed)})")
+    d = cfg.diffusion
+    for group, reg, name in (("weighting_args", WEIGHTINGS, d.weighting), ("sampler_args", SAMPLERS, d.sampler)):
+        with _Key(f"diffusion.{group}"):
+            reg.check_args(name, plain(d[group]), where=f"diffusion.{group}")
+    args = plain(cfg.model.args)
+    for k in ("in_channels", "image_size", "num_classes"):
+        if k in args:
+            raise ConfigError(f"unknown config key 'model.args.{k}' (the data decide it)")
+    with _Key("model.args"):
+        MODELS.check_args(cfg.model.name, args, where="model.args")
+    toy = cfg.data.name in TOYS
+    if toy == is_image_model(cfg.model.name):
+        kind = "2-D points" if toy else "images"
+        raise ConfigError(f"bad value for 'model.name': {cfg.model.name!r} does not take {kind} "
+                          f"(data.name={cfg.data.name}; {'use mlp' if toy else 'use an image model'})")
+    if cfg.data.name in ("folder", "latents") and not cfg.data.root:
+        raise ConfigError(f"bad value for 'data.root': None (a folder is needed for data.name={cfg.data.name})")
+    if cfg.data.name == "folder" and cfg.data.channels not in (1, 3):
+        raise ConfigError(f"bad value for 'data.channels': {cfg.data.channels!r} (1 (grey) or 3 (RGB))")
+    with _Key("diffusion.T", cfg):
+        sched = make_schedule(d.schedule, d.T, d.zero_terminal_snr)
+    with _Key("diffusion.prediction", cfg):
+        objective_class(d.prediction).check_config(d, sched, args)
+    with _Key("diffusion.weighting_args"):  # a single prediction's own space; other kinds weight x0-space errors
+        loss_weight(d.weighting, sched, d.prediction if d.prediction in PREDICTIONS else "x0", **plain(d.weighting_args))
+    with _Key("diffusion.sampler_args"):
+        timestep_sampler(d.sampler, sched, **plain(d.sampler_args))
+    s = cfg.sample
+    if s.eta is not None and "eta" not in SOLVERS.args(s.solver):
+        raise ConfigError(f"bad value for 'sample.eta': {s.eta!r} (solver {s.solver} takes no eta)")
+    with _Key("sample.eta", cfg):
+        check_options(s.solver, sched, eta=s.eta)
+    if cfg.data.name in ("digits", "folder", "synthetic"):  # latents bring their own size
+        with _Key("data.image_size", cfg):
+            MODELS.check(cfg.model.name, image_size=cfg.data.image_size, **args)
