@@ -99,7 +99,7 @@ def _noise_op(x0: torch.Tensor, t: torch.Tensor, alpha: torch.Tensor, sigma: tor
     if backend == "native":
         return native.noise(x0, t, alpha, sigma, eps, seed, offset, out_dtype, write_eps)
     if backend == "torch":
-        e = eps.float() if eps is not None else philox.noise(x0.shape, seed, offset, x0.device)
+        e = eps.float() if eps is not None else philox.randn(x0.shape, seed, offset, x0.device)
         eps_out = e.clone() if write_eps else x0.new_empty(0, dtype=torch.float32)
         return ref.noise(x0, t, alpha, sigma, e, out_dtype), eps_out
     triton, tk = _triton()
@@ -147,7 +147,7 @@ def _loss_op(pred: torch.Tensor, x0: torch.Tensor, t: torch.Tensor, weight: torc
         return native.loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs)
     B, D, T = pred.shape[0], pred[0].numel(), weight.numel()
     if backend == "torch":
-        e = eps if eps is not None else philox.noise(x0.shape, seed, offset, x0.device)
+        e = eps if eps is not None else philox.randn(x0.shape, seed, offset, x0.device)
         per, raw, grad = ref.loss_and_grad(pred, x0, e, t, weight, iw, coef)
         wl = weight.float()[t] * raw
         if bins.numel():

@@ -50,7 +50,7 @@ def _mixed_op(out: torch.Tensor, x0: torch.Tensor, t: torch.Tensor, weight: torc
             return native.mixed_loss(out, x0, t, weight, iw, tab, gate, pivots, bins, eps, seed, offset)
         _native_on_cuda()  # no CUDA version of the native op: the reference below, explicitly
     if backend in ("torch", "native"):
-        e = eps if eps is not None else philox.noise(x0.shape, seed, offset, x0.device)
+        e = eps if eps is not None else philox.randn(x0.shape, seed, offset, x0.device)
         per, raw, wl, x0e, grad, ggrad = mref.loss_and_grad(out, x0, e, t, weight, iw, tab, gate)
         if bins.numel():
             scatter_into(bins, pivots, t, torch.cat([raw[None], wl[None], x0e.T]))

@@ -7,7 +7,7 @@ Contracts (x0, pred, eps [B, ...]; t Long[B]; tables float [T]; coef float [2, T
   loss(pred, x0, eps, t, weight, iw, coef)   d = pred - target; raw_b = mean(d²) in fp32;
                                              ℓ_b = weight[t_b]·iw_b·raw_b                       (kernel B)
   loss_and_grad(...)                         the same plus dL/dpred of L = mean_b ℓ_b
-The noise is `philox.noise(shape, seed, offset)`, the stream the kernels draw in place.
+The noise is `philox.randn(shape, seed, offset)`, the stream the kernels draw in place.
 """
 from __future__ import annotations
 

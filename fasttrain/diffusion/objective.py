@@ -72,7 +72,7 @@ class DiffusionObjective(nn.Module):
 
     def noise(self, like: torch.Tensor) -> torch.Tensor:
         """The eps of the next (seed, offset) (what the kernels would draw); advances the offset."""
-        eps = philox.noise(like.shape, self.seed, self.offset.to(like.device), like.device)
+        eps = philox.randn(like.shape, self.seed, self.offset.to(like.device), like.device)
         self.offset += like.numel()
         return eps
 

@@ -106,7 +106,7 @@ def test_argmin_picks_the_head_with_the_lowest_x0_error():
     x0 = torch.rand(T, 1, 3, 3) * 2 - 1
     t = torch.arange(T)
     t[10:13] = 9  # timesteps 10..12 unseen: the gate stays in charge there
-    eps = philox.noise(x0.shape, 2, 0)
+    eps = philox.randn(x0.shape, 2, 0)
 
     def model(x_t, tt):
         a, sg = col(s.alpha[tt].float(), 4), col(s.sigma[tt].float(), 4)
@@ -218,7 +218,7 @@ def test_timestep_gate_is_a_network_parameter_and_learns_by_t():
     offset = int(obj.offset)
     loss, info = obj(model, x0, t=t)
     loss.backward()
-    eps = philox.noise(x0.shape, 3, offset)
+    eps = philox.randn(x0.shape, 3, offset)
     x_t = ops.noise(x0, t, obj.alpha, obj.sigma, eps=eps, backend="torch")
     gl = model.gate.logits.detach()[t].clone().requires_grad_()
     per = mref.loss(net(x_t, t).detach(), x0, eps, t, obj.weight, info["iw"], obj.tab, gl)[0]
@@ -241,7 +241,7 @@ def test_objective_on_fused_kernel_matches_reference_and_fills_statistics(gate):
     offset = int(obj.offset)
     loss, info = obj(model, x0, generator=torch.Generator().manual_seed(0))
     t = info["t"]
-    eps = philox.noise(x0.shape, 4, offset)
+    eps = philox.randn(x0.shape, 4, offset)
     x_t = ops.noise(x0, t, obj.alpha, obj.sigma, eps=eps, backend="torch")
     gl = model.gate.logits[t] if gate == "timestep" else None
     per, raw, _, x0e = mref.loss(net(x_t, t), x0, eps, t, obj.weight, info["iw"], obj.tab, gl)

@@ -76,7 +76,7 @@ def run_and_compare(backend, heads, pixel, shape, weighting="min_snr", dtype=tor
     res = ops_mixed.mixed_loss(o, x0, t, w, iw, tab, gate=g, bins=bins, backend=backend, block=block, **kw)
     res.loss.backward()
     if op_noise:
-        eps = philox.noise(x0.shape, 11, 4321, device)
+        eps = philox.randn(x0.shape, 11, 4321, device)
     ro, rg = leaf(out), leaf(gate)
     per, raw, wl, x0e = mref.loss(ro, x0, eps, t, w, iw, tab, rg)
     per.mean().backward()

@@ -61,7 +61,7 @@ def test_objective_on_fused_kernels_matches_reference(pred, backend):
     offset = int(obj.offset)
     loss, info = obj(model, x0, generator=torch.Generator(DEVICE).manual_seed(0))
     t = info["t"]
-    eps = philox.noise(x0.shape, 4, offset, DEVICE)  # the stream the kernels draw
+    eps = philox.randn(x0.shape, 4, offset, DEVICE)  # the stream the kernels draw
     x_t = ref.noise(x0, t, obj.alpha, obj.sigma, eps)
     per, raw = ref.loss(lin(x_t), x0, eps, t, obj.weight, info["iw"], obj.coef)
     torch.testing.assert_close(loss, per.mean(), rtol=1e-4, atol=1e-6)

@@ -146,7 +146,7 @@ def test_native_cuda_matches_reference_and_triton(pred, dtype, shape):
                          backend="native")
     torch.testing.assert_close(e, e_tri, rtol=0, atol=1e-5)  # Triton's tl.randn, to rounding
     torch.testing.assert_close(e.cpu(), e_cpu, rtol=0, atol=1e-6)  # the CPU ops' eps (same log/cos)
-    torch.testing.assert_close(e.cpu(), philox.noise(shape, 2**40 + 3, 2**32 - 50), rtol=0, atol=1e-5)
+    torch.testing.assert_close(e.cpu(), philox.randn(shape, 2**40 + 3, 2**32 - 50), rtol=0, atol=1e-5)
     assert torch.equal(xt, ref.noise(x0, t, a, sg, e, dtype))
     bins, expect = TimestepBins(1000, 2, "cuda"), TimestepBins(1000, 2, "cuda")
     bins.data.normal_()

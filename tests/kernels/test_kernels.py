@@ -129,7 +129,7 @@ def test_in_kernel_noise_is_the_reference_stream_and_shared_by_both_kernels(pred
     a, s, w, coef = tables("flow" if pred == "flow" else "linear", pred)
     x0, _, t, iw = inputs((3, 2, 7, 7))
     xt, e = ops.noise(x0, t, a, s, seed=11, offset=12345, return_eps=True, backend=BACKEND)
-    stream = philox.noise(x0.shape, 11, 12345, DEVICE)
+    stream = philox.randn(x0.shape, 11, 12345, DEVICE)
     torch.testing.assert_close(e, stream, rtol=0, atol=1e-5)  # to rounding of log/cos
     torch.testing.assert_close(xt, ref.noise(x0, t, a, s, e), rtol=0, atol=0)
     p = torch.randn_like(x0).requires_grad_()
