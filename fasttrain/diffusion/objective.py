@@ -2,20 +2,24 @@
 
     loss, info = objective(model, x0, cond)
 
-One step (docs/architecture.md): t, iw ~ sampler; kernel A: x_t = alpha[t]·x0 + sigma[t]·eps with eps
-from the counter-based stream (seed, offset); pred = model(x_t, t, cond); kernel B: per-sample
-ℓ_b = w[t_b]·iw_b·mean((pred - target)²) with the same eps, the gradient written in the forward pass,
-and the raw and weighted losses scattered into the TimestepStats window. Nothing here syncs with the
-host: the noise offset is a device counter advanced in place. With a learned weighting the network
-also returns its per-timestep log-variance u(t) (EDM2), and ℓ_b becomes ℓ_b/exp(u) + u.
-The kernels come from `fasttrain.kernels.ops`; every backend draws the same noise stream.
+One step (docs/architecture.md): t, iw ~ sampler; the noise kernel: x_t = alpha[t]·x0 + sigma[t]·eps
+with eps from the counter-based stream (seed, offset); pred = model(x_t, t, cond); the loss kernel:
+per-sample ℓ_b = w[t_b]·iw_b·mean((pred - target)²) with the same eps, the gradient written in the
+forward pass, and the raw and weighted losses scattered into the TimestepStats window. Nothing here
+syncs with the host: the noise offset is a device counter advanced in place. With a learned weighting
+the network also returns its per-timestep log-variance u(t) (EDM2), and ℓ_b becomes ℓ_b/exp(u) + u.
+The ops come from `fasttrain.kernels` (noise.py, diffusion_loss.py); every backend draws the same
+noise stream.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from fasttrain.kernels import ops, philox
+from fasttrain.kernels import philox
+from fasttrain.kernels.backend import BACKENDS, resolve_backend
+from fasttrain.kernels.diffusion_loss import diffusion_loss
+from fasttrain.kernels.noise import noise
 
 from . import prediction as P
 from .samplers import TimestepSampler, timestep_sampler
@@ -23,7 +27,6 @@ from .schedule import NoiseSchedule
 from .stats import TimestepStats
 from .weighting import effective_x0_weight, loss_weight, uncertainty_loss
 
-BACKENDS = ops.BACKENDS
 
 
 class DiffusionObjective(nn.Module):
@@ -78,17 +81,17 @@ class DiffusionObjective(nn.Module):
 
     def draw(self, x0: torch.Tensor, generator: torch.Generator | None = None, t: torch.Tensor | None = None):
         """The step's (t, iw, backend, noise offset, x_t): timesteps from the sampler (or given, iw = 1),
-        kernel A at this step's counter; the device counter moves on in place."""
+        the noise op at this step's counter; the device counter moves on in place."""
         B = x0.shape[0]
         if t is None:
             t, iw = self.sampler.sample(B, generator, x0)
         else:
             iw = torch.ones(B, device=x0.device)
-        backend = ops.resolve_backend(self.backend, x0.device)
+        backend = resolve_backend(self.backend, x0.device)
         offset = self.offset.clone()
         self.offset += x0.numel()
-        x_t = ops.noise(x0, t, self.alpha, self.sigma, seed=self.seed, offset=offset, out_dtype=self.input_dtype,
-                        backend=backend)
+        x_t = noise(x0, t, self.alpha, self.sigma, seed=self.seed, offset=offset, out_dtype=self.input_dtype,
+                    backend=backend)
         return t, iw, backend, offset, x_t
 
     def forward(self, model, x0: torch.Tensor, cond=None, generator: torch.Generator | None = None,
@@ -100,9 +103,9 @@ class DiffusionObjective(nn.Module):
         else:
             pred, logvar = model(x_t, t, **kw), None
         st = self.stats
-        loss, per_sample, raw, weighted = ops.loss(pred, x0, t, self.weight, iw, self.coef, uses=self.pred.uses,
-                                                   seed=self.seed, offset=offset, backend=backend,
-                                                   bins=st.window if st is not None else None)
+        loss, per_sample, raw, weighted = diffusion_loss(pred, x0, t, self.weight, iw, self.coef, uses=self.pred.uses,
+                                                         seed=self.seed, offset=offset, backend=backend,
+                                                         bins=st.window if st is not None else None)
         if st is not None:
             st.record(t, weighted)
         if logvar is not None:
@@ -115,12 +118,13 @@ class DiffusionObjective(nn.Module):
     def probe_loss(self, model, x0: torch.Tensor, t: torch.Tensor, eps: torch.Tensor, cond=None) -> torch.Tensor:
         """Per-sample loss ℓ_b (iw = 1) at the given t and eps, with no statistics and no noise-counter
         move: for probes (diagnostics, look-aheads). Differentiable in the model's parameters."""
-        backend = ops.resolve_backend(self.backend, x0.device)
-        x_t = ops.noise(x0, t, self.alpha, self.sigma, eps=eps, backend=backend)
+        backend = resolve_backend(self.backend, x0.device)
+        x_t = noise(x0, t, self.alpha, self.sigma, eps=eps, backend=backend)
         kw = {} if cond is None else {"y": cond}
         pred, logvar = model(x_t, t, return_logvar=True, **kw) if self.learned_weighting else (model(x_t, t, **kw), None)
         iw = torch.ones(x0.shape[0], device=x0.device)
-        per = ops.loss(pred, x0, t, self.weight, iw, self.coef, uses=self.pred.uses, eps=eps, backend=backend).per_sample
+        per = diffusion_loss(pred, x0, t, self.weight, iw, self.coef, uses=self.pred.uses, eps=eps,
+                             backend=backend).per_sample
         return per if logvar is None else uncertainty_loss(per, logvar)
 
     def x0_hat(self, output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
