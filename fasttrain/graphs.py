@@ -2,10 +2,10 @@
 
 At small batch on one GPU a step is a few hundred short kernels whose launch costs more than their
 work. fasttrain's step never syncs with the host, so it can be captured once and replayed:
-timestep sampling and label dropout (the trainer's generator is registered with the graph), kernel A,
-the forward, kernel B with the statistics scatter, the backward, gradient clipping, the non-finite
-check, the fused AdamW step (`capturable=True`, learning rate read from a device tensor), the EMA
-update (decay read from a device tensor) and the skipped-step counters. Everything that changes
+timestep sampling and label dropout (the trainer's generator is registered with the graph), the noise
+kernel, the forward, the loss kernel with the statistics scatter, the backward, gradient clipping, the
+non-finite check, the fused AdamW step (`capturable=True`, learning rate read from a device tensor), the
+EMA update (decay read from a device tensor) and the skipped-step counters. Everything that changes
 between steps lives on the device and is updated in place: the batch is copied into static input
 buffers, the noise offset and the statistics window are advanced by the kernels themselves, the
 learning rate and EMA decay are written into their tensors before each replay. Statistics syncs,
