@@ -29,6 +29,9 @@ def test_noise_matches_reference(backend, shape, dtype):
         assert xt.dtype == dtype
         assert_same(xt, torch_ref.noise(x0, t, a, s, e), backend)
     for out in DTYPES:
+        assert_same(noise(x0, t, a, s, eps=eps, out_dtype=out, backend=backend.name),
+                    torch_ref.noise(x0, t, a, s, eps, out), backend)
+    for out in DTYPES:
         xt, e = noise(x0, t, a, s, seed=3, offset=77, out_dtype=out, return_eps=True, backend=backend.name)
         assert xt.dtype == out
         assert_same(xt, torch_ref.noise(x0, t, a, s, e, out), backend)
