@@ -18,17 +18,18 @@ import sys
 import time
 from pathlib import Path
 
+import _env  # noqa: F401  (OpenMP's wait policy, before torch loads it)
 import torch
 
 from fasttrain import diffusion as fd
 from fasttrain.data.builtin import digits
+from fasttrain.diffusion.denoiser import Denoiser, PredictionOutput
 from fasttrain.diffusion.lookahead import reference_step
+from fasttrain.diffusion.solvers import generate
 from fasttrain.ema import EMA
 from fasttrain.features import judge
-from fasttrain.diffusion.denoiser import Denoiser, PredictionOutput
 from fasttrain.models import build_model
 from fasttrain.plots import plot_adaptive
-from fasttrain.diffusion.solvers import generate
 
 RESULTS = Path(__file__).parent / "results"
 

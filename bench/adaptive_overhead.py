@@ -36,12 +36,13 @@ import sys
 import time
 from pathlib import Path
 
+import _env  # noqa: F401  (OpenMP's wait policy, before torch loads it)
 import torch
 
 from fasttrain import diffusion as fd
+from fasttrain.diffusion.denoiser import Denoiser, PredictionOutput
 from fasttrain.diffusion.lookahead import Probe, reference_step, x0_mse
 from fasttrain.diffusion.vlb import vlb_tables
-from fasttrain.diffusion.denoiser import Denoiser, PredictionOutput
 from fasttrain.models import build_model
 
 RESULTS = Path(__file__).parent / "results"

@@ -19,9 +19,9 @@ ratios come from the same run (bench/conftest.py). On CPU the run uses FASTTRAIN
 import os
 import time
 
+import _env  # noqa: F401  (OpenMP's wait policy, before torch loads it)
 import pytest
 import torch
-
 from cases import SHAPES, Case, count_launches, impls
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+import _env  # noqa: F401  (OpenMP's wait policy, before torch loads it)
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))

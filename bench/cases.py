@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import platform
 
+import _env  # noqa: F401  (OpenMP's wait policy, before torch loads it)
 import torch
 
 from fasttrain import diffusion as fd

@@ -28,6 +28,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import _env  # noqa: F401  (OpenMP's wait policy, before torch loads it)
+
 sys.path.insert(0, str(Path(__file__).parent))
 from convergence_lib import first_crossing, seconds_at, summarize, value_at  # noqa: E402
 

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import _env  # noqa: F401  (OpenMP's wait policy, before torch loads it)
 import numpy as np
 import torch
 from PIL import Image

@@ -18,11 +18,13 @@ import sys
 import time
 from pathlib import Path
 
+import _env  # noqa: F401  (OpenMP's wait policy, before torch loads it)
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from cases import machine  # noqa: E402
+
 from fasttrain import diffusion as fd  # noqa: E402
 from fasttrain.data.builtin import digits  # noqa: E402
 from fasttrain.models import build_model  # noqa: E402

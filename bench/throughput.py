@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _env  # noqa: F401  (OpenMP's wait policy, before torch loads it)
 import torch
 
 RESULTS = Path(__file__).parent / "results"

@@ -17,8 +17,12 @@ import os
 import sys
 from pathlib import Path
 
-from .config import keys, presets
-from .errors import ConfigError, InvalidInput, UserError
+from .cpu import prepare_openmp
+
+prepare_openmp()  # before anything imports torch (cpu.py): idle OpenMP threads yield on a busy machine
+
+from .config import keys, presets  # noqa: E402
+from .errors import ConfigError, InvalidInput, UserError  # noqa: E402
 
 # What the user can fix is a UserError (errors.py), printed as one line; anything else keeps its
 # traceback (FASTTRAIN_DEBUG=1 keeps it for these too). Paths the user named that cannot be written
@@ -200,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     if int(os.environ.get("RANK", "0")) != 0:
         shutdown(0)
     print(f"done: {summary['steps']} steps, {summary['images']} images -> {cfg.run_dir}")
+    if summary.get("skipped_steps"):
+        print(f"fasttrain: warning: {summary['skipped_steps']} of the steps were skipped as not finite (see "
+              f"skipped_steps in {cfg.run_dir}/metrics.jsonl)", file=sys.stderr)
     _print_eval(summary.get("eval", {}))
     shutdown(0)
     return 0

@@ -107,6 +107,8 @@ class TrainConfig:
     progress: bool = _f(True, "show a progress bar")
     cuda_graph: bool = _f(False, "capture the whole step in one CUDA graph and replay it (one GPU; falls back with a reason)")
     max_nonfinite: int = _f(20, "stop after this many non-finite (skipped) steps in a row (0 = never)", min=0)
+    max_nonfinite_frac: float = _f(0.5, "... or when at least this fraction of the last max(100, max_nonfinite) "
+                                   "steps were skipped (above 1 = only the run counts)", min=0)
 
 
 @dataclass
@@ -206,7 +208,7 @@ def read_config(preset: str = "default", overrides: list[str] | None = None) -> 
     if not path.is_file():
         raise ConfigError(f"unknown preset '{preset}'; choose from {', '.join(presets())} or give a .yaml path")
     try:
-        loaded = yaml.safe_load(path.read_text())
+        loaded = load_yaml(path.read_text(), path.name)
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         where = getattr(e, "problem_mark", None)
         at = f" at line {where.line + 1}" if where is not None else ""
@@ -235,6 +237,51 @@ def read_config(preset: str = "default", overrides: list[str] | None = None) -> 
         raise _wrap(e, "while resolving") from None
     check_schema(cfg)
     return cfg
+
+
+MAX_YAML_NODES = 100_000  # a preset is a few hundred values; anything near this is not a config
+
+
+def load_yaml(text: str, name: str):
+    """A preset's YAML, safely: PyYAML's safe loader, refusing (one line) what it would accept silently
+    or expand without bound: a key given twice in one mapping (the last one would win), and aliases
+    that expand to more than MAX_YAML_NODES values ("billion laughs": a few lines of nested aliases
+    are exponentially many values) or refer to themselves."""
+    import yaml
+
+    root = yaml.compose(text, Loader=yaml.SafeLoader)  # nodes only: aliases stay shared, nothing expands
+    if root is None:
+        return None
+    sizes: dict[int, int] = {}
+
+    def expanded(node, path: tuple) -> int:  # values after alias expansion, memoised on shared nodes
+        if id(node) in path:
+            raise ConfigError(f"preset {name}: an alias refers to itself (line {node.start_mark.line + 1})")
+        if id(node) not in sizes:
+            if isinstance(node, yaml.MappingNode):
+                seen = {}
+                for k, _ in node.value:
+                    key = k.value if isinstance(k, yaml.ScalarNode) else None
+                    if key is not None and key in seen:
+                        raise ConfigError(f"preset {name}: key {key!r} is given twice (lines {seen[key] + 1} and "
+                                          f"{k.start_mark.line + 1}); keep one")
+                    seen[key] = k.start_mark.line
+                children = [c for kv in node.value for c in kv]
+            elif isinstance(node, yaml.SequenceNode):
+                children = node.value
+            else:
+                children = []
+            total = 1
+            for c in children:
+                total += expanded(c, path + (id(node),))
+                if total > MAX_YAML_NODES:
+                    raise ConfigError(f"preset {name}: its aliases expand to more than {MAX_YAML_NODES} values "
+                                      f"(refused: nested aliases can grow exponentially)")
+            sizes[id(node)] = total
+        return sizes[id(node)]
+
+    expanded(root, ())
+    return yaml.safe_load(text)
 
 
 def plain(node) -> dict:

@@ -114,3 +114,40 @@ def validate(cfg: DictConfig) -> None:
     if cfg.data.name in ("digits", "folder", "synthetic"):  # latents bring their own size
         with _Key("data.image_size", cfg):
             MODELS.check(cfg.model.name, image_size=cfg.data.image_size, **args)
+        check_memory(cfg)
+
+
+def _memory_bytes(device: str) -> tuple[int, str]:
+    """What the training device can hold: GPU memory, or this machine's physical memory."""
+    import os
+
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory, "this GPU's"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's"
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n:.3g} PiB"
+
+
+def check_memory(cfg: DictConfig) -> None:
+    """Sizes checked before anything is allocated: what certainly has to be in memory at once (the
+    built-in data resident on the device; one batch of x0, x_t, the prediction and its gradient in
+    fp32) against the device's memory. A lower bound (activations come on top): it refuses sizes that
+    cannot fit, in one line, instead of an allocation failure deep inside torch or the OOM killer."""
+    d = cfg.data
+    channels = 1 if d.name == "digits" else d.channels
+    per_image = channels * d.image_size**2 * 4
+    resident = {"digits": 1797 - d.holdout, "synthetic": 4096}.get(d.name, 0) * per_image
+    need = resident + 4 * d.batch_size * per_image
+    have, whose = _memory_bytes(cfg.train.device)
+    if need > have:
+        raise ConfigError(f"bad value for 'data.image_size': {d.image_size} ({d.name} at {d.image_size}×{d.image_size} "
+                          f"with data.batch_size={d.batch_size} needs at least {_size(need)}, more than {whose} "
+                          f"{_size(have)})")

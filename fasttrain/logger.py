@@ -53,14 +53,31 @@ class MetricLogger:
             self.tb.close()
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """The rows of a metrics file; a line cut short by a crash is skipped."""
+def read_jsonl(path: str | Path, skipped: list | None = None) -> list[dict]:
+    """The rows of a metrics file: JSON objects. A line cut short by a crash, or valid JSON that is not
+    an object, is skipped; `skipped` (a list) receives (line number, why) for each."""
     rows = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
+    with open(path, errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                why = "not valid JSON"
+            else:
+                if isinstance(row, dict):
+                    rows.append(row)
                     continue
+                why = f"a JSON {type(row).__name__}, not an object"
+            if skipped is not None:
+                skipped.append((n, why))
     return rows
+
+
+def number(row: dict, key: str) -> float | None:
+    """row[key] as a finite float, or None (absent, null, or not a number: hand-edited or foreign lines)."""
+    v = row.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)

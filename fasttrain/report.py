@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import html
+import sys
 from pathlib import Path
 
 from jinja2 import Template
@@ -12,7 +13,7 @@ from jinja2 import Template
 from . import checkpoint as ckpt
 from .errors import MissingFile
 from . import plots
-from .logger import read_jsonl
+from .logger import number, read_jsonl
 
 PAGE = Template("""<!doctype html>
 <html><head><meta charset="utf-8"><title>fasttrain · {{ name }}</title>
@@ -69,7 +70,8 @@ def write_report(run_dir: str | Path) -> Path:
     metrics_file = run / "metrics.jsonl"
     if not metrics_file.is_file():
         raise MissingFile(f"{run} is not a fasttrain run directory (no metrics.jsonl)")
-    rows = read_jsonl(metrics_file)
+    skipped: list = []
+    rows = read_jsonl(metrics_file, skipped)
     objective, interference = None, None
     if not (run / "timesteps.png").is_file() and ckpt.latest(run) is not None:
         objective, interference = objective_from_checkpoint(run)
@@ -81,10 +83,16 @@ def write_report(run_dir: str | Path) -> Path:
         if (run / f).is_file()]
     last_eval = {}
     for r in rows:
-        last_eval.update({k[5:]: v for k, v in r.items() if k.startswith("eval/") and v is not None})
-    steps = max((r.get("step", 0) for r in rows), default=0)
-    images = max((r.get("images", 0) or 0 for r in rows), default=0)
+        last_eval.update({k[5:]: v for k, v in r.items() if str(k).startswith("eval/") and v is not None})
+    steps = int(max((number(r, "step") or 0 for r in rows), default=0))
+    images = int(max((number(r, "images") or 0 for r in rows), default=0))
     summary = f"{steps} steps, {images} training images; {len(figures)} figures"
+    if skipped:
+        n, why = skipped[0]
+        note = (f"skipped {len(skipped)} unreadable line(s) of metrics.jsonl (line {n}: {why}"
+                f"{', ...' if len(skipped) > 1 else ''})")
+        summary += "; " + note
+        print(f"fasttrain: report: {note}", file=sys.stderr)
     config = (run / "config.yaml").read_text() if (run / "config.yaml").is_file() else "(no config.yaml)"
     out = run / "report.html"
     out.write_text(PAGE.render(name=run.name, summary=summary, figures=figures,

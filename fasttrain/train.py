@@ -25,6 +25,7 @@ from . import distributed as dist_utils
 from . import graphs, plots, seeds
 from .bundle import DataSpec, ModelBundle, build_network, build_objective
 from .config import plain
+from .cpu import set_threads
 from .data import build_data
 from .diffusion.interference import InterferenceDiagnostic
 from .diffusion.lookahead import LookAheadContext
@@ -44,8 +45,7 @@ class Trainer:
     def __init__(self, cfg: DictConfig, *, resume: bool = False, restart: bool = False):
         self.cfg = cfg
         tc = cfg.train
-        if tc.threads > 0:
-            torch.set_num_threads(tc.threads)
+        set_threads(tc.threads)
         want_cuda = tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())
         if want_cuda and not torch.cuda.is_available():
             raise DeviceError("train.device=cuda but no CUDA device is available")
@@ -99,6 +99,8 @@ class Trainer:
         # timesteps and label dropout: per rank, so that stratified strata are filled independently
         self.gen = torch.Generator(self.device).manual_seed(seeds.derive(tc.seed, "timesteps", rank))
         self.state = TrainState(self.device)
+        self._skip_marks: list[tuple[int, int]] = []  # (step, skipped so far) at the non-finite checks
+        self._eval_reference = None  # read once, at the first evaluation
         self.images_per_step = d.batch_size * tc.grad_accum * world
         self.checkpoints = ckpt.CheckpointManager(
             self.run_dir, self.dist, meta={"config": OmegaConf.to_container(cfg), "data_spec": asdict(self.spec)},
@@ -221,6 +223,7 @@ class Trainer:
         if self.step == 0:
             log.log(0, params=self.num_params, images=0, world_size=self.dist.world_size)
         one = torch.ones((), device=self.device)
+        self._skip_marks = [(self.step, int(self.state.skipped))]  # where the non-finite rate is counted from
         timed, t0 = 0, time.time()  # steps timed in this process (a resumed interval's earlier steps were not)
         bar = tqdm(total=tc.steps, initial=self.step, desc="train", unit="step", disable=not (tc.progress and main),
                    dynamic_ncols=True)
@@ -287,11 +290,27 @@ class Trainer:
         bar.set_postfix(loss=f"{mean_loss:.4f}" if mean_loss is not None else "skipped")
 
     def _check_nonfinite(self) -> None:
-        run = int(self.state.skipped_run)
-        if run >= self.cfg.train.max_nonfinite:  # fit's handler writes crash.pt
-            kept = "the last good checkpoint is kept" if self.checkpoints.latest() else "no checkpoint had been written"
-            raise NonFiniteStop(f"stopped at step {self.step}: {run} non-finite steps in a row (skipped, weights "
-                                f"kept); {kept}, crash.pt holds this state (try a lower optim.lr)")
+        """Stop on a run of `max_nonfinite` skipped steps, or when at least `max_nonfinite_frac` of the
+        last max(100, max_nonfinite) steps were skipped (scattered bad batches never make a run)."""
+        tc, st = self.cfg.train, self.state
+        total, run = torch.stack([st.skipped, st.skipped_run]).tolist()  # one host read
+        marks = self._skip_marks
+        marks.append((self.step, total))
+        window = max(100, tc.max_nonfinite)
+        while len(marks) > 1 and marks[1][0] <= self.step - window:
+            marks.pop(0)
+        step0, total0 = marks[0]
+        frac = (total - total0) / max(self.step - step0, 1)
+        if run >= tc.max_nonfinite:
+            why = f"{run} non-finite steps in a row"
+        elif self.step - step0 >= window and frac >= tc.max_nonfinite_frac:
+            why = f"{total - total0} of the last {self.step - step0} steps were not finite"
+        else:
+            return
+        kept = "the last good checkpoint is kept" if self.checkpoints.latest() else "no checkpoint had been written"
+        crash = ", crash.pt holds this state" if self.dist.world_size == 1 else ""  # fit's handler writes it
+        raise NonFiniteStop(f"stopped at step {self.step}: {why} (skipped, weights kept); {kept}{crash} "
+                            f"(try a lower optim.lr, or check the data: `fasttrain data prepare`)")
 
     def _weights_work(self) -> bool:
         """Finite weights whose output is finite on a probe (the last update could have made them
@@ -323,7 +342,7 @@ class Trainer:
     # -- the end of a run: samples, evaluation, plots -------------------------------------------------
     def eval_reference(self):
         """The real data evaluations compare with: read (and for folders decoded) once per run."""
-        if getattr(self, "_eval_reference", None) is None:
+        if self._eval_reference is None:
             self._eval_reference = reference_for(self.cfg, self.spec)
         return self._eval_reference
 

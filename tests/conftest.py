@@ -1,5 +1,10 @@
 import os
 
+from fasttrain.cpu import prepare_openmp
+
+# OpenMP's wait policy is read when torch loads libgomp: before the first `import torch` (fasttrain/cpu.py)
+prepare_openmp()
+
 # The Triton interpreter must be chosen before anything imports triton (triton jits its tl.rand helpers
 # at import time); fasttrain itself never sets it, so the tests choose it here, once.
 try:

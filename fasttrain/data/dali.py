@@ -168,16 +168,29 @@ class DaliStream(Position):
         raise RuntimeError("the DALI pipeline produced no batch")
 
     def _diagnose(self, err: Exception) -> str:
-        """Find the file of the failing batch that no longer decodes (checked with PIL)."""
-        from .manifest import check_image
+        """DALI says only "Critical error in pipeline": find the file of the failing chunk and say why
+        (an image that no longer decodes, checked with PIL; a latent that is unreadable, not [C, S, S]
+        floats, not finite, or of another shape, dtype or byte order than the chunk's first)."""
+        from .manifest import check_image, check_latent
 
-        items = self.epoch_files(self.epoch)[self.pos:self.pos + 4 * self.batch_size]
+        items = self.epoch_files(self.epoch)[self.pos:self.pos + max(self.chunk, 4 * self.batch_size)]
+        first = None
         for rel, _ in items:
-            ok = check_image(Path(self.root) / rel)[0] if self.kind == "images" else (Path(self.root) / rel).is_file()
+            path = Path(self.root) / rel
+            if self.kind == "images":
+                ok, reason, _ = check_image(path)
+            else:
+                ok, reason, shape, dtype = check_latent(path)
+                if ok and first is None:
+                    first = (shape, dtype, rel)
+                elif ok and (shape, dtype) != first[:2]:
+                    ok, reason = False, (f"shape {list(shape)}, dtype {np.dtype(dtype)} ({dtype}) differs from "
+                                         f"{first[2]}'s {list(first[0])}, {np.dtype(first[1])} ({first[1]})")
             if not ok:
-                return (f"cannot decode {Path(self.root) / rel}; it changed after `fasttrain data prepare` "
-                        f"was run: run it again")
-        return f"the DALI pipeline failed near epoch {self.epoch}, position {self.pos}: {str(err).splitlines()[0][:160]}"
+                return f"cannot read {path}: {reason} (run `fasttrain data prepare {self.root}` again)"
+        said = str(err).strip().splitlines()
+        why = said[0][:160] if said and said[0].strip(" :") != "Critical error in pipeline" else "DALI gave no reason"
+        return f"the DALI pipeline failed near epoch {self.epoch}, position {self.pos}: {why}"
 
     def epoch_batches(self):
         """The rest of the current epoch with the `last_batch` policy; the stream then stands at the

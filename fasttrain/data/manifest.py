@@ -33,18 +33,47 @@ def check_image(path: Path) -> tuple[bool, str, tuple[int, int] | None]:
         return False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", None
 
 
+def check_latent(path: Path) -> tuple[bool, str, tuple | None, str | None]:
+    """Read a .npy latent fully; (ok, reason, shape, dtype as numpy's str, e.g. '<f4'). A latent is a
+    [C, S, S] floating-point array with finite values (what the loaders and the model take)."""
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        shape, dtype = tuple(arr.shape), arr.dtype
+        if arr.ndim != 3 or shape[1] != shape[2]:
+            return False, f"shape {list(shape)} is not [C, S, S]", shape, dtype.str
+        if dtype.kind != "f":
+            return False, f"dtype {dtype} is not a floating-point type", shape, dtype.str
+        if not np.isfinite(np.asarray(arr, dtype=np.float64)).all():
+            return False, "holds NaN or infinite values", shape, dtype.str
+        return True, "", shape, dtype.str
+    except Exception as e:  # numpy raises many types for truncated or foreign files
+        return False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", None, None
+
+
+def folder_kind(root: Path) -> str:
+    """"images" or "latents", by what the folder holds; a folder with both is refused (one line): its
+    kind would otherwise be a guess that silently drops the other files."""
+    images = next((f for f in root.rglob("*") if f.suffix.lower() in IMAGE_EXTENSIONS), None)
+    arrays = next((f for f in root.rglob("*") if f.suffix.lower() in LATENT_EXTENSIONS), None)
+    if images is not None and arrays is not None:
+        n_img = sum(1 for f in root.rglob("*") if f.suffix.lower() in IMAGE_EXTENSIONS)
+        n_arr = sum(1 for f in root.rglob("*") if f.suffix.lower() in LATENT_EXTENSIONS)
+        raise DataError(f"{root} holds both images ({n_img}, e.g. {images.relative_to(root)}) and .npy arrays "
+                        f"({n_arr}, e.g. {arrays.relative_to(root)}): a data folder holds one kind, move the others")
+    return "latents" if arrays is not None else "images"
+
+
 def build_manifest(root: str | Path, progress: bool = True) -> dict:
     root = Path(root)
-    latents = any(root.rglob("*.npy"))
+    if not root.is_dir():
+        raise DataError(f"data.root {str(root)!r} is not a directory")
+    latents = folder_kind(root) == "latents"
     files, classes = scan(root, LATENT_EXTENSIONS if latents else IMAGE_EXTENSIONS)
-    good, bad, sizes = [], [], collections.Counter()
+    good, bad, sizes, layouts = [], [], collections.Counter(), {}
     for rel, label in tqdm(files, desc="checking", disable=not progress, unit="file"):
         if latents:
-            try:
-                arr = np.load(root / rel, mmap_mode="r")
-                ok, reason, size = True, "", tuple(arr.shape)
-            except Exception as e:
-                ok, reason, size = False, f"{type(e).__name__}: {e}", None
+            ok, reason, size, dtype = check_latent(root / rel)
+            layouts[rel] = (size, dtype)
         else:
             ok, reason, size = check_image(root / rel)
         if ok:
@@ -52,10 +81,24 @@ def build_manifest(root: str | Path, progress: bool = True) -> dict:
             sizes[str(list(size))] += 1
         else:
             bad.append([rel, reason])
+    if latents and good:  # one shape, dtype and byte order: what batching (and DALI's reader) needs
+        common = collections.Counter(layouts[rel] for rel, _ in good).most_common(1)[0][0]
+        odd = [(rel, y) for rel, y in good if layouts[rel] != common]
+        for rel, _ in odd:
+            (shape, dtype) = layouts[rel]
+            bad.append([rel, f"shape {list(shape)}, dtype {np.dtype(dtype)} ({_order(dtype)}) differs from the "
+                             f"folder's shape {list(common[0])}, dtype {np.dtype(common[1])} ({_order(common[1])})"])
+            sizes[str(list(shape))] -= 1
+        good = [g for g in good if layouts[g[0]] == common]
+        sizes = collections.Counter({k: v for k, v in sizes.items() if v > 0})
     counts = collections.Counter(label for _, label in good)
     return {"root": str(root.resolve()), "kind": "latents" if latents else "images", "classes": classes,
             "num_files": len(good), "counts": {str(k): v for k, v in sorted(counts.items())},
             "sizes": dict(sizes.most_common()), "files": good, "bad": bad}
+
+
+def _order(dtype_str: str) -> str:
+    return {"<": "little-endian", ">": "big-endian", "|": "no byte order", "=": "native order"}.get(dtype_str[0], "?")
 
 
 def load_manifest(root: str | Path, path: str | Path | None = None) -> dict | None:

@@ -52,23 +52,29 @@ def plot_timesteps(path, stats, probs, eff_weight, title: str = "", buckets: int
 
 
 def plot_loss_curve(path, rows: list[dict]) -> Path:
-    rows = [r for r in rows if r.get("loss") is not None]
+    from ..logger import number
+
+    pts = [(number(r, "images"), number(r, "loss")) for r in rows]
+    pts = [p for p in pts if None not in p]
     fig, ax = plt.subplots(figsize=(6, 4))
-    if rows:
-        ax.plot([r["images"] for r in rows], [r["loss"] for r in rows], lw=1)
+    if pts:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1)
     ax.set(xlabel="training images seen", ylabel="loss (mean over the log interval)", yscale="log", title="training loss")
     return finish(fig, path)
 
 
 def plot_eval_curves(path, rows: list[dict]) -> Path | None:
     """FID, KID and bits/dim against images seen, from the eval rows of metrics.jsonl."""
-    keys = [k for k in ("eval/fid", "eval/kid", "eval/bpd") if any(r.get(k) is not None for r in rows)]
+    from ..logger import number
+
+    pts = {k: [(number(r, "images"), number(r, k)) for r in rows] for k in ("eval/fid", "eval/kid", "eval/bpd")}
+    pts = {k: [p for p in v if None not in p] for k, v in pts.items()}
+    keys = [k for k, v in pts.items() if v]
     if not keys:
         return None
     fig, ax = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
     for a, k in zip(ax[0], keys):
-        pts = [(r["images"], r[k]) for r in rows if r.get(k) is not None]
-        a.plot([p[0] for p in pts], [p[1] for p in pts], marker="o")
+        a.plot([p[0] for p in pts[k]], [p[1] for p in pts[k]], marker="o")
         a.set(xlabel="training images seen", ylabel=k.split("/")[1], title=k.split("/")[1].upper() + " over training")
     return finish(fig, path)
 
