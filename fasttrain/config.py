@@ -77,6 +77,8 @@ class DiffusionConfig:
     sampler: str = _f("uniform", "timestep sampler")
     sampler_args: Dict[str, Any] = _f({}, "arguments of the sampler, e.g. diffusion.sampler_args.k=5")
     learned_weighting: bool = _f(False, "add an EDM2-style learned per-timestep log-variance")
+    logvar_layer: str = _f("linear", "its layer: linear (zero-initialised) | edm2 (EDM2's MPConv: random init, "
+                           "forced weight normalization)", choices=("linear", "edm2"))
     stats_every: int = _f(10, "steps between statistics syncs and sampler updates (K)", min=1)
     backend: str = _f("auto", "kernel backend: auto (triton on CUDA, native on CPU where built, else torch)")
     mixed: MixedConfig = field(default_factory=MixedConfig)

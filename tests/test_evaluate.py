@@ -1,6 +1,7 @@
 """FID sanity, the digits feature extractor, and the eval/sample/report commands on a tiny checkpoint."""
 import json
 
+import pytest
 import torch
 
 from fasttrain.cli import main
@@ -50,3 +51,16 @@ def test_sample_eval_report_commands(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nope")]) == 1
     assert "not a fasttrain run directory" in capsys.readouterr().err
     assert main(["sample", "--ckpt", str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 1
+
+
+def test_sliced_w2_is_zero_on_itself_and_the_shift_on_a_translate():
+    from fasttrain.evaluate import sliced_w2
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4000, 2, generator=g)
+    assert sliced_w2(x, x) == 0.0
+    # a translation by c along e1: every 1-D W2 is |c·θ1|, so SW2² = c²·E[θ1²] = c²/2 on the circle
+    shifted = sliced_w2(x, x + torch.tensor([0.6, 0.0]), projections=4096)
+    assert shifted == pytest.approx(0.6 / 2**0.5, rel=0.02)
+    other = sliced_w2(x, torch.randn(4000, 2, generator=g))  # two samples of one law: small, not 0
+    assert 0 < other < 0.1 * shifted

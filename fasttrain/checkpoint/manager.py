@@ -119,9 +119,18 @@ class CheckpointManager:
         return plain["config"]
 
     def _check_config(self, plain: dict, path) -> None:
+        from omegaconf import OmegaConf
+
+        from ..config import Config
+
         mine = self.meta["config"]
+        try:  # keys added since the checkpoint was written take their defaults
+            theirs = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(Config), plain["config"]))
+        except Exception as e:  # noqa: BLE001 - a config from another version or hand-edited
+            raise CheckpointError(f"cannot resume {path}: its config does not fit this version "
+                                  f"({type(e).__name__})") from None
         for section in RESUME_MUST_MATCH:
-            diff = [k for k in config_diff(plain["config"][section], mine[section], section + ".")
+            diff = [k for k in config_diff(theirs[section], mine[section], section + ".")
                     if k not in RESUME_MAY_CHANGE]
             if diff:
                 raise CheckpointError(f"cannot resume {path}: config key '{diff[0]}' differs from the checkpoint")

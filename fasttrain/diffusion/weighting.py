@@ -141,25 +141,57 @@ def effective_x0_weight(w: torch.Tensor, schedule: NoiseSchedule, prediction: st
     return schedule.T * probs.to(w) * iw * w * c
 
 
+LOGVAR_LAYERS = ("linear", "edm2")
+
+
+def mp_normalize(w: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """EDM2's `normalize` (networks_edm2.py, Eq. 66): each output row scaled to unit RMS per element."""
+    norm = torch.linalg.vector_norm(w, dim=list(range(1, w.ndim)), keepdim=True, dtype=torch.float32)
+    return w / (eps + norm * (norm.numel() / w.numel()) ** 0.5).to(w.dtype)
+
+
 class LearnedLogVar(nn.Module):
     """EDM2's learned per-noise-level uncertainty (Karras et al. 2024, Eq. 21 and `Precond.logvar`):
-    L = w(t)/exp(u(t))·mse + u(t), with u(t) a linear map of Fourier features of c_noise = ln(sigma_e)/4.
-    It is a part of the network (see `Denoiser`), so it is sharded, reduced, averaged and checkpointed
-    like every other weight; it starts at u = 0, the fixed weighting."""
+    L = w(t)/exp(u(t))·mse + u(t), with u(t) a linear map of Fourier features of c_noise = ln(sigma_e)/4
+    (EDM2's MPFourier, Eq. 75: sqrt(2)·cos(c_noise·freqs + phases), freqs = 2π·N(0, 1), phases = 2π·U[0, 1),
+    fixed buffers). It is a part of the network (see `Denoiser`), so it is sharded, reduced, averaged
+    and checkpointed like every other weight.
 
-    def __init__(self, schedule: NoiseSchedule, channels: int = 128, seed: int = 0):
+      layer=linear  an nn.Linear initialised at zero: u = 0 at start, the fixed weighting (fasttrain's
+                    original form)
+      layer=edm2    EDM2's MPConv(128 → 1): a randomly initialised weight (randn, from this module's own
+                    seed, so the backbone's initial weights do not move), forced weight normalization in
+                    training (the stored weight is renormalised before every use, Eq. 66) and the
+                    magnitude-preserving 1/sqrt(fan_in) scale (Eq. 47); u starts as a random smooth
+                    function of the noise level, as in EDM2. Computed in fp32 under any autocast."""
+
+    def __init__(self, schedule: NoiseSchedule, channels: int = 128, seed: int = 0, layer: str = "linear"):
         super().__init__()
+        if layer not in LOGVAR_LAYERS:
+            raise InvalidInput(f"unknown log-variance layer {layer!r}; choose from {', '.join(LOGVAR_LAYERS)}")
+        self.layer = layer
         g = torch.Generator().manual_seed(seed)
         self.register_buffer("freqs", 2 * math.pi * torch.randn(channels, generator=g), persistent=True)
         self.register_buffer("phases", 2 * math.pi * torch.rand(channels, generator=g), persistent=True)
         c_noise = torch.log(torch.clamp(schedule.to("cpu").edm_sigma(), 1e-8, 1e8)) / 4
         self.register_buffer("c_noise", c_noise.float(), persistent=True)
-        self.linear = nn.Linear(channels, 1, bias=False)
-        nn.init.zeros_(self.linear.weight)
+        if layer == "linear":
+            self.linear = nn.Linear(channels, 1, bias=False)
+            nn.init.zeros_(self.linear.weight)
+        else:
+            self.weight = nn.Parameter(torch.randn(1, channels, generator=g))
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        x = self.c_noise[t][:, None] * self.freqs + self.phases
-        return self.linear(torch.cos(x) * math.sqrt(2)).squeeze(-1)
+        with torch.autocast(t.device.type, enabled=False):  # EDM2 computes u in fp32
+            x = torch.cos(self.c_noise[t][:, None] * self.freqs + self.phases) * math.sqrt(2)
+            if self.layer == "linear":
+                return self.linear(x).squeeze(-1)
+            w = self.weight.float()
+            if self.training:  # forced weight normalization: the stored weight stays at unit RMS
+                with torch.no_grad():
+                    self.weight.copy_(mp_normalize(w))
+            w = mp_normalize(w) / math.sqrt(w.shape[1])  # magnitude-preserving: unit-norm row
+            return (x.float() @ w.t()).squeeze(-1)
 
 
 def uncertainty_loss(weighted_mse: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:

@@ -154,3 +154,28 @@ def test_errors():
         fd.loss_weight("min_snr", LIN, gamma=-1)
     with pytest.raises(ValueError, match="lam must lie"):
         fd.loss_weight("speed", LIN, lam=5)  # the official signature default that gives negative weights
+
+
+def test_edm2_log_variance_layer_is_magnitude_preserving_and_fp32():
+    """EDM2's MPConv log-variance (networks_edm2.py): random unit-RMS weight kept at unit RMS by forced
+    weight normalization, a unit-norm effective row, u computed in fp32 under autocast."""
+    from fasttrain.diffusion.weighting import LearnedLogVar
+
+    s = fd.schedule("linear", T=1000)
+    m = LearnedLogVar(s, layer="edm2", seed=3)
+    assert [n for n, _ in m.named_parameters()] == ["weight"] and m.weight.shape == (1, 128)
+    t = torch.arange(0, 1000, 37)
+    u = m(t)
+    assert u.shape == t.shape and u.dtype == torch.float32 and u.std() > 0.05  # random at start, not 0
+    assert m.weight.pow(2).mean().item() == pytest.approx(1.0, rel=1e-3)  # forced normalization (training)
+    with torch.no_grad():
+        m.weight.mul_(7.0)
+    u2 = m(t)  # the scale of the stored weight does not matter: the row is renormalised
+    torch.testing.assert_close(u2, u, rtol=1e-5, atol=1e-6)
+    assert m.weight.pow(2).mean().item() == pytest.approx(1.0, rel=1e-3)
+    x = torch.cos(m.c_noise[t][:, None] * m.freqs + m.phases) * 2**0.5
+    w = m.weight / m.weight.norm()
+    torch.testing.assert_close(u, (x @ w.T).squeeze(-1), rtol=1e-4, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert m(t).dtype == torch.float32
+    assert LearnedLogVar(s)(t).abs().max() == 0  # the linear layer starts at u = 0
