@@ -4,6 +4,7 @@
     fasttrain sample --ckpt RUN --n 64 --steps 50 --out DIR
     fasttrain eval --ckpt RUN [--n 500] [--ref FOLDER]
     fasttrain report RUN
+    fasttrain export RUN --to diffusers OUT
     fasttrain data prepare ROOT [--vae FOLDER | --encoder module:function] [--latents-out DIR]
 
 `sample`, `eval` and `report` read a model bundle from the checkpoint alone (bundle.py): they need
@@ -109,6 +110,13 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("run", help="run directory")
     rp.add_argument("--vae", default=None, help="latent runs: the VAE folder to decode samples with")
 
+    ex = sub.add_parser("export", help="write a run as a pipeline folder of another library (diffusers)")
+    ex.add_argument("run", help="run directory, checkpoint file or DCP folder")
+    ex.add_argument("--to", required=True, choices=("diffusers",), help="the library")
+    ex.add_argument("out", help="the pipeline folder to write (new or empty)")
+    ex.add_argument("--vae", default=None, help="latent runs: the VAE to ship (default: the recorded one)")
+    ex.add_argument("--raw", action="store_true", help="export the raw weights instead of the EMA")
+
     da = sub.add_parser("data", help="data-set tools")
     dsub = da.add_subparsers(dest="data_command", parser_class=_Parser)
     pr = dsub.add_parser("prepare", help="check a folder, list corrupt files, write its manifest (optionally encode to .npy latents)")
@@ -150,9 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "train":  # flags may sit between overrides: argparse wants them after the positionals
         argv = ["train"] + [a for a in argv[1:] if not a.startswith("-")] + [a for a in argv[1:] if a.startswith("-")]
     args = _parser().parse_args(argv)
-    if args.command in ("sample", "eval", "report", "data"):
+    if args.command in ("sample", "eval", "report", "data", "export"):
         try:
-            return {"sample": _sample, "eval": _eval, "report": _report, "data": _data}[args.command](args)
+            return {"sample": _sample, "eval": _eval, "report": _report, "data": _data,
+                    "export": _export}[args.command](args)
         except USER_ERRORS as e:
             if os.environ.get("FASTTRAIN_DEBUG") == "1":
                 raise
@@ -317,6 +326,16 @@ def _report(args) -> int:
     from .report import write_report
 
     print(f"wrote {write_report(args.run, vae=args.vae)}")
+    return 0
+
+
+def _export(args) -> int:
+    from .export import export_diffusers
+
+    res = export_diffusers(args.run, args.out, vae=args.vae, ema=not args.raw)
+    print(f"wrote {res['out']}: {res['network']} ({res['weights']} weights of step {res['step']}, equal to the run's "
+          f"network to {res['max_abs_diff']:.1g}), {res['scheduler']}{', the VAE' if res['vae'] else ''}; load it with "
+          f"diffusers.DiffusionPipeline.from_pretrained({res['out']!r}, trust_remote_code=True)")
     return 0
 
 
