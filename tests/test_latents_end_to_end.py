@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from diffusers_fixtures import perturbed_run, save_tiny_vae
 
 from fasttrain.bundle import ModelBundle
 from fasttrain.cli import main
 
-from diffusers_fixtures import perturbed_run, save_tiny_vae
-
 sys.path.insert(0, str(Path(__file__).parent / "data"))
-from folder_fixtures import write_images  # noqa: E402
+from folder_fixtures import write_images
 
 pytest.importorskip("diffusers")
 

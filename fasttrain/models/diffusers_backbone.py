@@ -17,7 +17,8 @@ Conventions bridged here:
             the trainer drops labels itself (`model.label_dropout`).
   timesteps the integer t ∈ [0, T−1] is passed as diffusers' schedulers pass it.
   blocks    the repeated units (`repeated_blocks()`: per-block activation checkpointing, compile and
-            sharding, parallel.py): a UNet2DModel's down, mid and up blocks, a DiT's transformer blocks.
+            sharding, parallel.py): a UNet2DModel's down, mid and up blocks, a DiT's transformer blocks
+            but the first (whose embedding the final layer reuses; it stays with the root).
 """
 from __future__ import annotations
 
@@ -110,7 +111,9 @@ class DiffusersBackbone(nn.Module):
     def repeated_blocks(self) -> list[nn.Module]:
         m = self.model
         if self.is_dit:
-            return list(m.transformer_blocks)
+            # not block 0: DiTTransformer2DModel's final layer calls block 0's time/label embedding from
+            # the root's forward, after the block (where FSDP has resharded a unit's parameters)
+            return list(m.transformer_blocks)[1:]
         return [*m.down_blocks, *([m.mid_block] if m.mid_block is not None else []), *m.up_blocks]
 
 
@@ -146,7 +149,7 @@ def build(in_channels: int, image_size: int, num_classes: int = 0, out_channels:
         if cfg.get("class_embed_type") is not None:
             raise InvalidInput(f"class_embed_type={cfg['class_embed_type']!r}: fasttrain conditions on class "
                                f"indices (an embedding table: class_embed_type=None)")
-        rows = given if given is not None else (num_classes + 1 if num_classes else None)
+        rows = given if (pre or given is not None) else (num_classes + 1 if num_classes else None)
         cfg[key] = rows
     if num_classes and (rows is None or rows < num_classes + 1):
         have = "no class table" if rows is None else f"a class table of {rows} rows"
