@@ -349,9 +349,13 @@ def _data(args) -> int:
         out_file(args.out)
     if args.vae and args.encoder:
         raise InvalidInput("--vae and --encoder exclude each other")
-    if args.vae:
+    if args.vae:  # a missing VAE or extra before the folder is checked
+        from . import optional
         from .data.encode import default_out
+        from .vae import model_dir
 
+        model_dir(args.vae, args.vae_subfolder)
+        optional.diffusers("data prepare --vae")
         args.latents_out = args.latents_out or str(default_out(args.root))
     if args.latents_out:
         out_dir(args.latents_out)
