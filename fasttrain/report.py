@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import base64
 import html
+import sys
 from pathlib import Path
 
 from jinja2 import Template
 
 from . import checkpoint as ckpt
-from .errors import MissingFile
 from . import plots
+from .errors import MissingFile, UserError
 from .logger import read_jsonl
 
 PAGE = Template("""<!doctype html>
@@ -95,7 +96,12 @@ def write_report(run_dir: str | Path, vae: str | None = None) -> Path:
     if not (run / "timesteps.png").is_file() and ckpt.latest(run) is not None:
         objective, interference = objective_from_checkpoint(run)
     plots.plot_run(run, objective, interference=interference)
-    decoded_samples(run, vae)
+    try:
+        decoded_samples(run, vae)
+    except UserError as e:  # the recorded VAE is gone: the report goes on without them (--vae names another)
+        if vae is not None:
+            raise
+        print(f"fasttrain: the report has no decoded samples ({e})", file=sys.stderr)
     figures = [(title, _b64(run / f)) for title, f in (
         ("Training loss", "loss.png"), ("Evaluation over training", "eval.png"),
         ("Per-timestep statistics", "timesteps.png"), ("Learned timestep distribution", "adaptive.png"),
