@@ -5,19 +5,19 @@ import json
 
 import pytest
 import torch
+from diffusers_fixtures import TINY_UNET, perturbed_run
 
 from fasttrain import seeds
 from fasttrain.bundle import ModelBundle
 from fasttrain.cli import main
 from fasttrain.export import export_diffusers
 
-from diffusers_fixtures import TINY_UNET, perturbed_run
-
 pytest.importorskip("diffusers")
 
 TINY = ["train.steps=1", "train.progress=false", "sample.num=0", "eval.num_samples=0", "eval.bpd=false",
         "train.threads=1", "data.batch_size=4"]
-ADM = ["model.name=adm_32", "model.args.ch_mult=[1,1]", "model.args.num_res_blocks=1", "model.args.attn_resolutions=[4]"]
+ADM = ["model.name=adm_32", "model.args.ch_mult=[1,1]", "model.args.num_res_blocks=1",
+       "model.args.attn_resolutions=[4]"]
 
 
 def _run(tmp_path, name, *over):
@@ -59,11 +59,12 @@ def test_adm_unet_exports_as_unet2dmodel_with_clipping(tmp_path):
 
 def test_flow_dit_and_diffusers_backbone_export(tmp_path):
     run = _run(tmp_path, "flow", "model.name=dit_tiny", "model.args.hidden=32", "model.args.depth=2",
-               "model.args.heads=2", "diffusion.schedule=flow", "diffusion.prediction=flow", "diffusion.weighting=simple")
+               "model.args.heads=2", "diffusion.schedule=flow", "diffusion.prediction=flow",
+               "diffusion.weighting=simple")
     export_diffusers(str(run), str(tmp_path / "flow-export"))
     _pipeline_equals_fasttrain(run, tmp_path / "flow-export", [1, 2], solver="flow_euler")
 
-    cfg = json.dumps(TINY_UNET).replace('"', "").replace(": ", ": ")
+    cfg = json.dumps(TINY_UNET).replace('"', "")  # a YAML flow mapping for the override
     run = _run(tmp_path, "hf", "model.name=diffusers", "model.class_conditional=false", f"model.args.config={cfg}")
     res = export_diffusers(str(run), str(tmp_path / "hf-export"))
     assert res["network"] == "UNet2DModel"

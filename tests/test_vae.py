@@ -4,11 +4,10 @@ import json
 
 import pytest
 import torch
+from diffusers_fixtures import save_tiny_vae
 
 from fasttrain.errors import DataError, InvalidInput, MissingFile
 from fasttrain.vae import LatentCodec, denormalize, latent_record, load_vae, model_dir, normalize
-
-from diffusers_fixtures import save_tiny_vae
 
 INFO = {"channels": 2, "posterior": "mean_std", "channel_mean": [1.0, -2.0], "channel_std": [2.0, 0.5],
         "vae": {"scaling_factor": 0.5, "shift_factor": 0.1, "config_sha256": "a", "weights_sha256": "b"}}

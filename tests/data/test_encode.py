@@ -5,15 +5,14 @@ import json
 import numpy as np
 import pytest
 import torch
+from diffusers_fixtures import save_tiny_vae
+from folder_fixtures import write_images
 
 from fasttrain.cli import main
 from fasttrain.data import build_data
 from fasttrain.data.encode import encode_with_vae
 from fasttrain.data.manifest import build_manifest
 from fasttrain.errors import DataError
-
-from diffusers_fixtures import save_tiny_vae
-from folder_fixtures import write_images
 
 pytest.importorskip("diffusers")
 

@@ -20,7 +20,6 @@ from fasttrain.models.dit import DiT
 from fasttrain.models.unet import UNet
 from fasttrain.parallel import parallelize
 
-
 HF = {"hf_dit": ("DiTTransformer2DModel", {"num_attention_heads": 2, "attention_head_dim": 8, "num_layers": 2}),
       "hf_unet": ("UNet2DModel", {"block_out_channels": [8, 16], "down_block_types": ["DownBlock2D", "AttnDownBlock2D"],
                                   "up_block_types": ["AttnUpBlock2D", "UpBlock2D"], "layers_per_block": 1,

@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 import torch
+from diffusers_fixtures import TINY_UNET, save_tiny_unet
 
 from fasttrain.bundle import ModelBundle
 from fasttrain.cli import main
@@ -14,8 +15,6 @@ from fasttrain.logger import read_jsonl
 from fasttrain.models import build_model
 from fasttrain.parallel import parallelize
 from fasttrain.train import train
-
-from diffusers_fixtures import TINY_UNET, save_tiny_unet
 
 pytest.importorskip("diffusers")
 
