@@ -4,7 +4,8 @@
 with other installed packages of that name). The native extension `fasttrain._C` (C++ CPU ops, and CUDA ops
 where nvcc is found) is built by CMakeLists.txt during the install; it needs torch at build time, so
 install with `--no-build-isolation` after torch (README). Without a compiler, CMake or torch the
-install goes on without it, says so in one line, and fasttrain uses the reference backend.
+install goes on without it, says so in one line, and fasttrain uses the torch backend (the PyTorch
+reference math).
 
 Environment: FASTTRAIN_NATIVE=0 skips the extension, =1 makes a failed build an error;
 FASTTRAIN_CUDA=0 builds the CPU part only; FASTTRAIN_CUDA_ARCHS (CMake list, default "80-real;90");
@@ -67,7 +68,7 @@ class CMakeBuild(build_ext):
             if os.environ.get("FASTTRAIN_NATIVE") == "1":
                 raise RuntimeError(f"fasttrain._C was not built: {why}")
             print(f"fasttrain: native extension fasttrain._C not built ({why}); "
-                  "fasttrain will use the reference backend", file=sys.stderr, flush=True)
+                  "fasttrain will use the torch backend (the PyTorch reference math)", file=sys.stderr, flush=True)
         self.extensions = built  # so setuptools neither copies nor lists what was not built
 
     @staticmethod

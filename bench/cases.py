@@ -1,6 +1,6 @@
-"""Benchmark cases for the per-step diffusion math, shared by the pytest-benchmark module and the
-smoke test: eager reference, torch.compile(reference) and the fused ops (Triton, native C++/CUDA),
-forward + backward.
+"""Benchmark cases for the per-step diffusion math (the noise op and the diffusion loss op), shared by
+bench_diffusion_loss.py and the smoke test: the PyTorch reference math eagerly and under
+torch.compile, and the fused ops (Triton, native C++/CUDA), forward + backward.
 
 One "step" of diffusion math: x_t from x0 (noise), then, for a model output `pred` that requires
 grad, the loss, dL/dpred and the per-timestep statistics. The model itself is left out: these
@@ -19,7 +19,9 @@ import torch
 
 from fasttrain import diffusion as fd
 from fasttrain.diffusion import prediction as P
-from fasttrain.kernels import TimestepBins, native, ops, reference as ref
+from fasttrain.kernels import TimestepBins, native, torch_ref
+from fasttrain.kernels.diffusion_loss import diffusion_loss
+from fasttrain.kernels.noise import noise
 
 SHAPES = {"latent-dit": (256, 4, 32, 32), "pixel": (64, 3, 256, 256)}
 
@@ -63,8 +65,8 @@ class Case:
     # -- the implementations ---------------------------------------------------------------------
     def _reference(self, x0, t, iw, pred):
         eps = torch.randn_like(x0)
-        x_t = ref.noise(x0, t, self.a, self.s, eps, self.model_dtype)
-        per, raw = ref.loss(pred, x0, eps, t, self.w, iw, self.coef)
+        x_t = torch_ref.noise(x0, t, self.a, self.s, eps, self.model_dtype)
+        per, raw = torch_ref.loss(pred, x0, eps, t, self.w, iw, self.coef)
         return x_t, per.mean(), raw
 
     def _scatter(self, raw):
@@ -89,10 +91,10 @@ class Case:
 
     def fused(self, backend="auto"):
         self.pred.grad = None
-        ops.noise(self.x0, self.t, self.a, self.s, seed=1, offset=self.offset, out_dtype=self.model_dtype,
-                  backend=backend)
-        loss = ops.loss(self.pred, self.x0, self.t, self.w, self.iw, self.coef, uses=self.uses, seed=1,
-                        offset=self.offset, bins=self.bins, backend=backend).loss
+        noise(self.x0, self.t, self.a, self.s, seed=1, offset=self.offset, out_dtype=self.model_dtype,
+              backend=backend)
+        loss = diffusion_loss(self.pred, self.x0, self.t, self.w, self.iw, self.coef, uses=self.uses, seed=1,
+                              offset=self.offset, bins=self.bins, backend=backend).loss
         loss.backward()
         return loss
 

@@ -1,6 +1,6 @@
-"""Collect the kernel benchmarks of one run into bench/results/, with ratios measured side by side:
-each benchmark round of bench_kernels.py runs every implementation once (interleaved), and the
-ratios are of the medians over those rounds."""
+"""Collect the kernel benchmarks of one run into bench/results/kernels-<device>.{json,md}, with ratios
+measured side by side: each benchmark round of bench_diffusion_loss.py runs every implementation once
+(interleaved), and the ratios are of the medians over those rounds."""
 import json
 import statistics
 import sys

@@ -9,7 +9,7 @@
 
 Whatever the model computes in, the fused kernels take its output as it is and reduce in float32;
 the EMA, the per-timestep statistics and every checkpointed weight stay float32. The model's input
-x_t is written by kernel A directly in the compute dtype (half the bytes of a float32 copy).
+x_t is written by the noise kernel directly in the compute dtype (half the bytes of a float32 copy).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class Precision:
 
     @property
     def input_dtype(self) -> torch.dtype:
-        """What kernel A writes x_t in: the dtype the model's first layer computes in."""
+        """What the noise kernel writes x_t in: the dtype the model's first layer computes in."""
         return self.dtype if (self.autocast or self.fsdp_policy) else torch.float32
 
 

@@ -1,11 +1,12 @@
-"""The native backend: C++ (CPU) and CUDA C++ implementations of kernels A and B in `fasttrain._C`.
+"""The native backend: C++ (CPU) and CUDA C++ implementations of the noise kernel and the loss kernel
+in `fasttrain._C`.
 
 `fasttrain._C` is built by CMakeLists.txt during `pip install` where a compiler is present; without
-it fasttrain runs on the reference (`torch`) backend. The extension registers the operators
-`fasttrain_C::noise` and `fasttrain_C::loss` for CPU (and CUDA where it was compiled with nvcc), and
-`fasttrain_C::mixed_loss` for CPU only (the Triton kernel is the mixed loss's GPU path); the custom
-ops in ops.py and ops_mixed.py call them for backend="native", so autograd, `register_fake` and
-torch.compile see the same operators as on every other backend.
+it fasttrain runs on the `torch` backend (the PyTorch reference math). The extension registers the
+operators `fasttrain_C::noise` and `fasttrain_C::loss` for CPU (and CUDA where it was compiled with
+nvcc), and `fasttrain_C::mixed_loss` for CPU only (the Triton kernel is the mixed loss's GPU path);
+the custom ops of noise.py, diffusion_loss.py and mixed_loss.py call them for backend="native", so
+autograd, `register_fake` and torch.compile see the same operators as on every other backend.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def _load() -> bool:
         except ImportError as e:
             _LOADED, _ERROR = False, f"fasttrain._C is not built ({e})"
             # The install said so too, but pip hides build output; one line here, once per process.
-            warnings.warn(f"{_ERROR}: the CPU diffusion math runs on the reference backend "
+            warnings.warn(f"{_ERROR}: the CPU diffusion math runs on the torch backend (the PyTorch reference) "
                           "(reinstall with a C++ compiler and CMake to build it, README)", stacklevel=3)
     return _LOADED
 
@@ -56,5 +57,5 @@ def loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs):
 
 
 def mixed_loss(out, x0, t, weight, iw, tab, gate, pivots, bins, eps, seed, offset):
-    """(mean, per, raw, weighted, x0_error, grad, gate grad): mixed_reference.loss_and_grad, CPU tensors."""
+    """(mean, per, raw, weighted, x0_error, grad, gate grad): torch_ref_mixed_loss.loss_and_grad, CPU tensors."""
     return tuple(torch.ops.fasttrain_C.mixed_loss(out, x0, t, weight, iw, tab, gate, pivots, bins, eps, seed, offset))

@@ -72,8 +72,9 @@ def normal(seed: int, counter: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(th)
 
 
-def noise(shape, seed: int, offset, device="cpu") -> torch.Tensor:
-    """ε of a whole batch: element i (row-major) uses counter offset + i (offset: int or 0-d tensor)."""
+def randn(shape, seed: int, offset, device="cpu") -> torch.Tensor:
+    """ε of a whole batch, `tl.randn` over it: element i (row-major) uses counter offset + i (offset: int
+    or 0-d tensor). Named after tl.randn, not "noise": the noise op (noise.py) returns x_t, not ε."""
     n = 1
     for d in shape:
         n *= int(d)

@@ -67,7 +67,7 @@ class InterferenceDiagnostic(LookAhead):
         ts = bucket_timesteps(self.T, self.n_buckets, P, x0.device)  # [B, P]
         reps = (self.n_buckets,) + (1,) * (x0.ndim - 1)
         x = x0.repeat(reps)
-        self.probe = {"x0": x, "t": ts.reshape(-1), "eps": philox.noise(x.shape, self.seed, 0, x.device),
+        self.probe = {"x0": x, "t": ts.reshape(-1), "eps": philox.randn(x.shape, self.seed, 0, x.device),
                       "labels": None if labels is None else labels.repeat(self.n_buckets), "P": P}
 
     def _bucket_grad(self, ctx, i: int) -> torch.Tensor:

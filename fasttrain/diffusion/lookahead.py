@@ -10,7 +10,7 @@ and the step's first micro-batch; components evaluate the model on their own pro
 
 The machinery (what both components share):
   Probe        a fixed set of (x0, t) pairs with x_t = a[t]·x0 + s[t]·ε drawn ONCE from the
-               project's counter-based noise (kernel A, `fasttrain.kernels.ops.noise`) at a
+               project's counter-based noise (the noise op, `fasttrain.kernels.noise`) at a
                (seed, offset) the component chooses. Evaluating the same Probe before and after
                the update uses the same ε and x_t: common random numbers (CRN), so the difference
                measures the update, not the noise.
@@ -42,7 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fasttrain.kernels import ops
+from fasttrain.kernels.backend import resolve_backend
+from fasttrain.kernels.noise import noise
 
 
 @dataclass
@@ -118,9 +119,9 @@ class Probe:
     def draw(cls, objective, x0: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None = None, *,
              seed: int, offset: int) -> "Probe":
         """x_t = a[t]·x0 + s[t]·ε with ε of element i, dimension d at counter offset + i·D + d of the
-        Philox stream `seed` (kernel A, the training step's own noise path and backend)."""
-        backend = ops.resolve_backend(objective.backend, x0.device)
-        x_t = ops.noise(x0, t, objective.alpha, objective.sigma, seed=seed, offset=offset, backend=backend)
+        Philox stream `seed` (the noise op: the training step's own noise path and backend)."""
+        backend = resolve_backend(objective.backend, x0.device)
+        x_t = noise(x0, t, objective.alpha, objective.sigma, seed=seed, offset=offset, backend=backend)
         return cls(x0, t, x_t, labels)
 
     def __len__(self) -> int:

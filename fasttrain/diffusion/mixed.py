@@ -18,7 +18,7 @@ gives x̂0⁽ⁱ⁾ = k1ᵢ(t)·predᵢ + k2ᵢ(t)·x_t, and the estimate is x̂
   mode=gate      generation uses the mixed x̂0;  mode=argmin: at each timestep the single head with the
                  lowest running x0 error (EMA of the per-head, per-timestep statistics).
 
-Loss per sample (kernels/mixed_reference.py): w_x0[t]·mean((x̂0 − x0)²) + aux_weight·Σᵢ mean((predᵢ −
+Loss per sample (kernels/torch_ref_mixed_loss.py): w_x0[t]·mean((x̂0 − x0)²) + aux_weight·Σᵢ mean((predᵢ −
 targetᵢ)²), times the sampler's importance weight; lucidrains' aux weight is 0.1.
 
 Numerical safety where α → 0 or σ → 0. κᵢ(t) = |k1ᵢ| = |σ/detᵢ| is the factor by which head i's own
@@ -42,8 +42,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fasttrain.kernels import mixed_reference as mref
-from fasttrain.kernels import ops, ops_mixed
+from fasttrain.kernels import torch_ref_mixed_loss as mixed_ref
+from fasttrain.kernels.backend import resolve_backend
+from fasttrain.kernels.mixed_loss import mixed_loss
+from fasttrain.kernels.noise import noise
 
 from ..errors import ConfigError, InvalidInput
 from . import prediction as P
@@ -117,11 +119,11 @@ def prior_bias(heads, schedule: NoiseSchedule, prior: bool = True) -> torch.Tens
     beta = -torch.log1p(k1**2) if prior else torch.zeros_like(k1)
     if not ok.any(0).all():
         raise ValueError("no mixed head can recover x0 at some timestep")  # unreachable for allowed sets
-    return torch.where(ok, beta, mref.MASKED)
+    return torch.where(ok, beta, mixed_ref.MASKED)
 
 
 def head_table(heads, schedule: NoiseSchedule, aux_weight: float = 0.1, prior: bool = True) -> torch.Tensor:
-    """The kernels' float32 [H, NROWS, T] table (layout: kernels/mixed_reference.py)."""
+    """The kernels' float32 [H, NROWS, T] table (layout: kernels/torch_ref_mixed_loss.py)."""
     if not float(aux_weight) >= 0:
         raise InvalidInput(f"mixed.aux_weight must be >= 0, got {aux_weight!r}")
     heads = check_heads(heads, schedule)
@@ -185,7 +187,7 @@ class MixedOutput(nn.Module):
         if output.shape[1] != H * C + H or output.shape[2:] != x_t.shape[2:]:
             raise ValueError(f"a mixed model's output must be [B, {H * C + H}, *S] ({H} heads × {C} channels "
                              f"+ {H} gate logits), got {tuple(output.shape)}")
-        return mref.split(output, H, C, True)
+        return mixed_ref.split(output, H, C, True)
 
     def head_x0(self, output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """Every head's x̂0 [B, H, C, *S] in fp32 (0 where a head cannot recover x0 at t)."""
@@ -218,7 +220,7 @@ class MixedOutput(nn.Module):
 @register_objective("mixed")
 class MixedObjective(Objective):
     """The objective for prediction="mixed": the same call and info as DiffusionObjective (plus
-    "x0_error" [B, H]), the fused mixed loss (kernels/ops_mixed.py) and statistics with one x0-error
+    "x0_error" [B, H]), the fused mixed loss (kernels/mixed_loss.py) and statistics with one x0-error
     kind per head. With `output` (the network wrapper's MixedOutput) and mode=argmin, every
     statistics sync writes the per-timestep head choice into the network.
 
@@ -308,8 +310,8 @@ class MixedObjective(Objective):
         t, iw, backend, offset, x_t = self.draw(x0, generator, t)
         out, logvar, gate = self._network(model, x_t, t, cond)
         st = self.stats
-        res = ops_mixed.mixed_loss(out, x0, t, self.weight, iw, self.tab, gate=gate, seed=self.seed, offset=offset,
-                                   backend=backend, bins=st.window if st is not None else None)
+        res = mixed_loss(out, x0, t, self.weight, iw, self.tab, gate=gate, seed=self.seed, offset=offset,
+                         backend=backend, bins=st.window if st is not None else None)
         if st is not None:
             st.record(t, res.weighted)
         loss, per_sample = self._with_uncertainty(res.loss, res.per_sample, logvar)
@@ -320,11 +322,11 @@ class MixedObjective(Objective):
     def probe_loss(self, model, x0, t, eps, cond=None) -> torch.Tensor:
         """Per-sample loss (iw = 1) at the given t and eps, with no statistics and no noise-counter
         move: for probes (diagnostics, look-aheads)."""
-        backend = ops.resolve_backend(self.backend, x0.device)
-        x_t = ops.noise(x0, t, self.alpha, self.sigma, eps=eps, backend=backend)
+        backend = resolve_backend(self.backend, x0.device)
+        x_t = noise(x0, t, self.alpha, self.sigma, eps=eps, backend=backend)
         out, logvar, gate = self._network(model, x_t, t, cond)
         iw = torch.ones(x0.shape[0], device=x0.device)
-        per = ops_mixed.mixed_loss(out, x0, t, self.weight, iw, self.tab, gate=gate, eps=eps, backend=backend).per_sample
+        per = mixed_loss(out, x0, t, self.weight, iw, self.tab, gate=gate, eps=eps, backend=backend).per_sample
         return self._with_uncertainty(None, per, logvar)[1]
 
     # -- statistics, argmin, persistence ---------------------------------------------------------

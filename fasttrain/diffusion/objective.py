@@ -10,19 +10,24 @@ and `MixedObjective` (mixed.py) for several heads mixed by a gate. Each also say
 must output (`out_channels`) and gives the network wrapper its output → x̂0 conversion
 (`output_head`, held by `Denoiser`): generation never builds an objective.
 
-One step (docs/architecture.md): t, iw ~ sampler; the noise kernel: x_t = alpha[t]·x0 + sigma[t]·eps with eps
-from the counter-based stream (seed, offset); pred = model(x_t, t, cond); the loss kernel: per-sample
-ℓ_b = w[t_b]·iw_b·mean((pred - target)²) with the same eps, the gradient written in the forward pass,
-and the raw and weighted losses scattered into the TimestepStats window. Nothing here syncs with the
-host: the noise offset is a device counter advanced in place. With a learned weighting the network
-also returns its per-timestep log-variance u(t) (EDM2), and ℓ_b becomes ℓ_b/exp(u) + u.
+One step (docs/architecture.md): t, iw ~ sampler; the noise kernel: x_t = alpha[t]·x0 + sigma[t]·eps
+with eps from the counter-based stream (seed, offset); pred = model(x_t, t, cond); the loss kernel:
+per-sample ℓ_b = w[t_b]·iw_b·mean((pred - target)²) with the same eps, the gradient written in the
+forward pass, and the raw and weighted losses scattered into the TimestepStats window. Nothing here
+syncs with the host: the noise offset is a device counter advanced in place. With a learned weighting
+the network also returns its per-timestep log-variance u(t) (EDM2), and ℓ_b becomes ℓ_b/exp(u) + u.
+The ops come from `fasttrain.kernels` (noise.py, diffusion_loss.py); every backend draws the same
+noise stream.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from fasttrain.kernels import ops, philox
+from fasttrain.kernels import philox
+from fasttrain.kernels.backend import BACKENDS, resolve_backend
+from fasttrain.kernels.diffusion_loss import diffusion_loss
+from fasttrain.kernels.noise import noise
 
 from ..errors import InvalidInput
 from ..registry import Registry
@@ -33,7 +38,6 @@ from .schedule import NoiseSchedule
 from .stats import TimestepStats
 from .weighting import effective_x0_weight, loss_weight, uncertainty_loss
 
-BACKENDS = ops.BACKENDS
 OBJECTIVES = Registry("objective", positional=1)  # prediction kinds beyond the single types → their class
 register = OBJECTIVES.register
 
@@ -104,23 +108,23 @@ class Objective(nn.Module):
     # -- one step --------------------------------------------------------------------------------
     def noise(self, like: torch.Tensor) -> torch.Tensor:
         """The eps of the next (seed, offset) (what the kernels would draw); advances the offset."""
-        eps = philox.noise(like.shape, self.seed, self.offset.to(like.device), like.device)
+        eps = philox.randn(like.shape, self.seed, self.offset.to(like.device), like.device)
         self.offset += like.numel()
         return eps
 
     def draw(self, x0: torch.Tensor, generator: torch.Generator | None = None, t: torch.Tensor | None = None):
         """The step's (t, iw, backend, noise offset, x_t): timesteps from the sampler (or given, iw = 1),
-        the noise kernel at this step's counter; the device counter moves on in place."""
+        the noise op at this step's counter; the device counter moves on in place."""
         B = x0.shape[0]
         if t is None:
             t, iw = self.sampler.sample(B, generator, x0)
         else:
             iw = torch.ones(B, device=x0.device)
-        backend = ops.resolve_backend(self.backend, x0.device)
+        backend = resolve_backend(self.backend, x0.device)
         offset = self.offset.clone()
         self.offset += x0.numel()
-        x_t = ops.noise(x0, t, self.alpha, self.sigma, seed=self.seed, offset=offset, out_dtype=self.input_dtype,
-                        backend=backend)
+        x_t = noise(x0, t, self.alpha, self.sigma, seed=self.seed, offset=offset, out_dtype=self.input_dtype,
+                    backend=backend)
         return t, iw, backend, offset, x_t
 
     def _with_uncertainty(self, loss, per_sample, logvar):
@@ -243,9 +247,9 @@ class DiffusionObjective(Objective):
         t, iw, backend, offset, x_t = self.draw(x0, generator, t)
         pred, logvar = self._call(model, x_t, t, cond)
         st = self.stats
-        loss, per_sample, raw, weighted = ops.loss(pred, x0, t, self.weight, iw, self.coef, uses=self.pred.uses,
-                                                   seed=self.seed, offset=offset, backend=backend,
-                                                   bins=st.window if st is not None else None)
+        loss, per_sample, raw, weighted = diffusion_loss(pred, x0, t, self.weight, iw, self.coef, uses=self.pred.uses,
+                                                         seed=self.seed, offset=offset, backend=backend,
+                                                         bins=st.window if st is not None else None)
         if st is not None:
             st.record(t, weighted)
         loss, per_sample = self._with_uncertainty(loss, per_sample, logvar)
@@ -256,11 +260,12 @@ class DiffusionObjective(Objective):
     def probe_loss(self, model, x0: torch.Tensor, t: torch.Tensor, eps: torch.Tensor, cond=None) -> torch.Tensor:
         """Per-sample loss ℓ_b (iw = 1) at the given t and eps, with no statistics and no noise-counter
         move: for probes (diagnostics, look-aheads). Differentiable in the model's parameters."""
-        backend = ops.resolve_backend(self.backend, x0.device)
-        x_t = ops.noise(x0, t, self.alpha, self.sigma, eps=eps, backend=backend)
+        backend = resolve_backend(self.backend, x0.device)
+        x_t = noise(x0, t, self.alpha, self.sigma, eps=eps, backend=backend)
         pred, logvar = self._call(model, x_t, t, cond)
         iw = torch.ones(x0.shape[0], device=x0.device)
-        per = ops.loss(pred, x0, t, self.weight, iw, self.coef, uses=self.pred.uses, eps=eps, backend=backend).per_sample
+        per = diffusion_loss(pred, x0, t, self.weight, iw, self.coef, uses=self.pred.uses, eps=eps,
+                             backend=backend).per_sample
         return self._with_uncertainty(None, per, logvar)[1]
 
     def effective_weight(self, probs: torch.Tensor | None = None) -> torch.Tensor:

@@ -51,7 +51,7 @@ def bucket_timesteps(T: int, n_buckets: int, per_bucket: int, device="cpu") -> t
 
 def probe_noise(x0: torch.Tensor, seed: int = 0) -> torch.Tensor:
     """The probe's fixed eps: the project's noise stream at (seed, offset 0)."""
-    return philox.noise(x0.shape, seed, 0, x0.device)
+    return philox.randn(x0.shape, seed, 0, x0.device)
 
 
 def bucket_grad_norms(objective, model, x0: torch.Tensor, cond=None, n_buckets: int = 10,

@@ -1,11 +1,11 @@
-// Arguments of the native kernels A (noise), B (loss) and the mixed loss as plain structs of raw
+// Arguments of the native noise kernel, loss kernel and mixed loss as plain structs of raw
 // pointers, shared by the C++ CPU kernels (cpu/kernels.cpp, cpu/mixed.cpp), the CUDA kernels
 // (cuda/kernels.cu) and the ATen bindings that fill them (cpu/ops.cpp, cpu/mixed_ops.cpp,
 // cuda/ops.cpp). Keeping torch out of the kernel sources keeps them quick to compile once per CPU
 // instruction set and per GPU architecture.
 //
-// Contracts: kernels/reference.py and kernels/mixed_reference.py (the oracles), kernels/triton_kernels.py
-// and kernels/triton_mixed.py (the Triton kernels).
+// Contracts: kernels/torch_ref.py and kernels/torch_ref_mixed_loss.py (the oracles), kernels/triton_noise.py,
+// kernels/triton_diffusion_loss.py and kernels/triton_mixed_loss.py (the Triton kernels).
 #pragma once
 #include <cstdint>
 
@@ -13,7 +13,7 @@ namespace fasttrain {
 
 enum class DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
-// Kernel A: x_t = alpha[t_b]*x0 + sigma[t_b]*eps, eps = philox(seed, offset + b*D + i) unless given.
+// The noise kernel: x_t = alpha[t_b]*x0 + sigma[t_b]*eps, eps = philox(seed, offset + b*D + i) unless given.
 struct NoiseArgs {
   const void* x0;
   DType x0_type;
@@ -31,7 +31,7 @@ struct NoiseArgs {
   const int64_t* offset_ptr;      // CUDA only: the 0-d int64 offset tensor (no host sync)
 };
 
-// Kernel B: target = coef[0,t]*eps + coef[1,t]*x0, d = pred - target,
+// The loss kernel: target = coef[0,t]*eps + coef[1,t]*x0, d = pred - target,
 // grad = d * (grad_scale * w[t_b]*iw_b) in pred's dtype, per-sample sums of d^2 per tile.
 struct LossArgs {
   const void* pred;
@@ -54,7 +54,7 @@ struct LossArgs {
   float grad_scale;  // float32(2 / (B*D)), as the reference rounds it
 };
 
-// The mixed-prediction loss (kernels/mixed_reference.py; CPU only, cpu/mixed.cpp): H heads of C
+// The mixed-prediction loss (kernels/torch_ref_mixed_loss.py; CPU only, cpu/mixed.cpp): H heads of C
 // channels over P pixels, out [B, CO, P] with head h in channels [h*C, (h+1)*C) and, for the pixel
 // gate, CO = H*C + H (the logits in the last H channels); with a per-sample gate CO = H*C.
 // eps = philox(seed, offset + x0 element index) unless given. The softmax weights are per pixel, or
@@ -74,14 +74,14 @@ struct MixedArgs {
   const int64_t* t;
   const float* weight;  // [T]: the x0-space weight
   const float* iw;      // [B]
-  const float* tab;     // [H, 6, T]: ce, cx, k1, fb, bias, aux (mixed_reference.ROWS)
+  const float* tab;     // [H, 6, T]: ce, cx, k1, fb, bias, aux (torch_ref_mixed_loss.ROWS)
   int64_t T;
   void* grad;  // out's dtype and shape, contiguous
   int64_t B, H, C, P;
   int64_t block, tasks_per_sample;
   uint64_t seed;
   uint64_t offset;
-  float grad_scale;  // float32(2 / (B*C*P)), as mixed_reference.loss_and_grad rounds it
+  float grad_scale;  // float32(2 / (B*C*P)), as torch_ref_mixed_loss.loss_and_grad rounds it
 };
 
 // The timestep gate, or the pixel gate of flat data (P = 1: the sample is one "pixel"): one

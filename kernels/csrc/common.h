@@ -36,8 +36,8 @@ inline void check_batch(const at::Tensor& x, const at::Tensor& t, const at::Tens
 
 inline int64_t per_sample(const at::Tensor& x) { return x.dim() == 0 || x.size(0) == 0 ? 0 : x.numel() / x.size(0); }
 
-// The fields of kernel A's and kernel B's arguments that every backend fills alike, from contiguous
-// tensors; the noise offset is the caller's (the CPU passes its value, CUDA a device pointer).
+// The fields of the noise kernel's and the loss kernel's arguments that every backend fills alike, from
+// contiguous tensors; the noise offset is the caller's (the CPU passes its value, CUDA a device pointer).
 inline NoiseArgs noise_args(const at::Tensor& x0, const at::Tensor& eps, at::Tensor& xt, at::Tensor& eps_out,
                             bool write_eps, const at::Tensor& t64, const at::Tensor& alpha, const at::Tensor& sigma,
                             int64_t seed) {

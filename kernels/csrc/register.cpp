@@ -1,10 +1,11 @@
 // fasttrain._C: the operator schemas of the native backend and the Python module that loads them.
 //
-// kernels/ops.py and kernels/ops_mixed.py wrap these in their torch.library custom ops (fasttrain::noise,
-// fasttrain::diffusion_loss, fasttrain::mixed_loss), which own the autograd rules and the fake (meta) implementations for
-// every backend; these operators are their native kernels, dispatched on the device of the inputs:
+// kernels/noise.py, kernels/diffusion_loss.py and kernels/mixed_loss.py wrap these in their torch.library
+// custom ops (fasttrain::noise, fasttrain::diffusion_loss, fasttrain::mixed_loss), which own the autograd
+// rules and the fake (meta) implementations for every backend; these operators are their native
+// kernels, dispatched on the device of the inputs:
 // the CPU implementations (cpu/ops.cpp, cpu/mixed_ops.cpp) always, the CUDA ones (cuda/ops.cpp) when
-// nvcc was found. mixed_loss has no CUDA kernel: on GPUs the Triton kernel (kernels/triton_mixed.py)
+// nvcc was found. mixed_loss has no CUDA kernel: on GPUs the Triton kernel (kernels/triton_mixed_loss.py)
 // is the fused path.
 // Only this file includes torch/library.h (the slowest header to compile).
 // `bins` is mutated in place (the per-timestep statistics, kernels/bins.py), hence Tensor(a!).
@@ -24,7 +25,7 @@ TORCH_LIBRARY(fasttrain_C, m) {
       "loss(Tensor pred, Tensor x0, Tensor t, Tensor weight, Tensor iw, Tensor coef, Tensor pivots, "
       "Tensor(a!) bins, Tensor? eps, int seed, Tensor offset, int needs) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // (mean, per-sample, raw, weighted, x0_error [B, H], grad of out, grad of gate [B, H] or empty):
-  // kernels/mixed_reference.loss_and_grad, with bins of 2 + H values.
+  // kernels/torch_ref_mixed_loss.loss_and_grad, with bins of 2 + H values.
   m.def(
       "mixed_loss(Tensor out, Tensor x0, Tensor t, Tensor weight, Tensor iw, Tensor tab, Tensor? gate, "
       "Tensor pivots, Tensor(a!) bins, Tensor? eps, int seed, Tensor offset) "

@@ -30,12 +30,30 @@ def test_bench_cases_run_on_tiny_shapes():
     assert "torch" in machine()
 
 
+def test_mixed_loss_bench_cases_run_on_tiny_shapes():
+    """bench_mixed_loss.py's implementations, and its Triton variant's call through the interpreter
+    (what the benchmark times on CUDA)."""
+    import bench_mixed_loss as bm
+
+    names, skipped = bm.impls("cpu")
+    assert names[:2] == ["eager", "torch"] and "triton" in skipped
+    for gate in ("pixel", "timestep"):
+        case = bm.Case(gate, "cpu", shape=(3, 4, 3, 3))
+        runs = [getattr(case, impl) for impl in names] + [lambda: case.fused("interpret", seed=1, offset=0)]
+        for fn in runs:
+            loss = fn()
+            assert torch.isfinite(loss) and case.out.grad is not None and case.out.grad.dtype == torch.bfloat16
+            assert (case.gate is None) == (gate == "pixel") and (case.gate is None or case.gate.grad is not None)
+        assert case.bins.data[0].sum().item() == 3 * len(runs)
+
+
 def test_every_benchmark_script_imports():
     """A script that imports a module a refactor removed fails here, not in the next benchmark run."""
     import importlib
 
     scripts = sorted(p.stem for p in (Path(__file__).parents[2] / "bench").glob("*.py") if p.stem != "conftest")
-    assert {"convergence", "throughput", "presets", "adaptive_digits"} <= set(scripts)
+    assert {"bench_diffusion_loss", "bench_mixed_loss", "convergence", "throughput", "presets",
+            "adaptive_digits"} <= set(scripts)
     for name in scripts:
         mod = importlib.import_module(name)
         assert mod.__file__.endswith(f"bench/{name}.py")

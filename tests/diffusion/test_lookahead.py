@@ -26,7 +26,7 @@ def test_probe_is_the_philox_stream_and_x0_mse_is_the_hand_computation():
     obj = fd.DiffusionObjective(s, "v")
     x0, t = torch.randn(10, 6), torch.randint(0, 1000, (10,))
     probe = Probe.draw(obj, x0, t, seed=5, offset=123)
-    eps = philox.noise(x0.shape, 5, 123)
+    eps = philox.randn(x0.shape, 5, 123)
     a, sg = s.alpha[t, None].float(), s.sigma[t, None].float()
     torch.testing.assert_close(probe.x_t, a * x0 + sg * eps)
     again = Probe.draw(obj, x0, t, seed=5, offset=123)

@@ -10,11 +10,14 @@ from fasttrain.diffusion import mixed as M
 from fasttrain.diffusion import prediction as P
 from fasttrain.diffusion import variation as V
 from fasttrain.diffusion.denoiser import Denoiser
-from fasttrain.kernels import mixed_reference as mref, ops, ops_mixed, philox
+from fasttrain.kernels import philox, torch_ref_mixed_loss as mixed_ref
+from fasttrain.kernels.diffusion_loss import diffusion_loss
+from fasttrain.kernels.mixed_loss import mixed_loss
+from fasttrain.kernels.noise import noise
 import gmm_oracle as gmm
 
 # CPU tensors throughout: the interpreter where it is set (conftest.py), the reference on a GPU machine
-# (tests/kernels/test_mixed_kernels.py runs the compiled kernel there).
+# (tests/kernels/test_mixed_loss.py runs the compiled kernel there).
 BACKEND = "torch" if torch.cuda.is_available() else "interpret"
 
 
@@ -58,7 +61,7 @@ def test_each_head_x0_conversion_is_exact(sched, heads):
     for i, h in enumerate(heads):
         expect = P.to_x0_eps(h, preds[i], x_t.double(), a, sg)[0]
         torch.testing.assert_close(xs[:, i].double(), expect, rtol=1e-5, atol=1e-5)
-    _, e, _, _, _ = mref.parts(out, x0, eps, t, obj.tab)
+    _, e, _, _, _ = mixed_ref.parts(out, x0, eps, t, obj.tab)
     for i, h in enumerate(heads):
         expect = P.to_x0_eps(h, preds[i], (a * x0.double() + sg * eps.double()), a, sg)[0]
         torch.testing.assert_close((e[:, i] + x0).double(), expect, rtol=1e-5, atol=1e-5)
@@ -84,11 +87,11 @@ def test_one_hot_gate_reproduces_the_single_head_loss(sched, heads):
         out[:, H * C:] = -1e4
         out[:, H * C + j] = 1e4
         o = out.clone().requires_grad_()
-        res = ops_mixed.mixed_loss(o, x0, t, w_x0, iw, tab, eps=eps, backend=BACKEND)
+        res = mixed_loss(o, x0, t, w_x0, iw, tab, eps=eps, backend=BACKEND)
         res.loss.backward()
         pred = out[:, j * C:(j + 1) * C].clone().requires_grad_()
         w_j = fd.loss_weight("min_snr", s, h).float()
-        single = ops.loss(pred, x0, t, w_j, iw, P.get(h).table(s.alpha, s.sigma), eps=eps, backend=BACKEND)
+        single = diffusion_loss(pred, x0, t, w_j, iw, P.get(h).table(s.alpha, s.sigma), eps=eps, backend=BACKEND)
         single.loss.backward()
         torch.testing.assert_close(res.per_sample, single.per_sample, rtol=2e-5, atol=0)
         torch.testing.assert_close(o.grad[:, j * C:(j + 1) * C], pred.grad, rtol=2e-5, atol=1e-9)
@@ -108,7 +111,7 @@ def test_argmin_picks_the_head_with_the_lowest_x0_error():
     x0 = torch.rand(T, 1, 3, 3) * 2 - 1
     t = torch.arange(T)
     t[10:13] = 9  # timesteps 10..12 unseen: the gate stays in charge there
-    eps = philox.noise(x0.shape, 2, 0)
+    eps = philox.randn(x0.shape, 2, 0)
 
     def model(x_t, tt):
         a, sg = col(s.alpha[tt].float(), 4), col(s.sigma[tt].float(), 4)
@@ -153,7 +156,7 @@ def test_numerical_safety_where_alpha_or_sigma_vanish(sched, heads):
     finite = torch.isfinite(kappa[0])
     if sched != "cosine":
         assert (kappa[0][finite] / H).max() > 100
-        assert pi[0, -1] == 0 and tab[0, mref.K1, -1] == 0 and tab[0, mref.FB, -1] == -1
+        assert pi[0, -1] == 0 and tab[0, mixed_ref.K1, -1] == 0 and tab[0, mixed_ref.FB, -1] == -1
     g = torch.Generator().manual_seed(4)
     t = torch.tensor([0, 1, T // 2, T - 2, T - 1])
     B = t.numel()
@@ -162,18 +165,18 @@ def test_numerical_safety_where_alpha_or_sigma_vanish(sched, heads):
     out[:, H * C:] = 0
     w = fd.loss_weight("snr", s, "x0").float()  # x0-space SNR: ~1e4..1e6 at σ → 0
     o = out.clone().requires_grad_()
-    res = ops_mixed.mixed_loss(o, x0, t, w, torch.ones(B), tab, eps=eps, backend=BACKEND)
+    res = mixed_loss(o, x0, t, w, torch.ones(B), tab, eps=eps, backend=BACKEND)
     res.loss.backward()
     assert torch.isfinite(res.per_sample).all() and torch.isfinite(res.x0_error).all()
     assert torch.isfinite(o.grad).all()
     # |∂L/∂pred_eps| ≤ |∂L/∂x̂0| = |∂L/∂pred_x0-like head| / (π·κ of that head)
     ge = o.grad[:, :C]
-    gE = 2 * w[t].view(B, 1, 1) * (res.raw.new_tensor(1.0) / (B * C * 5)) * mref.parts(out, x0, eps, t, tab)[2]
+    gE = 2 * w[t].view(B, 1, 1) * (res.raw.new_tensor(1.0) / (B * C * 5)) * mixed_ref.parts(out, x0, eps, t, tab)[2]
     assert (ge.abs() <= gE.abs() * (1 + 1e-4) + 1e-12).all()
     if sched != "cosine":
         assert torch.equal(ge[-1], torch.zeros_like(ge[-1]))  # masked: no mixed gradient at all
     obj = M.MixedObjective(s, heads, backend="torch")
-    x_t = ops.noise(x0, t, obj.alpha, obj.sigma, eps=eps, backend="torch")
+    x_t = noise(x0, t, obj.alpha, obj.sigma, eps=eps, backend="torch")
     assert torch.isfinite(M.MixedOutput(heads, s).to_x0(out, x_t, t)).all()
 
 
@@ -219,10 +222,10 @@ def test_timestep_gate_is_a_network_parameter_and_learns_by_t():
     offset = int(obj.offset)
     loss, info = obj(model, x0, t=t)
     loss.backward()
-    eps = philox.noise(x0.shape, 3, offset)
-    x_t = ops.noise(x0, t, obj.alpha, obj.sigma, eps=eps, backend="torch")
+    eps = philox.randn(x0.shape, 3, offset)
+    x_t = noise(x0, t, obj.alpha, obj.sigma, eps=eps, backend="torch")
     gl = model.gate.logits.detach()[t].clone().requires_grad_()
-    per = mref.loss(net(x_t, t).detach(), x0, eps, t, obj.weight, info["iw"], obj.tab, gl)[0]
+    per = mixed_ref.loss(net(x_t, t).detach(), x0, eps, t, obj.weight, info["iw"], obj.tab, gl)[0]
     per.mean().backward()
     expect = torch.zeros_like(model.gate.logits).index_add_(0, t, gl.grad)
     torch.testing.assert_close(model.gate.logits.grad, expect, rtol=1e-5, atol=1e-8)
@@ -242,10 +245,10 @@ def test_objective_on_fused_kernel_matches_reference_and_fills_statistics(gate):
     offset = int(obj.offset)
     loss, info = obj(model, x0, generator=torch.Generator().manual_seed(0))
     t = info["t"]
-    eps = philox.noise(x0.shape, 4, offset)
-    x_t = ops.noise(x0, t, obj.alpha, obj.sigma, eps=eps, backend="torch")
+    eps = philox.randn(x0.shape, 4, offset)
+    x_t = noise(x0, t, obj.alpha, obj.sigma, eps=eps, backend="torch")
     gl = model.gate.logits[t] if gate == "timestep" else None
-    per, raw, _, x0e = mref.loss(net(x_t, t), x0, eps, t, obj.weight, info["iw"], obj.tab, gl)
+    per, raw, _, x0e = mixed_ref.loss(net(x_t, t), x0, eps, t, obj.weight, info["iw"], obj.tab, gl)
     torch.testing.assert_close(loss, per.mean(), rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(info["x0_error"], x0e.detach(), rtol=1e-4, atol=1e-6)
     assert obj.offset == offset + x0.numel()
@@ -367,10 +370,10 @@ def test_grad_norm_cv_on_a_probe_batch():
 
 
 def ops_ref_loss(obj, lin, x0, t, eps):
-    from fasttrain.kernels import reference as ref
+    from fasttrain.kernels import torch_ref
 
-    x_t = ref.noise(x0, t, obj.alpha, obj.sigma, eps)
-    return ref.loss(lin(x_t), x0, eps, t, obj.weight, torch.ones(x0.shape[0]), obj.coef)
+    x_t = torch_ref.noise(x0, t, obj.alpha, obj.sigma, eps)
+    return torch_ref.loss(lin(x_t), x0, eps, t, obj.weight, torch.ones(x0.shape[0]), obj.coef)
 
 
 @pytest.mark.parametrize("sched,heads,gate", [("zts", ("eps", "x0", "v"), "pixel"), ("flow", ("eps", "flow"), "pixel")])

@@ -87,7 +87,7 @@ def streams(out):
     s = fd.schedule("linear", T=100)
     obj = fd.DiffusionObjective(s, "eps", "min_snr", "loss_second_moment", sampler_args={"history": 2},
                                 seed=seeds.derive(0, "noise", rank))
-    eps = philox.noise((64,), obj.seed, 0)
+    eps = philox.randn((64,), obj.seed, 0)
     gathered = [torch.zeros(64) for _ in range(2)]
     dist.all_gather(gathered, eps)
     lin = torch.nn.Linear(3, 3)

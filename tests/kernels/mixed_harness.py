@@ -1,13 +1,14 @@
-"""The shared harness of the mixed-prediction loss tests: one backend (the Triton kernel in
-test_mixed_kernels.py, the native C++ op in test_native_mixed.py) against the reference
-(mixed_reference.py) and autograd of it, on the same inputs, head sets, weightings and bins."""
+"""The harness of the mixed-prediction loss tests (test_mixed_loss.py): one backend of the op against
+the PyTorch reference math (torch_ref_mixed_loss.py) and autograd of it, on the same inputs, head sets,
+weightings and bins."""
 import torch
 
 from fasttrain import diffusion as fd
 from fasttrain.diffusion import mixed as M
-from fasttrain.kernels import TimestepBins, mixed_reference as mref, ops_mixed, philox
+from fasttrain.kernels import TimestepBins, philox, torch_ref_mixed_loss as mixed_ref
+from fasttrain.kernels.mixed_loss import mixed_loss
 
-from test_kernels import TOL
+from harness import TOL
 
 T = 1000
 VP_SETS = [("eps", "x0"), ("eps", "v"), ("x0", "v"), ("eps", "x0", "v")]
@@ -73,12 +74,12 @@ def run_and_compare(backend, heads, pixel, shape, weighting="min_snr", dtype=tor
     before = bins.data.clone()
     o, g = leaf(out), leaf(gate)
     kw = dict(seed=11, offset=4321) if op_noise else dict(eps=eps)
-    res = ops_mixed.mixed_loss(o, x0, t, w, iw, tab, gate=g, bins=bins, backend=backend, block=block, **kw)
+    res = mixed_loss(o, x0, t, w, iw, tab, gate=g, bins=bins, backend=backend, block=block, **kw)
     res.loss.backward()
     if op_noise:
-        eps = philox.noise(x0.shape, 11, 4321, device)
+        eps = philox.randn(x0.shape, 11, 4321, device)
     ro, rg = leaf(out), leaf(gate)
-    per, raw, wl, x0e = mref.loss(ro, x0, eps, t, w, iw, tab, rg)
+    per, raw, wl, x0e = mixed_ref.loss(ro, x0, eps, t, w, iw, tab, rg)
     per.mean().backward()
     tol = NOISE_TOL if op_noise else TOL[torch.float32]
     for got, want in [(res.per_sample, per), (res.raw, raw), (res.weighted, wl), (res.x0_error, x0e),

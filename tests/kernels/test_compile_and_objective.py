@@ -5,7 +5,9 @@ import torch
 
 from fasttrain import diffusion as fd
 from fasttrain.diffusion import prediction as P
-from fasttrain.kernels import TimestepBins, native, ops, philox, reference as ref
+from fasttrain.kernels import TimestepBins, native, philox, torch_ref
+from fasttrain.kernels.diffusion_loss import diffusion_loss
+from fasttrain.kernels.noise import noise
 from fasttrain.models import build_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -14,9 +16,9 @@ FUSED = [BACKEND] + (["native"] if native.available(DEVICE) else [])
 
 
 def _step(model, x0, t, iw, a, s, w, coef, bins, backend):
-    x_t = ops.noise(x0, t, a, s, seed=3, offset=99, backend=backend)
+    x_t = noise(x0, t, a, s, seed=3, offset=99, backend=backend)
     pred = model(x_t, t)
-    loss, per, raw, _ = ops.loss(pred, x0, t, w, iw, coef, seed=3, offset=99, bins=bins, backend=backend)
+    loss, per, raw, _ = diffusion_loss(pred, x0, t, w, iw, coef, seed=3, offset=99, bins=bins, backend=backend)
     return loss, raw
 
 
@@ -61,9 +63,9 @@ def test_objective_on_fused_kernels_matches_reference(pred, backend):
     offset = int(obj.offset)
     loss, info = obj(model, x0, generator=torch.Generator(DEVICE).manual_seed(0))
     t = info["t"]
-    eps = philox.noise(x0.shape, 4, offset, DEVICE)  # the stream the kernels draw
-    x_t = ref.noise(x0, t, obj.alpha, obj.sigma, eps)
-    per, raw = ref.loss(lin(x_t), x0, eps, t, obj.weight, info["iw"], obj.coef)
+    eps = philox.randn(x0.shape, 4, offset, DEVICE)  # the stream the kernels draw
+    x_t = torch_ref.noise(x0, t, obj.alpha, obj.sigma, eps)
+    per, raw = torch_ref.loss(lin(x_t), x0, eps, t, obj.weight, info["iw"], obj.coef)
     torch.testing.assert_close(loss, per.mean(), rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(info["raw"], raw.detach(), rtol=1e-4, atol=1e-6)
     obj.sync_stats()

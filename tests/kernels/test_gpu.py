@@ -5,7 +5,9 @@ import torch
 
 from fasttrain import diffusion as fd
 from fasttrain.diffusion import prediction as P
-from fasttrain.kernels import TimestepBins, native, ops, philox, reference as ref
+from fasttrain.kernels import TimestepBins, native, philox, torch_ref
+from fasttrain.kernels.diffusion_loss import diffusion_loss
+from fasttrain.kernels.noise import noise
 from fasttrain.models import build_model
 
 pytestmark = pytest.mark.gpu
@@ -87,8 +89,8 @@ def test_diffusion_math_is_two_launches_plus_one_backward_scale():
     offset = torch.zeros((), dtype=torch.int64, device="cuda")
 
     def step():
-        ops.noise(x0, t, a, sg, seed=1, offset=offset, out_dtype=torch.bfloat16, backend="triton")
-        out = ops.loss(pred, x0, t, w, iw, coef, seed=1, offset=offset, bins=bins, backend="triton")
+        noise(x0, t, a, sg, seed=1, offset=offset, out_dtype=torch.bfloat16, backend="triton")
+        out = diffusion_loss(pred, x0, t, w, iw, coef, seed=1, offset=offset, bins=bins, backend="triton")
         out.loss.backward()
 
     step()
@@ -109,10 +111,10 @@ def test_bf16_model_input_and_gradient_dtypes(backend):
     a, sg, w, x0, t = _cuda_case("cosine", "simple", "eps", (8, 4, 16, 16))
     s = fd.schedule("cosine")
     coef = P.get("eps").table(s.alpha, s.sigma).cuda()
-    xt = ops.noise(x0, t, a, sg, seed=0, offset=0, out_dtype=torch.bfloat16, backend=backend)
+    xt = noise(x0, t, a, sg, seed=0, offset=0, out_dtype=torch.bfloat16, backend=backend)
     assert xt.dtype == torch.bfloat16
     pred = xt.detach().clone().requires_grad_()
-    out = ops.loss(pred, x0, t, w, torch.ones(8, device="cuda"), coef, uses=P.get("eps").uses, seed=0, offset=0,
+    out = diffusion_loss(pred, x0, t, w, torch.ones(8, device="cuda"), coef, uses=P.get("eps").uses, seed=0, offset=0,
                    backend=backend)
     out.loss.backward()
     assert pred.grad.dtype == torch.bfloat16 and torch.isfinite(pred.grad.float()).all()
@@ -140,14 +142,14 @@ def test_native_cuda_matches_reference_and_triton(pred, dtype, shape):
     coef = P.get(pred).table(s.alpha, s.sigma).cuda()
     x0, t, iw, p = _inputs(shape, dtype)
     offset = torch.tensor(2**32 - 50, device="cuda")  # the counter's high word changes inside the batch
-    xt, e = ops.noise(x0, t, a, sg, seed=2**40 + 3, offset=offset, return_eps=True, out_dtype=dtype, backend="native")
-    _, e_tri = ops.noise(x0, t, a, sg, seed=2**40 + 3, offset=offset, return_eps=True, backend="triton")
-    _, e_cpu = ops.noise(x0.cpu(), t.cpu(), a.cpu(), sg.cpu(), seed=2**40 + 3, offset=2**32 - 50, return_eps=True,
+    xt, e = noise(x0, t, a, sg, seed=2**40 + 3, offset=offset, return_eps=True, out_dtype=dtype, backend="native")
+    _, e_tri = noise(x0, t, a, sg, seed=2**40 + 3, offset=offset, return_eps=True, backend="triton")
+    _, e_cpu = noise(x0.cpu(), t.cpu(), a.cpu(), sg.cpu(), seed=2**40 + 3, offset=2**32 - 50, return_eps=True,
                          backend="native")
     torch.testing.assert_close(e, e_tri, rtol=0, atol=1e-5)  # Triton's tl.randn, to rounding
     torch.testing.assert_close(e.cpu(), e_cpu, rtol=0, atol=1e-6)  # the CPU ops' eps (same log/cos)
-    torch.testing.assert_close(e.cpu(), philox.noise(shape, 2**40 + 3, 2**32 - 50), rtol=0, atol=1e-5)
-    assert torch.equal(xt, ref.noise(x0, t, a, sg, e, dtype))
+    torch.testing.assert_close(e.cpu(), philox.randn(shape, 2**40 + 3, 2**32 - 50), rtol=0, atol=1e-5)
+    assert torch.equal(xt, torch_ref.noise(x0, t, a, sg, e, dtype))
     bins, expect = TimestepBins(1000, 2, "cuda"), TimestepBins(1000, 2, "cuda")
     bins.data.normal_()
     bins.pivots.normal_().mul_(0.1)
@@ -158,9 +160,9 @@ def test_native_cuda_matches_reference_and_triton(pred, dtype, shape):
     junk = [torch.full((tiles,), float("nan"), device="cuda") for _ in range(16)]
     del junk
     pg = p.clone().requires_grad_()
-    mean, per, raw, wl = ops.loss(pg, x0, t, w, iw, coef, uses=P.get(pred).uses, seed=2**40 + 3, offset=offset,
+    mean, per, raw, wl = diffusion_loss(pg, x0, t, w, iw, coef, uses=P.get(pred).uses, seed=2**40 + 3, offset=offset,
                                   bins=bins, backend="native")
-    r_per, r_raw, r_grad = ref.loss_and_grad(p, x0, e, t, w, iw, coef)
+    r_per, r_raw, r_grad = torch_ref.loss_and_grad(p, x0, e, t, w, iw, coef)
     torch.testing.assert_close(per, r_per, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(raw, r_raw, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(wl, w[t] * r_raw, rtol=1e-4, atol=1e-6)
@@ -171,7 +173,8 @@ def test_native_cuda_matches_reference_and_triton(pred, dtype, shape):
     expect.scatter_(t, torch.stack([r_raw, w[t] * r_raw]))
     torch.testing.assert_close(bins.data, expect.data, rtol=1e-4, atol=1e-7)
     # the same call on the Triton kernels
-    t_out = ops.loss(p, x0, t, w, iw, coef, uses=P.get(pred).uses, seed=2**40 + 3, offset=offset, backend="triton")
+    t_out = diffusion_loss(p, x0, t, w, iw, coef, uses=P.get(pred).uses, seed=2**40 + 3, offset=offset,
+                           backend="triton")
     torch.testing.assert_close(per, t_out.per_sample, rtol=1e-4, atol=1e-6)
 
 
@@ -182,8 +185,8 @@ def test_native_cuda_reads_the_offset_on_the_device():
     a, sg = s.alpha.float(), s.sigma.float()
     x0 = torch.rand(4, 3000) + 0.5
     t = torch.tensor([1, 2, 3, 999])
-    e_gpu = ops.noise(x0.cuda(), t.cuda(), a.cuda(), sg.cuda(), seed=5, offset=torch.tensor(77, device="cuda"),
+    e_gpu = noise(x0.cuda(), t.cuda(), a.cuda(), sg.cuda(), seed=5, offset=torch.tensor(77, device="cuda"),
                       return_eps=True, backend="native")[1]
-    e_cpu = ops.noise(x0, t, a, sg, seed=5, offset=77, return_eps=True, backend="native")[1]
+    e_cpu = noise(x0, t, a, sg, seed=5, offset=77, return_eps=True, backend="native")[1]
     torch.testing.assert_close(e_gpu.cpu(), e_cpu, rtol=0, atol=1e-6)
     assert abs(e_gpu.mean().item()) < 0.03 and abs(e_gpu.std().item() - 1) < 0.03

@@ -1,5 +1,5 @@
 """Installing without a compiler: setup.py leaves fasttrain._C out with one line and succeeds, and
-fasttrain then chooses the reference backend (simulated: no C++ compiler, no cmake)."""
+fasttrain then chooses the torch backend (simulated: no C++ compiler, no cmake)."""
 import os
 import subprocess
 import sys
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fasttrain.kernels import native, ops
+from fasttrain.kernels import backend, native
 
 ROOT = Path(__file__).parents[2]
 
@@ -26,7 +26,7 @@ def test_install_without_a_compiler_says_so_in_one_line(tmp_path, env, why):
     assert run.returncode == 0, run.stderr
     notes = [ln for ln in run.stderr.splitlines() if ln.startswith("fasttrain:")]
     assert len(notes) == 1 and "fasttrain._C not built" in notes[0] and why in notes[0], run.stderr
-    assert "reference backend" in notes[0]
+    assert "torch backend" in notes[0]
     assert not list((tmp_path / "lib").rglob("_C*.so"))
 
 
@@ -38,9 +38,9 @@ def test_failed_build_is_an_error_when_the_extension_is_required(tmp_path):
 def test_without_the_extension_auto_is_the_reference(monkeypatch):
     monkeypatch.setattr(native, "_LOADED", False)
     monkeypatch.setattr(native, "_ERROR", "fasttrain._C is not built (simulated)")
-    assert ops.resolve_backend("auto", torch.device("cpu")) == "torch"
+    assert backend.resolve_backend("auto", torch.device("cpu")) == "torch"
     with pytest.raises(ValueError, match="backend 'native' is not available for cpu tensors: .*simulated"):
-        ops.resolve_backend("native", torch.device("cpu"))
+        backend.resolve_backend("native", torch.device("cpu"))
 
 
 def test_cuda_part_is_compiled_for_a100_and_h100():

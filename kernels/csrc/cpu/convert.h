@@ -1,7 +1,7 @@
 // float32 <-> bfloat16 / float16 conversions for the CPU kernels, branch-free so that gcc vectorises
 // the load and store loops (the libgcc/_Float16 routes do not vectorise below AVX512-FP16).
 // Rounding is IEEE round-to-nearest-even, the same as torch's c10::BFloat16 / c10::Half, so that a
-// cast here equals `.to(dtype)` in kernels/reference.py. The float16 routines are F. Giesen's
+// cast here equals `.to(dtype)` in kernels/torch_ref.py. The float16 routines are F. Giesen's
 // exhaustively checked "half_to_float" and "float_to_half_fast3_rtne" (public domain, 2012).
 #pragma once
 #include <cstdint>

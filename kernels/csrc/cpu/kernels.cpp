@@ -1,10 +1,10 @@
-// Kernels A and B on the CPU: loops over float32 buffers of kChunk elements, which gcc vectorises
-// (the branch-free log/cos of fastmath.h, the dtype casts of convert.h), with Philox in SIMD
+// The noise kernel and the loss kernel on the CPU: loops over float32 buffers of kChunk elements, which
+// gcc vectorises (the branch-free log/cos of fastmath.h, the dtype casts of convert.h), with Philox in SIMD
 // intrinsics (philox_simd.h). Compiled once per instruction set, each copy in its own namespace
 // FT_CAP (CMakeLists.txt); cpu/capability.cpp picks one at run time.
 //
 // The arithmetic is the reference's, operation for operation and without contraction into FMAs
-// (-ffp-contract=off), so x_t and the gradient equal kernels/reference.py bit for bit for the same
+// (-ffp-contract=off), so x_t and the gradient equal kernels/torch_ref.py bit for bit for the same
 // eps; only the order of the d^2 sum differs (per chunk in float32 lanes, per tile in float64).
 #include <algorithm>
 #include <cstring>
@@ -79,7 +79,7 @@ void loss_tiles(const LossArgs& a, double* partial, int64_t begin, int64_t end, 
         if (a.eps != nullptr) {
           e = load(a.eps, a.eps_type, g, n, ebuf);
         } else {
-          normals_chunk(a.seed, a.offset + static_cast<uint64_t>(g), n, ebuf);  // kernel A's eps again
+          normals_chunk(a.seed, a.offset + static_cast<uint64_t>(g), n, ebuf);  // the noise kernel's eps again
         }
       }
       if (a.needs_x0) x = load(a.x0, a.x0_type, g, n, xbuf);

@@ -12,9 +12,9 @@
 
 namespace fasttrain::cpu {
 
-// Kernel A on tiles [begin, end).
+// The noise kernel on tiles [begin, end).
 using NoiseTilesFn = void (*)(const NoiseArgs&, int64_t begin, int64_t end, int64_t tile);
-// Kernel B on tiles [begin, end): writes the gradient and partial[k] = sum of d^2 over tile k.
+// The loss kernel on tiles [begin, end): writes the gradient and partial[k] = sum of d^2 over tile k.
 using LossTilesFn = void (*)(const LossArgs&, double* partial, int64_t begin, int64_t end, int64_t tile);
 
 // The mixed loss on tasks [begin, end) (args.h: MixedArgs): writes the gradient and

@@ -1,17 +1,17 @@
-// The mixed-prediction loss on the CPU (contract and equations: kernels/mixed_reference.py; the same
-// math as the Triton kernel, kernels/triton_mixed.py). Compiled once per instruction set like
+// The mixed-prediction loss on the CPU (contract and equations: kernels/torch_ref_mixed_loss.py; the same
+// math as the Triton kernel, kernels/triton_mixed_loss.py). Compiled once per instruction set like
 // cpu/kernels.cpp, whose chunk helpers it shares (chunk.h); cpu/mixed_ops.cpp runs the tasks.
 //
 // One task covers one sample's pixels [p0, p1) over all channels (pixel gate), or a range of the
 // sample's elements (a gate per sample, args.h). Per chunk of kChunk consecutive x0 elements it
-//   * regenerates eps = Philox(seed, offset + x0 element index) (the stream kernel A drew),
+//   * regenerates eps = Philox(seed, offset + x0 element index) (the stream the noise kernel drew),
 //   * per head h: d_h = pred_h - (ce_h*eps + cx_h*x0), e_h = k1_h*d_h + fb_h*x0 (the x0 residual),
 //   * E = sum_h pi_h*e_h with pi = softmax over heads of (gate + bias), per pixel or per sample,
 //   * writes dL/dpred_h = (pi_h*k1_h)*(s*w*E) + (s*aux_h)*d_h (s = 2*iw_b/(B*D)) in the forward pass,
 //   * adds the gate terms (pi_h*(e_h - E))*(s*w*E): per pixel over the channels (pixel gate, written
 //     at the end of the task) or into the task's sums (gate per sample),
 //   * adds the chunk's sums of E^2, d_h^2, e_h^2 (chunk.h: fixed order) to the task's float64 sums.
-// The operations and their order are the reference's (mixed_reference.loss_and_grad), without FMA
+// The operations and their order are the reference's (torch_ref_mixed_loss.loss_and_grad), without FMA
 // contraction (-ffp-contract=off), so for the same eps and softmax weights the gradient is the
 // reference's bit for bit; the softmax's exp (fastmath.h) and the order of the sums are the only
 // differences. Every result depends only on the shapes, never on the number of threads.
@@ -25,7 +25,7 @@
 namespace fasttrain::cpu::FT_CAP {
 namespace {
 
-constexpr int kRows = 6;  // mixed_reference.NROWS: ce, cx, k1, fb, bias, aux
+constexpr int kRows = 6;  // torch_ref_mixed_loss.NROWS: ce, cx, k1, fb, bias, aux
 enum Row { kCe = 0, kCx, kK1, kFb, kBias, kAux };
 
 // pi[h*stride + i] = softmax over h of z[h*stride + i] (in place), for i < n: exp(z - max) / sum,
@@ -138,7 +138,7 @@ struct Task {
     if (a.eps != nullptr) {
       eps = load(a.eps, a.eps_type, gx, n, ebuf);
     } else {
-      normals_chunk(a.seed, a.offset + static_cast<uint64_t>(gx), n, ebuf);  // kernel A's eps again
+      normals_chunk(a.seed, a.offset + static_cast<uint64_t>(gx), n, ebuf);  // the noise kernel's eps again
     }
     for (int64_t h = 0; h < H; ++h) {
       const float* __restrict pred = load(a.out, a.out_type, b * CO * P + h * D + j, n, pbuf);
@@ -226,7 +226,7 @@ void mixed_tasks(const MixedArgs& a, double* partial, int64_t begin, int64_t end
     } else {
       for (int64_t c = 0; c < a.C; ++c) task.run(c * P + p0, c * P + p0 + W, p0, W);
     }
-    for (int64_t h = 0; h < H; ++h) {  // dL/dgate_h per pixel (mixed_reference: summed over channels)
+    for (int64_t h = 0; h < H; ++h) {  // dL/dgate_h per pixel (torch_ref_mixed_loss: summed over channels)
       store(a.grad, a.out_type, (b * task.CO + H * a.C + h) * P + p0, static_cast<int>(W),
             task.gacc.data() + h * a.block);
     }

@@ -1,11 +1,11 @@
 // The CPU implementation of fasttrain_C::mixed_loss (schema: register.cpp; contract:
-// kernels/mixed_reference.py): argument checks, outputs, at::parallel_for over the tasks of
+// kernels/torch_ref_mixed_loss.py): argument checks, outputs, at::parallel_for over the tasks of
 // cpu/mixed.cpp (pixel blocks or element ranges of one sample), then the per-sample values, the batch
 // mean, the per-sample gate gradient and the per-timestep bins, which are O(B*H) and run serially in
 // a fixed order, so every result is independent of the number of threads.
 //
-// There is no CUDA version: on GPUs the Triton kernel (kernels/triton_mixed.py) is the fused path,
-// and kernels/ops_mixed.py never sends CUDA tensors here.
+// There is no CUDA version: on GPUs the Triton kernel (kernels/triton_mixed_loss.py) is the fused path,
+// and kernels/mixed_loss.py never sends CUDA tensors here.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
@@ -102,7 +102,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   args.P = P;
   args.seed = static_cast<uint64_t>(seed);
   args.offset = offset_value(offset);
-  // mixed_reference.loss_and_grad: s = (2/(B*D))*iw, the Python float rounded to float32 by torch
+  // torch_ref_mixed_loss.loss_and_grad: s = (2/(B*D))*iw, the Python float rounded to float32 by torch
   args.grad_scale = B * D > 0 ? static_cast<float>(2.0 / static_cast<double>(B * D)) : 0.0f;
   const bool sample_gate = mixed_gate_per_sample(args);
   // Tasks of about kTaskElements x0 elements: element ranges where the gate is per sample, else
@@ -123,7 +123,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     at::parallel_for(0, B * tasks, grain, [&](int64_t begin, int64_t end) { ks.mixed(args, partial.data(), begin, end); });
   }
 
-  // Per sample (mixed_reference.loss): raw = mean(E^2), own_h = mean(d_h^2), x0_error_h = mean(e_h^2),
+  // Per sample (torch_ref_mixed_loss.loss): raw = mean(E^2), own_h = mean(d_h^2), x0_error_h = mean(e_h^2),
   // weighted = w[t]*raw + sum_h aux_h*own_h, l = iw*weighted; float32 from the float64 sums.
   const float* tp = tab.const_data_ptr<float>();
   float* rawp = raw.data_ptr<float>();
@@ -158,7 +158,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 
   at::Tensor ggrad;
   if (gate.defined()) {
-    ggrad = gsum.to(gate.scalar_type());  // mixed_reference: summed over channels and pixels, gate's dtype
+    ggrad = gsum.to(gate.scalar_type());  // torch_ref_mixed_loss: summed over channels and pixels, gate's dtype
   } else {
     ggrad = at::empty({0}, out.options());
     if (sample_gate && B > 0) {  // flat data: the pixel gate's one logit per head and sample

@@ -1,9 +1,10 @@
-// Kernels A and B in CUDA C++: a hand-written baseline with the contract of the Triton kernels
-// (kernels/triton_kernels.py) and the same noise stream (philox.h), against which the kernel
-// benchmarks set the Triton ones. No host synchronisation: the noise offset is read on the device.
+// The noise kernel and the loss kernel in CUDA C++: a hand-written baseline with the contract of the
+// Triton kernels (kernels/triton_noise.py, kernels/triton_diffusion_loss.py) and the same noise stream
+// (philox.h), against which the kernel benchmarks set the Triton ones. No host synchronisation: the
+// noise offset is read on the device.
 //
 // Products and sums that the reference rounds separately use the _rn intrinsics, which nvcc never
-// contracts into FMAs, so x_t and the gradient match kernels/reference.py as the CPU kernels do.
+// contracts into FMAs, so x_t and the gradient match kernels/torch_ref.py as the CPU kernels do.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

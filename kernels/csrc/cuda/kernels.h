@@ -9,17 +9,17 @@
 
 namespace fasttrain::cuda {
 
-// Elements per block and tile: 256 threads x 8 elements (Triton's GPU BLOCK is 2048 too, ops.py).
+// Elements per block and tile: 256 threads x 8 elements (Triton's GPU BLOCK is 2048 too, triton_shared.py).
 constexpr int kThreads = 256;
 constexpr int kPerThread = 8;
 constexpr int64_t kTile = kThreads * kPerThread;
 
 inline int64_t tiles_per_sample(int64_t D) { return (D + kTile - 1) / kTile; }
 
-// Kernel A: one launch.
+// The noise kernel: one launch.
 void launch_noise(const NoiseArgs& a, cudaStream_t stream);
 
-// Kernel B: the elementwise pass writes the gradient and one fp32 partial sum of d^2 per tile
+// The loss kernel: the elementwise pass writes the gradient and one fp32 partial sum of d^2 per tile
 // (`partial`, B * tiles_per_sample(D) floats, fully overwritten: no zeroing, no state between
 // calls); a one-block pass then reduces each sample's partials in a fixed order, writes raw, wl, per
 // and the batch mean, and adds the finite samples to the bins with float64 atomics.

@@ -1,7 +1,8 @@
 // The CUDA implementations of fasttrain_C::noise and fasttrain_C::loss (schemas: register.cpp):
 // checks that need no device values, outputs from torch's caching allocator, launches on the
 // current stream (cuda/kernels.cu). Nothing here waits for the device: the noise offset is passed
-// by pointer and timesteps are not range-checked (as in the Triton path, ops.py).
+// by pointer and timesteps are not range-checked (as in the Triton path, kernels/triton_noise.py and
+// kernels/triton_diffusion_loss.py).
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

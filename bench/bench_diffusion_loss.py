@@ -1,14 +1,20 @@
-"""pytest-benchmark: the per-step diffusion math, eager vs torch.compile(reference) vs fused ops.
+"""pytest-benchmark of the diffusion loss op together with the noise op: the per-step diffusion math,
+eager vs torch.compile(reference) vs fused ops, forward + backward.
 
-    pytest bench/bench_kernels.py --benchmark-only          # writes bench/results/kernels-<device>.{json,md}
+    pytest bench/bench_diffusion_loss.py --benchmark-only   # writes bench/results/kernels-<device>.{json,md}
 
-Implementations (cases.py): eager reference, torch.compile(reference), and every fused backend that
-runs on the device: on CUDA the Triton kernels, and the native ops of fasttrain._C (C++ on CPU, CUDA
-C++ on GPUs) where they are built. The Triton interpreter is a correctness tool (~1000x slower) and
-is left out on CPU. The variants are interleaved: each benchmark round runs every implementation
-once, in a rotating order, so that load from other processes on a shared machine hits them alike;
-the medians per implementation and their ratios come from the same run (bench/conftest.py).
-On CPU the run uses FASTTRAIN_BENCH_THREADS threads (default 2).
+The two ops are timed together, as one training step runs them: the fused loss regenerates the eps
+the noise op drew, while the unfused baselines keep eps in memory between the two halves, so timing
+either op alone would leave out the memory traffic that fusing saves.
+
+Implementations (cases.py): the PyTorch reference math eagerly ("eager") and under torch.compile
+("compile_ref"), and every fused backend that runs on the device: on CUDA the Triton kernels, and the
+native ops of fasttrain._C (C++ on CPU, CUDA C++ on GPUs) where they are built. The Triton
+interpreter is a correctness tool (~1000x slower) and is left out on CPU. The variants are
+interleaved: each benchmark round runs every implementation once, in a rotating order, so that load
+from other processes on a shared machine hits them alike; the medians per implementation and their
+ratios come from the same run (bench/conftest.py). On CPU the run uses FASTTRAIN_BENCH_THREADS threads
+(default 2).
 """
 import os
 import time

@@ -1,10 +1,10 @@
-"""Fused Triton kernel of the mixed-prediction loss: kernel B for H heads and a gate (contract and
-formulas: mixed_reference.py).
+"""The mixed-prediction loss kernel in Triton: the loss kernel for H heads and a gate (the op:
+mixed_loss.py; contract and formulas: torch_ref_mixed_loss.py).
 
 One program per (sample b, block of BP pixels). It holds a [HP, CB, BP] tile (heads × channels ×
 pixels; HP, CB powers of two, padded lanes masked) and loops over the channels in chunks of CB, so a
 pixel's gate sees all channels of all heads in one program:
-  * regenerates eps = Philox(seed, offset + element index) (the stream kernel A drew, see philox.py),
+  * regenerates eps = Philox(seed, offset + element index) (the stream the noise kernel drew, philox.py),
   * per head: target = ce·eps + cx·x0, d = pred - target, e = k1·d + fb·x0 (the x0 residual),
   * π = softmax over heads of (gate + bias) per pixel, E = Σ π·e (the mixed x0 residual),
   * writes ∂L/∂pred and ∂L/∂gate (L = mean_b ℓ_b) in the forward pass: the loss is the last op,
@@ -13,17 +13,19 @@ pixel's gate sees all channels of all heads in one program:
     values (raw, weighted, each head's x0 error) into the per-timestep bins (bins.py), skipping a
     sample with any non-finite value, and resets the sample's workspace row; the program that
     finishes the batch publishes the mean and resets the batch slots (the self-cleaning workspace
-    of kernel B in triton_kernels.py: no memset launch).
+    of the loss kernel, triton_diffusion_loss.py: no memset launch).
 
 Workspace row of sample b (NACC = 1 + 3·HP fp32 slots): [0] Σ E², [1 + h] Σ d_h², [1 + HP + h]
 Σ e_h², [1 + 2·HP + h] the per-sample gate gradient (per-sample gate only). Row B: the batch sum.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from .triton_kernels import scatter_value
+from .backend import workspace
+from .triton_shared import scatter_value
 
 # Logit of a padded head lane (exp underflows to exactly 0); constexpr, as compiled Triton only reads
 # globals that are.
@@ -45,7 +47,7 @@ def mixed_loss_kernel(out_ptr, x0_ptr, eps_ptr, t_ptr, w_ptr, iw_ptr, tab_ptr, g
     tb = tl.load(t_ptr + b)
     wb = tl.load(w_ptr + tb)
     ib = tl.load(iw_ptr + b)
-    row = tab_ptr + hh * (NROWS * T) + tb  # [HP]: the table rows at t_b (layout: mixed_reference.ROWS)
+    row = tab_ptr + hh * (NROWS * T) + tb  # [HP]: the table rows at t_b (layout: torch_ref_mixed_loss.ROWS)
     ce = tl.load(row, mask=hm, other=0.0)[:, None, None]
     cx = tl.load(row + T, mask=hm, other=0.0)[:, None, None]
     k1 = tl.load(row + 2 * T, mask=hm, other=0.0)[:, None, None]
@@ -78,7 +80,7 @@ def mixed_loss_kernel(out_ptr, x0_ptr, eps_ptr, t_ptr, w_ptr, iw_ptr, tab_ptr, g
         if HAS_EPS:
             eps = tl.load(eps_ptr + xoff, mask=m2, other=0.0).to(tl.float32)
         else:
-            eps = tl.where(m2, tl.randn(seed, tl.load(offset_ptr) + xoff), 0.0)  # the same eps kernel A used
+            eps = tl.where(m2, tl.randn(seed, tl.load(offset_ptr) + xoff), 0.0)  # the same eps the noise kernel used
         m3 = hm[:, None, None] & m2[None, :, :]
         ooff = obase + (hh[:, None, None] * C + cc[None, :, None]) * P + pp[None, None, :]
         pred = tl.load(out_ptr + ooff, mask=m3, other=0.0).to(tl.float32)
@@ -144,3 +146,35 @@ def tile(H: int, C: int, P: int, budget: int) -> tuple[int, int, int]:
     BP = min(PP, max(1, budget // (HP * CP)))
     CB = min(CP, max(1, budget // (HP * BP)))
     return HP, CB, BP
+
+
+def budget(interpret: bool, block: int = 0) -> int:
+    """Elements per program tile (`block` overrides it: tests)."""
+    # Interpreter: few large programs (each op costs Python time); GPU: 2048-element tiles, as the loss
+    # kernel (the tile spans heads × channels × pixels; not yet tuned on a GPU).
+    return block or (16384 if interpret else 2048)
+
+
+def mixed_loss(out, x0, t, weight, iw, tab, gate, pivots, bins, eps, seed, offset, nrows, interpret, block):
+    """(mean, per, raw, weighted, x0_error, ∂L/∂out, ∂L/∂gate): one launch of a grid (B, ⌈P/BP⌉)."""
+    B, T = x0.shape[0], weight.numel()
+    H, C = tab.shape[0], x0.shape[1]
+    P = x0[0, 0].numel()
+    HP, CB, BP = tile(H, C, P, budget(interpret, block))
+    nch = triton.cdiv(P, BP)
+    nacc = 1 + 3 * HP
+    acc, cnt = workspace(B, out.device, nacc)
+    f32 = dict(dtype=torch.float32, device=out.device)
+    grad = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    ggrad = torch.empty((B, H) if gate is not None else (0,), dtype=gate.dtype if gate is not None else out.dtype,
+                        device=out.device)
+    raw, wl, per, mean = torch.empty(B, **f32), torch.empty(B, **f32), torch.empty(B, **f32), torch.empty((), **f32)
+    x0e = torch.empty(B, H, **f32)
+    x0c = x0.contiguous()
+    mixed_loss_kernel[(B, nch)](
+        out.contiguous(), x0c, eps.contiguous() if eps is not None else x0c, t, weight, iw, tab.contiguous(),
+        gate.contiguous() if gate is not None else iw, pivots, bins, grad, ggrad, acc, cnt, raw, wl, per, x0e,
+        mean, H, C, P, out.shape[1], B, T, nch, nacc, seed, offset, 2.0 / (B * C * P),
+        PIXEL_GATE=gate is None, HAS_EPS=eps is not None, BINS=bins.numel() > 0, NROWS=nrows,
+        HP=HP, CB=CB, BP=BP)
+    return mean, per, raw, wl, x0e, grad, ggrad

@@ -1,13 +1,14 @@
-"""Plain-PyTorch reference of the fused diffusion kernels: the test oracle and the `torch` backend.
+"""The PyTorch reference math of the noise op and the diffusion loss op: the test oracle of every
+other backend, and the `torch` backend itself (noise.py, diffusion_loss.py).
 
 Contracts (x0, pred, eps [B, ...]; t Long[B]; tables float [T]; coef float [2, T]; iw float [B]):
-  noise(x0, t, alpha, sigma, eps)            x_t = alpha[t]·x0 + sigma[t]·eps                (kernel A)
+  noise(x0, t, alpha, sigma, eps)            x_t = alpha[t]·x0 + sigma[t]·eps          (the noise op)
   target(x0, eps, t, coef)                   coef[0, t]·eps + coef[1, t]·x0: every linear prediction
                                              type (eps (1, 0), x0 (0, 1), v (a, -s), flow (1, -1))
   loss(pred, x0, eps, t, weight, iw, coef)   d = pred - target; raw_b = mean(d²) in fp32;
-                                             ℓ_b = weight[t_b]·iw_b·raw_b                       (kernel B)
+                                             ℓ_b = weight[t_b]·iw_b·raw_b                (the loss op)
   loss_and_grad(...)                         the same plus dL/dpred of L = mean_b ℓ_b
-The noise is `philox.noise(shape, seed, offset)`, the stream the kernels draw in place.
+The noise is `philox.randn(shape, seed, offset)`, the stream the kernels draw in place.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""Plain-PyTorch reference of the mixed-prediction loss (Xie & Agam 2025, arXiv 2502.01990: several
-x0 estimates, mixed by a learned gate): the test oracle of `triton_mixed.py` and the `torch` backend.
+"""The PyTorch reference math of the mixed-prediction loss op (Xie & Agam 2025, arXiv 2502.01990: several
+x0 estimates, mixed by a learned gate): the test oracle of the Triton kernel (triton_mixed_loss.py) and
+of the native op, and the `torch` backend itself (mixed_loss.py).
 
-The network predicts H heads (each a linear prediction type, see `reference.py`) and a gate. Shapes:
+The network predicts H heads (each a linear prediction type, see `torch_ref.py`) and a gate. Shapes:
 x0, eps [B, C, *S] (S the spatial dims, possibly none); out [B, H·C + G, *S] with head i in channels
 [i·C, (i+1)·C) and, for a *pixel* gate, G = H gate logits in the last H channels (one logit per head
 and pixel, shared by the C channels, as lucidrains' `WeightedObjectiveGaussianDiffusion`); for a
@@ -23,7 +24,7 @@ heads of (gate + bias) (per pixel, broadcast over channels) and E = Σ_i π_i·e
   weighted_b   w[t_b]·raw_b + Σ_i aux_i[t_b]·mean(d_i²)   the sample's objective (w: an x0-space weight)
   per_sample   ℓ_b = iw_b·weighted_b;  loss = mean_b ℓ_b
   x0_error     [B, H]: mean(e_i²), each head's own x0-space MSE (what mode=argmin ranks)
-Gradients of L = mean_b ℓ_b (written in the forward pass by the kernel), with s_b = 2·iw_b/(B·D):
+Gradients of L = mean_b ℓ_b (written in the forward pass by the fused backends), with s_b = 2·iw_b/(B·D):
   ∂L/∂pred_i = s_b·(w·π_i·k1_i·E + aux_i·d_i)
   ∂L/∂gate_i = s_b·w·Σ_c π_i·(e_i - E)·E          (softmax Jacobian; summed over channels; for the
                                                    per-sample gate also over pixels)

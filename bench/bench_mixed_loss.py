@@ -1,0 +1,170 @@
+"""The mixed-prediction loss op (kernels/mixed_loss.py), forward + backward, on one latent batch:
+the PyTorch reference math against the fused backends of the device.
+
+    python bench/bench_mixed_loss.py      # writes bench/results/mixed-loss-<device>.{md,json}
+
+Batch 256×4×32×32 (fp32 x0), heads (eps, x0, v) in a bf16 network output, pixel gate (3·4 + 3
+channels) and timestep gate ([B, 3] logits); x0-space min-SNR weight, bins of 2 + 3 values.
+Implementations:
+  eager    torch_ref_mixed_loss.loss under autograd, eps from torch's generator, the bins scattered
+           afterwards: what a trainer without fused kernels does
+  torch    the op's "torch" backend: the closed-form gradients (torch_ref_mixed_loss.loss_and_grad),
+           with the same explicit eps (its in-op Philox stream in plain PyTorch is a test tool, far slower)
+  native   the op's "native" backend (fasttrain_C::mixed_loss, CPU only): eps regenerated from the
+           Philox stream inside the op
+  triton   the op's "triton" backend (the kernel of triton_mixed_loss.py, CUDA only): eps regenerated
+           inside the kernel
+What cannot run on the device is listed as skipped, with the reason. Interleaved rounds (every
+implementation once per round, rotating order, so that load from other processes hits them alike);
+ratios are of the medians. On CPU FASTTRAIN_BENCH_THREADS threads (default 2).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cases import machine  # noqa: E402
+
+from fasttrain import diffusion as fd  # noqa: E402
+from fasttrain.diffusion import mixed as M  # noqa: E402
+from fasttrain.kernels import TimestepBins, native, torch_ref_mixed_loss  # noqa: E402
+from fasttrain.kernels.backend import has_triton  # noqa: E402
+from fasttrain.kernels.mixed_loss import mixed_loss  # noqa: E402
+
+SHAPE, HEADS, T, ROUNDS = (256, 4, 32, 32), ("eps", "x0", "v"), 1000, 21
+RESULTS = Path(__file__).parent / "results"
+
+
+def impls(device) -> tuple[list[str], dict[str, str]]:
+    """(what runs on `device`, {what does not: why})."""
+    device = torch.device(device)
+    run, skipped = ["eager", "torch"], {}
+    if device.type == "cpu" and native.available("cpu"):
+        run.append("native")
+    else:
+        skipped["native"] = ("no CUDA version of the native mixed op (the Triton kernel is the GPU path)"
+                             if device.type == "cuda" else native.why_not("cpu"))
+    if device.type == "cuda" and has_triton():
+        run.append("triton")
+    else:
+        skipped["triton"] = "needs CUDA tensors and triton (the interpreter is a correctness tool, not timed)"
+    return run, skipped
+
+
+class Case:
+    def __init__(self, gate: str, device="cpu", shape=SHAPE, seed: int = 0):
+        s = fd.schedule("linear", T=T)
+        self.device = torch.device(device)
+        self.w = fd.loss_weight("min_snr", s, "x0").float().to(device)
+        self.tab = M.head_table(HEADS, s).to(device)
+        g = torch.Generator().manual_seed(seed)
+        B, C, H = shape[0], shape[1], len(HEADS)
+        self.x0 = (torch.rand(shape, generator=g) * 2 - 1).to(device)
+        self.t = torch.randint(0, T, (B,), generator=g).to(device)
+        self.iw = torch.ones(B, device=device)
+        width = H * C + (H if gate == "pixel" else 0)
+        self.out = (torch.randn(B, width, *shape[2:], generator=g) * 0.5).bfloat16().to(device).requires_grad_()
+        self.gate = torch.randn(B, H, generator=g).to(device).requires_grad_() if gate == "timestep" else None
+        self.eps = torch.randn(shape, generator=g).to(device)
+        self.bins = TimestepBins(T, 2 + H, device)
+
+    def _zero(self):
+        self.out.grad = None
+        if self.gate is not None:
+            self.gate.grad = None
+
+    def eager(self):
+        self._zero()
+        eps = torch.randn_like(self.x0)
+        per, raw, wl, x0e = torch_ref_mixed_loss.loss(self.out, self.x0, eps, self.t, self.w, self.iw, self.tab,
+                                                      self.gate)
+        per.mean().backward()
+        self.bins.scatter_(self.t, torch.cat([raw[None], wl[None], x0e.T]).detach())
+        return per.mean()
+
+    def fused(self, backend, **kw):
+        self._zero()
+        res = mixed_loss(self.out, self.x0, self.t, self.w, self.iw, self.tab, gate=self.gate,
+                         bins=self.bins, backend=backend, **kw)
+        res.loss.backward()
+        return res.loss
+
+    def torch(self):
+        return self.fused("torch", eps=self.eps)
+
+    def native(self):
+        return self.fused("native", seed=1, offset=0)
+
+    def triton(self):
+        return self.fused("triton", seed=1, offset=0)
+
+
+def timed(fn, device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def run(gate: str, device, names: list[str]) -> dict[str, list[float]]:
+    case = Case(gate, device)
+    for impl in names:  # warm up (allocator, thread pool, Triton compilation)
+        getattr(case, impl)()
+    times = {impl: [] for impl in names}
+    for r in range(ROUNDS):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for impl in order:
+            times[impl].append(timed(getattr(case, impl), case.device))
+    return times
+
+
+def main():
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    names, skipped = impls(device)
+    if device.type == "cpu":
+        torch.set_num_threads(int(os.environ.get("FASTTRAIN_BENCH_THREADS", "2")))
+    rows = []
+    for gate in ("pixel", "timestep"):
+        times = run(gate, device, names)
+        med = {impl: statistics.median(ts) for impl, ts in times.items()}
+        for impl, ts in times.items():
+            rows.append({"gate": gate, "impl": impl, "median_ms": med[impl] * 1e3, "min_ms": min(ts) * 1e3,
+                         "x_vs_eager": med["eager"] / med[impl],
+                         "x_vs_eager_min": min(times["eager"]) / min(ts), "times_s": ts})
+    threads = torch.get_num_threads()
+    out = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "command": " ".join(sys.argv),
+           "device": device.type, "shape": list(SHAPE), "heads": list(HEADS), "rounds": ROUNDS, "rows": rows,
+           "skipped": skipped}
+    RESULTS.mkdir(exist_ok=True)
+    name = f"mixed-loss-{device.type}" + (f"-{threads}thread" if device.type == "cpu" and threads != 2 else "")
+    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2))
+    lines = [f"# Mixed-prediction loss per step (forward + backward), {device.type}", "",
+             f"machine: {json.dumps(out['machine'])}  ", f"when: {out['when']}  ", f"command: `{out['command']}`  ",
+             f"batch: x0 fp32 {'×'.join(map(str, SHAPE))}, heads {', '.join(HEADS)}, bf16 network output, "
+             f"bins of {2 + len(HEADS)} values", "",
+             "| gate | impl | median ms | min ms | × vs eager (medians) | × (minima) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['gate']} | {r['impl']} | {r['median_ms']:.1f} | {r['min_ms']:.1f} | "
+                     f"{r['x_vs_eager']:.2f} | {r['x_vs_eager_min']:.2f} |")
+    lines += [f"| both | {impl} | skipped: {why} | | | |" for impl, why in skipped.items()]
+    where = f"{threads} threads on a shared machine (load average in `machine`)" if device.type == "cpu" else "one GPU"
+    lines += ["", f"{ROUNDS} interleaved rounds per gate (every implementation once per round, rotating order), "
+              f"{where}, so the minima are shown too. eager: torch_ref_mixed_loss.loss under autograd with eps "
+              "from torch's generator; torch: the op's closed-form torch backend with that eps given; native, "
+              "triton: the fused backends, drawing eps from the Philox stream in the op (bench/bench_mixed_loss.py)."]
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The diffusion loss op: per-sample ℓ_b = w[t_b]·iw_b·mean((pred - target)²) for the target
+coef[0, t]·eps + coef[1, t]·x0, its gradient written in the forward pass, the raw and weighted losses
+scattered into the per-timestep bins (contract: torch_ref.py).
+
+`fasttrain::diffusion_loss` is an opaque `torch.library.custom_op` with `register_fake`. It mutates
+the statistics bins, so its autograd rule is a `torch.autograd.Function` around the op
+(`register_autograd` accepts functional ops only); a model compiled with `fullgraph=True` can call it.
+Backends (backend.py): the Triton loss kernel (triton_diffusion_loss.py), the native C++/CUDA op
+(native.py), the PyTorch reference (torch_ref.py). eps is regenerated from the stream the noise op drew
+(philox.py), unless given.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import native, philox
+from . import torch_ref as ref
+from .backend import as_offset, resolve_backend
+from .bins import TimestepBins, scatter_into
+
+NEEDS_EPS, NEEDS_X0 = 1, 2  # bits of `needs`: which inputs the target reads
+
+
+@torch.library.custom_op("fasttrain::diffusion_loss", mutates_args=("bins",))
+def _loss_op(pred: torch.Tensor, x0: torch.Tensor, t: torch.Tensor, weight: torch.Tensor, iw: torch.Tensor,
+             coef: torch.Tensor, pivots: torch.Tensor, bins: torch.Tensor, eps: Optional[torch.Tensor], seed: int,
+             offset: torch.Tensor, needs: int, backend: str, block: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if backend == "native":
+        return native.loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs)
+    if backend == "torch":
+        e = eps if eps is not None else philox.randn(x0.shape, seed, offset, x0.device)
+        per, raw, grad = ref.loss_and_grad(pred, x0, e, t, weight, iw, coef)
+        wl = weight.float()[t] * raw
+        if bins.numel():
+            scatter_into(bins, pivots, t, torch.stack([raw, wl]))
+        return per.mean(), per, raw, wl, grad
+    from . import triton_diffusion_loss  # imports triton: only now, after resolve_backend (backend.py)
+
+    return triton_diffusion_loss.loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset,
+                                      bool(needs & NEEDS_EPS), bool(needs & NEEDS_X0), backend == "interpret", block)
+
+
+@_loss_op.register_fake
+def _(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs, backend, block):
+    B = pred.shape[0]
+    f = dict(dtype=torch.float32, device=pred.device)
+    return torch.empty((), **f), torch.empty(B, **f), torch.empty(B, **f), torch.empty(B, **f), torch.empty_like(pred)
+
+
+class _Loss(torch.autograd.Function):
+    """Autograd rule of the loss op. The op already wrote ∂(mean_b ℓ_b)/∂pred, so backward is one
+    scale by the upstream gradient (one launch). ∂ℓ_b/∂pred_b is B times that, so a per-sample
+    upstream gradient g_b (e.g. a learned weighting that rescales each ℓ_b) contributes B·g_b. The
+    raw and weighted MSEs are statistics and carry no gradient."""
+
+    @staticmethod
+    def forward(ctx, pred, *args):
+        mean, per, raw, wl, grad = _loss_op(pred, *args)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(raw, wl)
+        ctx.set_materialize_grads(False)  # unused outputs give None, not zero-filled tensors
+        return mean, per, raw, wl
+
+    @staticmethod
+    def backward(ctx, g_mean, g_per, g_raw, g_wl):
+        (grad,) = ctx.saved_tensors
+        if g_per is None:
+            # bf16 grad × fp32 0-d tensor stays bf16 and runs as a single kernel
+            return (None if g_mean is None else grad * g_mean,) + (None,) * 13
+        B = grad.shape[0]
+        scale = B * g_per.float() if g_mean is None else g_mean.float() + B * g_per.float()
+        g = grad.float() * scale.view(-1, *([1] * (grad.ndim - 1)))
+        return (g.to(grad.dtype),) + (None,) * 13
+
+
+class LossOut(NamedTuple):
+    loss: torch.Tensor         # 0-d: mean_b ℓ_b (differentiable)
+    per_sample: torch.Tensor   # [B]: ℓ_b = w[t_b]·iw_b·mean(d²) (differentiable)
+    raw: torch.Tensor          # [B]: mean(d²) in the prediction's space (statistic)
+    weighted: torch.Tensor     # [B]: w[t_b]·mean(d²), without the importance weight (statistic)
+
+
+def needs_of(coef_is_used: tuple[bool, bool]) -> int:
+    """The `needs` bits from (target uses eps, target uses x0), known on the host per prediction type."""
+    return (NEEDS_EPS if coef_is_used[0] else 0) | (NEEDS_X0 if coef_is_used[1] else 0)
+
+
+def diffusion_loss(pred, x0, t, weight, iw, coef, *, uses=(True, True), seed: int = 0, offset: int = 0, eps=None,
+                   bins: TimestepBins | None = None, backend: str = "auto", block: int = 0) -> LossOut:
+    """The loss for the target coef[0, t]·eps + coef[1, t]·x0 (`uses`: whether each term is nonzero
+    for this prediction type, so the kernel can skip a read). With `bins` (2 values: raw, weighted)
+    the per-sample losses are also scattered into them. seed/offset: the noise op's; `eps` given
+    overrides the stream (tests); `block` overrides the Triton tile (tests)."""
+    backend = resolve_backend(backend, pred.device)
+    if bins is not None and bins.n_values != 2:
+        raise ValueError(f"the loss kernel scatters 2 values (raw, weighted); these bins hold {bins.n_values}")
+    data = bins.data if bins is not None else pred.new_empty((0, 0), dtype=torch.float64)
+    piv = bins.pivots if bins is not None else pred.new_empty((0, 0), dtype=torch.float64)
+    return LossOut(*_Loss.apply(pred, x0, t, weight, iw, coef, piv, data, eps, philox.check_seed(seed),
+                                as_offset(offset, pred.device), needs_of(uses), backend, block))

@@ -1,0 +1,93 @@
+"""The loss kernel in Triton: loss, gradient and statistics of one step's prediction (the op:
+diffusion_loss.py; the contract: torch_ref.py).
+
+`loss_kernel` regenerates the eps the noise kernel drew (triton_noise.py), forms the target
+coef[0, t]·eps + coef[1, t]·x0 (every linear prediction type is two [T] tables), d = pred - target,
+writes dL/dpred = 2·w[t_b]·iw_b·d/(B·D) (the gradient of the batch mean of ℓ_b = w[t_b]·iw_b·mean(d²))
+in the forward pass, reduces Σd² per sample in fp32, and the program that finishes a sample scatters
+its raw and weighted loss into the per-timestep bins (layout: bins.py).
+
+Its accumulators (Σd² per sample and the batch sum, tile counters) live in a workspace
+(backend.workspace) that the kernel itself leaves zeroed: the program that finishes a sample resets
+that sample's slots, the program that finishes the batch resets the batch slots. So no memset launch
+and no call-order protocol: the forward math of a step is two launches (noise, loss).
+
+Byte floor: read pred and x0, write the gradient (eps costs nothing).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import workspace
+from .triton_shared import block_size, scatter_value
+
+
+@triton.jit
+def loss_kernel(pred_ptr, x0_ptr, eps_ptr, t_ptr, w_ptr, iw_ptr, coef_ptr, pivot_ptr, bins_ptr,
+                grad_ptr, acc_ptr, cnt_ptr, raw_ptr, wl_ptr, ps_ptr, loss_ptr,
+                D, B, T, NCH, seed, offset_ptr, grad_scale,
+                NEEDS_EPS: tl.constexpr, NEEDS_X0: tl.constexpr, HAS_EPS: tl.constexpr, BINS: tl.constexpr,
+                BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    idx = c * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < D
+    gidx = b.to(tl.int64) * D + idx
+    tb = tl.load(t_ptr + b)
+    wb = tl.load(w_ptr + tb)
+    ib = tl.load(iw_ptr + b)
+    pred = tl.load(pred_ptr + gidx, mask=mask, other=0.0).to(tl.float32)
+    target = tl.zeros([BLOCK], dtype=tl.float32)
+    if NEEDS_EPS:
+        if HAS_EPS:
+            eps = tl.load(eps_ptr + gidx, mask=mask, other=0.0).to(tl.float32)
+        else:
+            eps = tl.randn(seed, tl.load(offset_ptr) + gidx)  # the same eps the noise kernel used
+        target += tl.load(coef_ptr + tb) * eps
+    if NEEDS_X0:
+        x0 = tl.load(x0_ptr + gidx, mask=mask, other=0.0).to(tl.float32)
+        target += tl.load(coef_ptr + T + tb) * x0
+    d = tl.where(mask, pred - target, 0.0)
+    # dL/dpred of L = mean_b ℓ_b, written now: the loss is the last op, backward only rescales it.
+    tl.store(grad_ptr + gidx, (d * (grad_scale * wb * ib)).to(grad_ptr.dtype.element_ty), mask=mask)
+    tl.atomic_add(acc_ptr + b, tl.sum(d * d, axis=0))
+    # The program that finishes a sample (acq_rel atomics order its partial sum before the count)
+    # reads the total, writes the per-sample outputs and the bins, and resets the sample's slots.
+    last = tl.atomic_add(cnt_ptr + b, 1) == NCH - 1
+    raw = tl.atomic_add(acc_ptr + b, 0.0, mask=last) / D
+    tl.store(acc_ptr + b, 0.0, mask=last)
+    tl.store(cnt_ptr + b, 0, mask=last)
+    wl = wb * raw
+    tl.store(raw_ptr + b, raw, mask=last)
+    tl.store(wl_ptr + b, wl, mask=last)
+    tl.store(ps_ptr + b, wl * ib, mask=last)
+    tl.atomic_add(acc_ptr + B, wl * ib / B, mask=last)
+    if BINS:
+        ok = last & (raw - raw == 0.0) & (wl - wl == 0.0)  # finite: x - x is NaN for inf and NaN
+        tl.atomic_add(bins_ptr + tb, raw.to(tl.float64) * 0.0 + 1.0, mask=ok)
+        scatter_value(bins_ptr, pivot_ptr, raw, 0, tb, T, ok)
+        scatter_value(bins_ptr, pivot_ptr, wl, 1, tb, T, ok)
+    # The last sample to finish publishes the batch mean and resets the batch slots.
+    final = last & (tl.atomic_add(cnt_ptr + B, 1, mask=last) == B - 1)
+    tl.store(loss_ptr, tl.atomic_add(acc_ptr + B, 0.0, mask=final), mask=final)
+    tl.store(acc_ptr + B, 0.0, mask=final)
+    tl.store(cnt_ptr + B, 0, mask=final)
+
+
+def loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs_eps, needs_x0, interpret, block):
+    """(mean, per-sample ℓ, raw, weighted, dL/dpred): one launch of a grid (B, ⌈D/BLOCK⌉)."""
+    B, D, T = pred.shape[0], pred[0].numel(), weight.numel()
+    BLOCK = block_size(D, interpret, block)
+    nch = triton.cdiv(D, BLOCK)
+    acc, cnt = workspace(B, pred.device)
+    grad = torch.empty_like(pred, memory_format=torch.contiguous_format)
+    f32 = dict(dtype=torch.float32, device=pred.device)
+    raw, wl, per, mean = torch.empty(B, **f32), torch.empty(B, **f32), torch.empty(B, **f32), torch.empty((), **f32)
+    x0c = x0.contiguous()
+    loss_kernel[(B, nch)](pred.contiguous(), x0c, eps.contiguous() if eps is not None else x0c, t, weight, iw,
+                          coef, pivots, bins, grad, acc, cnt, raw, wl, per, mean, D, B, T, nch, seed, offset,
+                          2.0 / (B * D), NEEDS_EPS=needs_eps, NEEDS_X0=needs_x0,
+                          HAS_EPS=eps is not None, BINS=bins.numel() > 0, BLOCK=BLOCK)
+    return mean, per, raw, wl, grad
