@@ -12,7 +12,7 @@ from fasttrain.cli import main
 from fasttrain.configure import load_config
 from fasttrain.errors import ConfigError
 from fasttrain.logger import read_jsonl
-from fasttrain.models import build_model
+from fasttrain.models import build_model, forward_flops
 from fasttrain.parallel import parallelize
 from fasttrain.train import train
 
@@ -74,6 +74,10 @@ def test_backbone_conventions(tmp_path):
                        pretrained=str(tmp_path / "pre"))
     assert unet.null_row == 20 and len(unet.repeated_blocks()) == 5  # 2 down, mid, 2 up
     assert torch.equal(unet._labels(torch.tensor([0, 4]), t), torch.tensor([0, 20]))
+
+    # counted on the meta device (the trainer's MFU), a pretrained one from its config alone
+    assert forward_flops("diffusers", in_channels=3, image_size=8, num_classes=4, class_name="UNet2DModel",
+                         pretrained=str(tmp_path / "pre"), config=dict(TINY_UNET, num_class_embeds=21)) > 0
 
     # per-block activation checkpointing of the declared blocks: the same outputs and gradients
     ref = build_model("diffusers", in_channels=3, image_size=8, class_name="UNet2DModel", config=TINY_UNET)
