@@ -64,12 +64,12 @@ class FasttrainPipeline(DiffusionPipeline):
 
     def predict(self, x: torch.Tensor, t, class_labels: torch.Tensor | None = None) -> torch.Tensor:
         """The network's output at (x, t) with fasttrain's labels (None: the null label)."""
-        null = self.settings.get("null_label")
+        null, c = self.settings.get("null_label"), self.settings["channels"]
         tt = torch.full((x.shape[0],), int(t), device=x.device, dtype=torch.long)
         if null is None:
-            return self.network(x, tt).sample
+            return self.network(x, tt).sample[:, :c]
         y = torch.full_like(tt, null) if class_labels is None else class_labels.to(x.device)
-        return self.network(x, tt, class_labels=y).sample
+        return self.network(x, tt, class_labels=y).sample[:, :c]  # a learned-Σ half is not used
 
     def _guided(self, x, t, labels, guidance: float) -> torch.Tensor:
         if labels is None or guidance == 1.0:

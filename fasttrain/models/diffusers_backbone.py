@@ -5,7 +5,9 @@ fasttrain's kernels, timestep strategies, compile, FSDP2 and checkpoints like an
     model.args.class_name=UNet2DModel  model.args.pretrained=FOLDER [model.args.subfolder=unet]  # fine-tune
 
 The data decide `in_channels`, `sample_size` and the class table, the prediction kind `out_channels`;
-a pretrained model must already fit them (one line naming what differs). Its config.json is copied
+a pretrained model must already fit them (one line naming what differs); one with twice the output
+channels (DiT's learned variance, e.g. facebook/DiT-XL-2) is trained on the first half, as DiTPipeline
+samples it. Its config.json is copied
 into the run's config when the run is configured (`complete`), so a checkpoint rebuilds the network
 without the pretrained folder; its weights are read only when a run starts.
 
@@ -88,9 +90,10 @@ def _fit(cfg: dict, key: str, want, strict: bool, what: str) -> None:
 class DiffusersBackbone(nn.Module):
     """A diffusers UNet2DModel or DiTTransformer2DModel with fasttrain's forward(x, t, y) → prediction."""
 
-    def __init__(self, model: nn.Module, num_classes: int, null_row: int | None):
+    def __init__(self, model: nn.Module, num_classes: int, null_row: int | None, out_channels: int | None = None):
         super().__init__()
         self.model, self.num_classes, self.null_row = model, num_classes, null_row
+        self.out_channels = out_channels  # fewer than the model's: a learned-Σ half left unused
         self.is_dit = type(model).__name__ == "DiTTransformer2DModel"
         if self.is_dit:
             for blk in model.transformer_blocks:  # the trainer drops labels; diffusers' own 10% would add to it
@@ -106,7 +109,8 @@ class DiffusersBackbone(nn.Module):
         return torch.where(y == self.num_classes, torch.full_like(y, self.null_row), y)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(x, t, class_labels=self._labels(y, t)).sample
+        out = self.model(x, t, class_labels=self._labels(y, t)).sample
+        return out if self.out_channels is None else out[:, :self.out_channels]
 
     def repeated_blocks(self) -> list[nn.Module]:
         m = self.model
@@ -133,8 +137,11 @@ def build(in_channels: int, image_size: int, num_classes: int = 0, out_channels:
     cfg = dict(user)
     dit = class_name == "DiTTransformer2DModel"
     _fit(cfg, "in_channels", in_channels, pre or "in_channels" in user, "the data's channels")
-    _fit(cfg, "out_channels", out_channels or in_channels, pre or "out_channels" in user,
-         "the prediction's output channels")
+    want, sliced = out_channels or in_channels, None
+    if pre and cfg.get("out_channels") == 2 * want:  # DiT's learned Σ (Nichol & Dhariwal 2021): mean half used
+        sliced = want
+    else:
+        _fit(cfg, "out_channels", want, pre or "out_channels" in user, "the prediction's output channels")
     _fit(cfg, "sample_size", image_size, dit and (pre or "sample_size" in user), "data.image_size")
     # the class table: rows 0..K-1 the data's classes, the last row the null label
     key = "num_embeds_ada_norm" if dit else "num_class_embeds"
@@ -168,7 +175,7 @@ def build(in_channels: int, image_size: int, num_classes: int = 0, out_channels:
         model = fresh
     else:
         model = cls.from_config(cfg)
-    return DiffusersBackbone(model.train(), num_classes, null_row)
+    return DiffusersBackbone(model.train(), num_classes, null_row, sliced)
 
 
 register("diffusers", check=check, complete=complete)(build)

@@ -75,6 +75,17 @@ def test_backbone_conventions(tmp_path):
     assert unet.null_row == 20 and len(unet.repeated_blocks()) == 5  # 2 down, mid, 2 up
     assert torch.equal(unet._labels(torch.tensor([0, 4]), t), torch.tensor([0, 20]))
 
+    # a pretrained DiT with a learned-Σ half (out_channels = 2C) and 1000 classes, fine-tuned on 4 classes
+    from diffusers import DiTTransformer2DModel
+
+    DiTTransformer2DModel(**DIT, in_channels=4, out_channels=8, sample_size=8, num_embeds_ada_norm=1000,
+                          norm_eps=1e-6).save_pretrained(str(tmp_path / "dit"))
+    sigma = build_model("diffusers", in_channels=4, image_size=8, num_classes=4,
+                        class_name="DiTTransformer2DModel", pretrained=str(tmp_path / "dit"))
+    assert sigma.null_row == 1000 and sigma(x, t, torch.tensor([1, 4])).shape == (2, 4, 8, 8)
+    full = sigma.model(x, t, class_labels=torch.tensor([1, 1000])).sample
+    torch.testing.assert_close(sigma(x, t, torch.tensor([1, 4])), full[:, :4])
+
     # counted on the meta device (the trainer's MFU), a pretrained one from its config alone
     assert forward_flops("diffusers", in_channels=3, image_size=8, num_classes=4, class_name="UNet2DModel",
                          pretrained=str(tmp_path / "pre"), config=dict(TINY_UNET, num_class_embeds=21)) > 0
