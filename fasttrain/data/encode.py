@@ -101,6 +101,8 @@ def encode_with_vae(image_manifest: dict, out: str | Path, vae_folder: str, subf
     root, out = Path(image_manifest["root"]), Path(out)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     files = [(str(rel), int(label)) for rel, label in image_manifest["files"]]
+    if not files:
+        raise DataError(f"{root} holds no readable images to encode")
     targets = [out / Path(rel).with_suffix(".npy") for rel, _ in files]
     seen: dict[Path, str] = {}
     for (rel, _), t in zip(files, targets):
