@@ -42,9 +42,13 @@ INSTALL_REQUIRES = [
 ]
 
 DALI = ["nvidia-dali-cuda130>=2.0"]  # CPU pipelines work without a GPU (device_id=None)
+# VAE latents, diffusers backbones, export to a diffusers pipeline (fasttrain/vae.py, export.py,
+# models/diffusers_backbone.py); imported lazily: `import diffusers` costs seconds
+DIFFUSERS = ["diffusers>=0.42,<0.43", "huggingface-hub>=1.32", "safetensors>=0.8"]
 EXTRAS = {
     "dali": DALI,
-    "dev": ["pytest>=8", "pytest-benchmark>=4", "scipy>=1.10"] + DALI,
+    "diffusers": DIFFUSERS,
+    "dev": ["pytest>=8", "pytest-benchmark>=4", "scipy>=1.10"] + DALI + DIFFUSERS,
 }
 
 

@@ -28,7 +28,7 @@ from .diffusion.samplers import SAMPLERS
 from .diffusion.solvers import generate as run_solver
 from .ema import EMA
 from .errors import CheckpointError, InvalidInput
-from .models import build_model
+from .models import build_model, weights_from_checkpoint
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,12 @@ class DataSpec:
     image_size: int | None     # None for 2-D toy data
     num_classes: int           # 0 = unconditional
     label_dropout: float       # > 0: the null label (num_classes) gives the unconditional model
+    latents: dict | None = None  # latent data: VAE identity, normalisation, statistics (vae.latent_record)
+
+    @property
+    def decodes(self) -> bool:
+        """Latents whose VAE is known: samples are judged as the images it decodes them into."""
+        return bool(self.latents and self.latents.get("vae"))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -82,9 +88,10 @@ def build_objective(cfg: DictConfig, net: Denoiser | None = None, rank: int = 0,
 
 class ModelBundle:
     def __init__(self, cfg: DictConfig, spec: DataSpec, net: Denoiser, ema: EMA, device: torch.device,
-                 step: int = 0, images: int = 0):
+                 step: int = 0, images: int = 0, vae: str | None = None):
         self.cfg, self.spec, self.net, self.ema, self.device = cfg, spec, net, ema, torch.device(device)
         self.step, self.images = step, images
+        self.vae_folder, self._codec = vae, None  # latent runs: another VAE folder than the recorded one
         df = cfg.diffusion
         self.schedule = make_schedule(df.schedule, df.T, df.zero_terminal_snr).to(self.device)
         self._alpha, self._sigma = self.schedule.alpha.float(), self.schedule.sigma.float()
@@ -101,9 +108,10 @@ class ModelBundle:
         return cls(cfg, spec, net, EMA(net, o.ema_decay, o.ema_warmup), device)
 
     @classmethod
-    def load(cls, path, device=None) -> "ModelBundle":
+    def load(cls, path, device=None, vae: str | None = None) -> "ModelBundle":
         """From a checkpoint alone (RUN, RUN/last.pt or RUN/dcp): no data, optimizer, process group,
-        objective, sampler or statistics. Refuses weights that are not finite."""
+        objective, sampler or statistics. Refuses weights that are not finite. `vae`: the VAE folder
+        that decodes a latent run's samples, instead of the one recorded in the checkpoint."""
         from .config import Config
 
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -120,9 +128,10 @@ class ModelBundle:
             except TypeError:
                 raise ckpt.CheckpointError(f"{path}: malformed data_spec in the checkpoint") from None
 
-        state, model_sd, ema_sd = ckpt.read_bundle_state(path, lambda st: build_network(cfg_of(st), spec_of(st)))
-        cfg, spec = cfg_of(state), spec_of(state)
-        net = build_network(cfg, spec)
+        with weights_from_checkpoint():  # a fine-tuned model's pretrained folder is not read again
+            state, model_sd, ema_sd = ckpt.read_bundle_state(path, lambda st: build_network(cfg_of(st), spec_of(st)))
+            cfg, spec = cfg_of(state), spec_of(state)
+            net = build_network(cfg, spec)
         ckpt.load_weights(net, model_sd, path)
         net = net.to(device)
         ema = EMA(net, cfg.optim.ema_decay, cfg.optim.ema_warmup)
@@ -131,7 +140,41 @@ class ModelBundle:
         if bad:
             raise ckpt.CheckpointError(f"{path} holds non-finite weights ({bad[0]}); it cannot generate")
         train = ckpt.train_state(state)
-        return cls(cfg, spec, net, ema, device, train["step"], train["images"])
+        return cls(cfg, spec, net, ema, device, train["step"], train["images"], vae=vae)
+
+    # -- latent runs: decoding with the VAE ------------------------------------------------------------
+    @property
+    def codec(self):
+        """The latent run's VAE and normalisation (vae.LatentCodec), loaded on first use."""
+        if self._codec is None:
+            from .vae import LatentCodec
+
+            if not self.spec.latents:
+                raise InvalidInput("this model was not trained on latents: there is nothing to decode")
+            self._codec = LatentCodec.load(self.spec.latents, self.vae_folder, device=self.device)
+        return self._codec
+
+    @property
+    def decodes(self) -> bool:
+        """Samples are VAE latents that this bundle turns into images (the recorded VAE or --vae)."""
+        return self.spec.decodes or bool(self.spec.latents and self.vae_folder)
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """Generated latents → images in [-1, 1] (the normalisation undone, then the VAE's decoder)."""
+        return self.codec.decode(x)
+
+    def image_spec(self, images: torch.Tensor) -> DataSpec:
+        """The data spec of decoded samples (for grids and image metrics)."""
+        s = self.spec
+        return DataSpec("decoded", images.shape[1], images.shape[-1], s.num_classes, s.label_dropout)
+
+    def save_decoded(self, path, x: torch.Tensor) -> torch.Tensor:
+        """Decode generated latents and save their grid at `path`; returns the images."""
+        from . import plots
+
+        images = self.decode(x)
+        plots.save_samples(path, images, self.image_spec(images))
+        return images
 
     # -- the network as an estimator ---------------------------------------------------------------
     def x0_hat(self, x_t: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,7 +4,8 @@
     fasttrain sample --ckpt RUN --n 64 --steps 50 --out DIR
     fasttrain eval --ckpt RUN [--n 500] [--ref FOLDER]
     fasttrain report RUN
-    fasttrain data prepare ROOT [--encoder module:function --latents-out DIR]
+    fasttrain export RUN --to diffusers OUT
+    fasttrain data prepare ROOT [--vae FOLDER | --encoder module:function] [--latents-out DIR]
 
 `sample`, `eval` and `report` read a model bundle from the checkpoint alone (bundle.py): they need
 neither the training data nor a process group. Every user error ends in one line on stderr.
@@ -96,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--seed", type=int, default=0)
     sm.add_argument("--raw", action="store_true", help="use the raw weights instead of the EMA")
     sm.add_argument("--out", required=True, help="output directory: grid.png and one PNG per sample")
+    sm.add_argument("--vae", default=None, help="latent runs: decode with this VAE folder (default: the recorded one)")
 
     ev = sub.add_parser("eval", help="FID/KID/precision/recall and bits/dim of a checkpoint")
     ev.add_argument("--ckpt", required=True, help="run directory, checkpoint file or DCP folder")
@@ -106,9 +108,18 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--ref", default=None, help="reference folder (images or .npy latents) for runs trained on a folder")
     ev.add_argument("--no-bpd", action="store_true", help="skip the bits/dim estimate")
     ev.add_argument("--out", default=None, help="JSON file (default: RUN/eval.json)")
+    ev.add_argument("--vae", default=None, help="latent runs: decode with this VAE folder (default: the recorded one)")
 
     rp = sub.add_parser("report", help="write RUN/report.html")
     rp.add_argument("run", help="run directory")
+    rp.add_argument("--vae", default=None, help="latent runs: the VAE folder to decode samples with")
+
+    ex = sub.add_parser("export", help="write a run as a pipeline folder of another library (diffusers)")
+    ex.add_argument("run", help="run directory, checkpoint file or DCP folder")
+    ex.add_argument("--to", required=True, choices=("diffusers",), help="the library")
+    ex.add_argument("out", help="the pipeline folder to write (new or empty)")
+    ex.add_argument("--vae", default=None, help="latent runs: the VAE to ship (default: the recorded one)")
+    ex.add_argument("--raw", action="store_true", help="export the raw weights instead of the EMA")
 
     da = sub.add_parser("data", help="data-set tools")
     dsub = da.add_subparsers(dest="data_command", parser_class=_Parser)
@@ -116,7 +127,10 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("root", help="image folder (class subfolders give labels) or .npy latent folder")
     pr.add_argument("--out", default=None, help="manifest path (default ROOT/fasttrain-manifest.json)")
     pr.add_argument("--encoder", default=None, help="module:function mapping images [N,3,S,S] in [-1,1] to latents")
-    pr.add_argument("--latents-out", default=None, help="folder for the encoded .npy latents")
+    pr.add_argument("--vae", default=None, help="encode with a local diffusers AutoencoderKL folder (posterior mean "
+                    "and std per image; resumable)")
+    pr.add_argument("--vae-subfolder", default=None, help="the VAE's subfolder in a pipeline folder (e.g. vae)")
+    pr.add_argument("--latents-out", default=None, help="folder for the encoded .npy latents (--vae: ROOT-latents)")
     pr.add_argument("--image-size", type=_positive("--image-size"), default=256, help="image side fed to the encoder")
     pr.add_argument("--batch-size", type=_positive("--batch-size"), default=64, help="encoder batch size")
     return p
@@ -148,9 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "train":  # flags may sit between overrides: argparse wants them after the positionals
         argv = ["train"] + [a for a in argv[1:] if not a.startswith("-")] + [a for a in argv[1:] if a.startswith("-")]
     args = _parser().parse_args(argv)
-    if args.command in ("sample", "eval", "report", "data"):
+    if args.command in ("sample", "eval", "report", "data", "export"):
         try:
-            return {"sample": _sample, "eval": _eval, "report": _report, "data": _data}[args.command](args)
+            return {"sample": _sample, "eval": _eval, "report": _report, "data": _data,
+                    "export": _export}[args.command](args)
         except USER_ERRORS as e:
             if os.environ.get("FASTTRAIN_DEBUG") == "1":
                 raise
@@ -234,7 +249,6 @@ def _sample(args) -> int:
     from torchvision.utils import save_image
 
     from . import plots
-    from .bundle import ModelBundle
     from .diffusion.solvers import SOLVERS, check_options
     from .evaluate import reference_for
 
@@ -243,7 +257,7 @@ def _sample(args) -> int:
     if earlier:  # new samples among old ones would mix two runs (and a smaller --n would leave stale files)
         raise InvalidInput(f"--out {args.out} already holds samples ({earlier[0].name}, {len(earlier)} files): choose "
                          f"an empty folder (nothing was overwritten)")
-    b = ModelBundle.load(args.ckpt)
+    b = _bundle(args)
     sc, classes = b.cfg.sample, b.spec.num_classes
     labels = None
     if classes:
@@ -261,9 +275,14 @@ def _sample(args) -> int:
     x = b.generate(args.n, labels, seed=args.seed, steps=args.steps or sc.steps, solver=solver,
                    guidance=sc.guidance if args.guidance is None else args.guidance, ema=not args.raw, eta=eta,
                    progress=True)
-    ref = None if b.spec.image_size else reference_for(b.cfg, b.spec).train
-    plots.save_samples(out / "grid.png", x, b.spec, reference=ref)
-    if b.spec.image_size and b.spec.name != "latents":
+    spec = b.spec
+    if b.decodes:  # VAE latents: the images they decode into (the latents themselves beside them)
+        torch.save(x.cpu(), out / "samples.pt")
+        x = b.decode(x)
+        spec = b.image_spec(x)
+    ref = None if spec.image_size else reference_for(b.cfg, spec).train
+    plots.save_samples(out / "grid.png", x, spec, reference=ref)
+    if spec.image_size and spec.name != "latents":
         for i, img in enumerate(x):
             save_image(img * 0.5 + 0.5, out / f"{i:05d}.png")
     else:
@@ -272,16 +291,28 @@ def _sample(args) -> int:
     return 0
 
 
+def _bundle(args):
+    """The checkpoint's model bundle; a latent run's VAE (the recorded one, or --vae) loaded now, so that
+    a missing one is a one-line error before any sampling."""
+    from .bundle import ModelBundle
+
+    b = ModelBundle.load(args.ckpt, vae=args.vae)
+    if args.vae and not b.spec.latents:
+        raise InvalidInput(f"--vae: {args.ckpt} was not trained on VAE latents")
+    if b.decodes:
+        b.codec  # noqa: B018 - loads the VAE
+    return b
+
+
 def _eval(args) -> int:
     import json
     from dataclasses import replace
 
-    from .bundle import ModelBundle
     from .checkpoint import resolve
     from .evaluate import EvalSettings, reference_for, run_evaluation
 
     out = out_file(args.out) if args.out else None
-    b = ModelBundle.load(args.ckpt)
+    b = _bundle(args)
     s = EvalSettings.from_config(b.cfg)
     s = replace(s, num_samples=args.n if args.n is not None else s.num_samples, steps=args.steps or s.steps,
                 extractor=args.extractor or s.extractor, weights_path=args.weights or s.weights_path,
@@ -301,7 +332,17 @@ def _eval(args) -> int:
 def _report(args) -> int:
     from .report import write_report
 
-    print(f"wrote {write_report(args.run)}")
+    print(f"wrote {write_report(args.run, vae=args.vae)}")
+    return 0
+
+
+def _export(args) -> int:
+    from .export import export_diffusers
+
+    res = export_diffusers(args.run, args.out, vae=args.vae, ema=not args.raw)
+    print(f"wrote {res['out']}: {res['network']} ({res['weights']} weights of step {res['step']}, equal to the run's "
+          f"network to {res['max_abs_diff']:.1g}), {res['scheduler']}{', the VAE' if res['vae'] else ''}; load it with "
+          f"diffusers.DiffusionPipeline.from_pretrained({res['out']!r}, trust_remote_code=True)")
     return 0
 
 
@@ -313,14 +354,39 @@ def _data(args) -> int:
 
     if args.out:
         out_file(args.out)
+    if args.vae and args.encoder:
+        raise InvalidInput("--vae and --encoder exclude each other")
+    if args.vae:  # a missing VAE or extra before the folder is checked
+        from . import optional
+        from .data.encode import default_out
+        from .vae import model_dir
+
+        model_dir(args.vae, args.vae_subfolder)
+        optional.diffusers("data prepare --vae")
+        args.latents_out = args.latents_out or str(default_out(args.root))
     if args.latents_out:
         out_dir(args.latents_out)
     res = prepare(args.root, args.out, args.encoder, args.latents_out, args.image_size, args.batch_size)
     print(f"{res['num_files']} readable files, {len(res['classes'])} classes, sizes {res['sizes']}")
     for rel, reason in res["bad"]:
         print(f"skipped {rel}: {reason}")
+    if args.vae:
+        res.update(_encode_with_vae(args, res["manifest"]))
     print(f"wrote {res['manifest']}" + (f" and {res['latents_manifest']}" if "latents_manifest" in res else ""))
     return 0
+
+
+def _encode_with_vae(args, manifest_path) -> dict:
+    import json
+
+    from .data.encode import encode_with_vae
+
+    m = json.loads(Path(manifest_path).read_text())
+    lm = encode_with_vae(m, args.latents_out, args.vae, args.vae_subfolder, args.image_size, args.batch_size)
+    info = lm["latents"]
+    print(f"encoded {lm['num_files']} images to {lm['sizes']} latents (posterior mean and std); VAE scaling_factor "
+          f"{info['vae']['scaling_factor']}, shift_factor {info['vae']['shift_factor']}")
+    return {"latents_manifest": str(Path(args.latents_out) / "fasttrain-manifest.json")}
 
 
 if __name__ == "__main__":

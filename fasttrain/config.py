@@ -40,6 +40,9 @@ class DataConfig:
     flip: bool = _f(True, "random horizontal flips (image folders)")
     image_size: int = _f(8, "side of the square training images (digits are 8×8 natively)", min=1)
     channels: int = _f(3, "image channels for name=folder (1 = grey, 3 = RGB) and name=synthetic")
+    latent_norm: str = _f("auto", "latents: vae (the VAE's scaling/shift factors) | channel (per-channel mean/std) "
+                          "| none | auto (vae where the folder records a VAE)",
+                          choices=("auto", "vae", "channel", "none"))
     batch_size: int = _f(16, "micro-batch per process", min=1)
     holdout: int = _f(400, "digits held out from training (for evaluation)", min=1)
     num_workers: int = _f(0, "loader workers: DataLoader processes or DALI threads (0 = main process / 1 thread)",

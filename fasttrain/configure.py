@@ -89,6 +89,10 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"unknown config key 'model.args.{k}' (the data decide it)")
     with _Key("model.args"):
         MODELS.check_args(cfg.model.name, args, where="model.args")
+        complete = MODELS.get(cfg.model.name).complete
+        if complete is not None:  # e.g. a pretrained folder's architecture: the checkpoint rebuilds without it
+            cfg.model.args = complete(args)
+            args = plain(cfg.model.args)
     toy = cfg.data.name in TOYS
     if toy == is_image_model(cfg.model.name):
         kind = "2-D points" if toy else "images"

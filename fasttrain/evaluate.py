@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from .errors import InvalidInput
+from .errors import InvalidInput, UserError
 from .diffusion.nelbo import nelbo_bits_per_dim
 
 EXTRACTORS = ("auto", "fasttrain-digits", "inception-v3-compat", "none")
@@ -107,6 +107,8 @@ def reference_for(cfg, spec, ref_path: str | None = None, n: int = 5000) -> Refe
         return Reference(None, None, "none (synthetic data have nothing to compare with)")
     if ref_path is None and spec.name in TOYS:
         return Reference(toy(spec.name, n=n, seed=0), toy(spec.name, n=n, seed=1), spec.name)
+    if spec.latents:
+        return _latent_reference(spec, d, ref_path, n)
     root = ref_path or d.root
     if not root or not Path(root).is_dir():
         return Reference(None, None, f"none (the training folder {root!r} is gone: pass --ref PATH)")
@@ -134,13 +136,36 @@ def _folder_items(root: str, spec, d, n: int) -> torch.Tensor:
     return x
 
 
+def _latent_reference(spec, d, ref_path: str | None, n: int) -> Reference:
+    """A VAE-latent run: images for FID (`--ref`, else the folder the latents were encoded from) at the
+    size the VAE decodes to, and the latents' posterior means, normalised as in training, for bits/dim."""
+    from .data.folder import ImageFolderDataset, LatentFolderDataset
+    from .data.latents import prepare_batch
+    from .data.manifest import IMAGE_EXTENSIONS, load_manifest, scan
+
+    rec = spec.latents
+    root = ref_path or rec.get("source")
+    size = rec.get("image_size") or spec.image_size * (rec.get("vae") or {}).get("downsample", 1)
+    train, source = None, f"none (the images {root!r} are gone: pass --ref PATH)"
+    if root and Path(root).is_dir():
+        manifest = load_manifest(root)
+        files = [tuple(f) for f in manifest["files"]] if manifest else scan(root, IMAGE_EXTENSIONS)[0]
+        ds = ImageFolderDataset(root, size, 3, files=files)
+        train, source = torch.stack([ds[i][0] for i in range(min(n, len(ds)))]), str(root)
+    test = None
+    if d.root and Path(d.root).is_dir():
+        lat = LatentFolderDataset(d.root, load_manifest(d.root, d.manifest))
+        test = prepare_batch(torch.stack([lat[i][0] for i in range(min(n, len(lat)))]), rec)
+    return Reference(train, test, source)
+
+
 # -- evaluating a bundle -------------------------------------------------------------------------
 def resolve_extractor(extractor: str, spec) -> str:
     if extractor != "auto":
         return extractor
     if spec.name == "digits":
         return "fasttrain-digits"
-    return "inception-v3-compat" if spec.is_images else "none"
+    return "inception-v3-compat" if spec.is_images or spec.decodes else "none"
 
 
 def run_evaluation(bundle, settings: EvalSettings, reference: Reference) -> dict:
@@ -149,7 +174,8 @@ def run_evaluation(bundle, settings: EvalSettings, reference: Reference) -> dict
     out, spec = {}, bundle.spec
     extractor = resolve_extractor(settings.extractor, spec)
     classes = spec.num_classes
-    if settings.num_samples and spec.is_images and extractor != "none":
+    decodes = bundle.decodes  # VAE latents: judged as the images they decode into
+    if settings.num_samples and (spec.is_images or decodes) and extractor != "none":
         if reference.train is None:
             out["fidelity_error"] = f"no reference images: {reference.source}"
         else:
@@ -157,10 +183,15 @@ def run_evaluation(bundle, settings: EvalSettings, reference: Reference) -> dict
             x = bundle.generate(settings.num_samples, labels, seed=settings.seed, steps=settings.steps,
                                 solver=settings.solver)
             try:
-                out.update(fidelity(x, reference.train, extractor, settings.weights_path))
+                x = bundle.decode(x) if decodes else x
+            except UserError as e:  # the VAE is gone or unusable: the rest of the evaluation goes on
+                out["fidelity_error"] = str(e)
+                x = None
+            try:
+                out.update(fidelity(x, reference.train, extractor, settings.weights_path) if x is not None else {})
             except Exception as e:  # noqa: BLE001 - e.g. Inception weights that cannot be downloaded
                 out["fidelity_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            if extractor == "fasttrain-digits":
+            if extractor == "fasttrain-digits" and x is not None:
                 from .features import judge
 
                 out.update({f"digits_{k}": v for k, v in judge(x, labels).items()})

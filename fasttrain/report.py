@@ -1,6 +1,6 @@
 """`fasttrain report RUN_DIR`: one self-contained HTML page per run (images inlined as base64): the
-loss curve, FID/KID/bits-per-dim over training, the per-timestep curves, a sample grid, the final
-metrics and the config."""
+loss curve, FID/KID/bits-per-dim over training, the per-timestep curves, a sample grid (for a latent
+run also decoded by its VAE), the final metrics and the config."""
 from __future__ import annotations
 
 import base64
@@ -11,8 +11,8 @@ from pathlib import Path
 from jinja2 import Template
 
 from . import checkpoint as ckpt
-from .errors import MissingFile
 from . import plots
+from .errors import MissingFile, UserError
 from .logger import number, read_jsonl
 
 PAGE = Template("""<!doctype html>
@@ -65,7 +65,28 @@ def objective_from_checkpoint(run: Path):
     return obj, interference
 
 
-def write_report(run_dir: str | Path) -> Path:
+def decoded_samples(run: Path, vae: str | None = None) -> Path | None:
+    """A latent run's samples (RUN/samples.pt) decoded by its VAE (the recorded one, or `vae`) into
+    RUN/samples-decoded.png, unless training wrote it already; None for runs with nothing to decode."""
+    out = run / "samples-decoded.png"
+    if (out.is_file() and vae is None) or not (run / "samples.pt").is_file() or ckpt.latest(run) is None:
+        return out if out.is_file() else None
+    spec = ckpt.read_plain(run).get("data_spec", {})
+    if not spec.get("latents"):
+        return None
+    import torch
+
+    from .bundle import DataSpec
+    from .vae import LatentCodec
+
+    x = torch.load(run / "samples.pt", map_location="cpu", weights_only=True)
+    images = LatentCodec.load(spec["latents"], vae).decode(x)
+    d = DataSpec("decoded", images.shape[1], images.shape[-1], spec["num_classes"], spec["label_dropout"])
+    return plots.save_samples(out, images, d)
+
+
+def write_report(run_dir: str | Path, vae: str | None = None) -> Path:
+    """RUN/report.html; a latent run's samples decoded by its VAE (or the folder `vae`)."""
     run = Path(run_dir)
     metrics_file = run / "metrics.jsonl"
     if not metrics_file.is_file():
@@ -76,10 +97,17 @@ def write_report(run_dir: str | Path) -> Path:
     if not (run / "timesteps.png").is_file() and ckpt.latest(run) is not None:
         objective, interference = objective_from_checkpoint(run)
     plots.plot_run(run, objective, interference=interference)
+    try:
+        decoded_samples(run, vae)
+    except UserError as e:  # the recorded VAE is gone: the report goes on without them (--vae names another)
+        if vae is not None:
+            raise
+        print(f"fasttrain: the report has no decoded samples ({e})", file=sys.stderr)
     figures = [(title, _b64(run / f)) for title, f in (
         ("Training loss", "loss.png"), ("Evaluation over training", "eval.png"),
         ("Per-timestep statistics", "timesteps.png"), ("Learned timestep distribution", "adaptive.png"),
-        ("Cross-timestep interference", "interference.png"), ("Samples (EMA)", "samples.png"))
+        ("Cross-timestep interference", "interference.png"), ("Samples (EMA)", "samples.png"),
+        ("Samples (EMA), decoded by the VAE", "samples-decoded.png"))
         if (run / f).is_file()]
     last_eval = {}
     for r in rows:

@@ -11,12 +11,13 @@ purpose never shifts an old one.
     policy       learned samplers' own parameters (the same on every rank)
     eval         sampling for evaluation and generation
     probe        the adaptive sampler's look-ahead draws (τ-grid, x0* choice, probe noise per rank)
+    posterior    draws from VAE posteriors stored with latents (per rank and data position)
 """
 from __future__ import annotations
 
 import hashlib
 
-PURPOSES = ("weights", "data", "augment", "timesteps", "noise", "reseed", "policy", "eval", "probe")
+PURPOSES = ("weights", "data", "augment", "timesteps", "noise", "reseed", "policy", "eval", "probe", "posterior")
 
 
 def derive(seed: int, purpose: str, *ids: int) -> int:

@@ -66,9 +66,10 @@ class Trainer:
         self.data, info = build_data(d.name, batch_size=d.batch_size, seed=tc.seed, image_size=d.image_size,
                                      root=d.root, channels=d.channels, holdout=d.holdout, device=self.device,
                                      num_workers=d.num_workers, backend=d.backend, manifest=d.manifest,
-                                     crop=d.crop, flip=d.flip, rank=rank, world_size=world)
+                                     crop=d.crop, flip=d.flip, rank=rank, world_size=world, latent_norm=d.latent_norm)
         self.spec = DataSpec(d.name, info.channels, info.image_size,
-                             info.num_classes if cfg.model.class_conditional else 0, cfg.model.label_dropout)
+                             info.num_classes if cfg.model.class_conditional else 0, cfg.model.label_dropout,
+                             info.latents)
         with torch.random.fork_rng(devices=[]):  # the same initial weights on every rank
             torch.manual_seed(seeds.derive(tc.seed, "weights"))
             net = build_network(cfg, self.spec).to(self.device)
@@ -365,6 +366,9 @@ class Trainer:
             if self.dist.is_main:
                 ref = self.eval_reference().train if not self.spec.image_size else None
                 plots.save_samples(self.run_dir / "samples.png", x, self.spec, reference=ref)
+                if self.spec.decodes:  # latents: also as the images the run's VAE decodes them into
+                    _report_failure("no decoded samples", lambda: self.bundle.save_decoded(
+                        self.run_dir / "samples-decoded.png", x))
                 if not self.spec.image_size:
                     out["sample_mean"], out["sample_std"] = x.mean(0).tolist(), x.std(0).tolist()
         if cfg.eval.num_samples or cfg.eval.bpd:

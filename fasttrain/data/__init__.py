@@ -5,6 +5,8 @@ exactly the batches it would have seen. Image folders (`folder`) and .npy latent
 folder.py) go through NVIDIA DALI (`data.backend=dali`, dali.py) or a torch DataLoader (`torch`,
 loader.py); `auto` takes DALI where it is installed. Both read the file list of the folder's manifest
 (manifest.py), so corrupt files are skipped, not fatal. Every stream reads the same order (order.py).
+Latents encoded by a VAE (`data prepare --vae`, encode.py) are drawn from their posterior and
+normalised on the device (latents.py); their record (`DataInfo.latents`) goes into the checkpoint.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from ..errors import DataError, InvalidInput
 from . import dali
 from .builtin import TOYS, digits, synthetic, toy
 from .folder import ImageFolderDataset, LatentFolderDataset
+from .latents import LatentStream
 from .loader import LoaderStream
 from .manifest import build_manifest, load_manifest
 from .memory import MemoryStream
@@ -31,6 +34,7 @@ class DataInfo:
     image_size: int | None  # None for 2-D toy data
     num_classes: int
     size: int
+    latents: dict | None = None  # a latent folder's VAE, normalisation and statistics (vae.latent_record)
 
 
 def _folder_manifest(root: str, manifest_path: str | None) -> dict:
@@ -64,7 +68,7 @@ def resolve_backend(backend: str, name: str) -> str:
 def build_data(name: str, *, batch_size: int, seed: int = 0, image_size: int = 8, root: str | None = None,
                channels: int = 3, holdout: int = 400, device="cpu", num_workers: int = 0, split: str = "train",
                backend: str = "auto", manifest: str | None = None, crop: str = "center", flip: bool = True,
-               rank: int = 0, world_size: int = 1):
+               rank: int = 0, world_size: int = 1, latent_norm: str = "auto"):
     """Return (stream, DataInfo) for a built-in data set, an image folder or a latent folder."""
     if name not in DATASETS:
         raise InvalidInput(f"unknown data set {name!r}; choose from {', '.join(DATASETS)}")
@@ -87,12 +91,20 @@ def build_data(name: str, *, batch_size: int, seed: int = 0, image_size: int = 8
         raise InvalidInput(f"data.channels must be 1 (grey) or 3 (RGB) for image folders, got {channels}")
     m = _folder_manifest(root, manifest)
     files = [tuple(f) for f in m["files"]]
+    record = None
     if name == "latents":
+        from ..vae import latent_record
+
         ds = LatentFolderDataset(root, m)
         shape = ds.shape()
         if len(shape) != 3 or shape[1] != shape[2]:
             raise DataError(f"latents must be stored as [C, S, S] arrays, {ds.files[0][0]} has shape {shape}")
-        info = DataInfo(shape[0], shape[1], len(m["classes"]), len(files))
+        record = latent_record(m.get("latents"), latent_norm)
+        c = record["channels"] if record else shape[0]
+        if record and shape[0] != c * (2 if record["posterior"] else 1):
+            raise DataError(f"{ds.files[0][0]} has {shape[0]} channels, the manifest records {c} latent channels"
+                            f"{' (mean and std)' if record['posterior'] else ''}: run `fasttrain data prepare` again")
+        info = DataInfo(c, shape[1], len(m["classes"]), len(files), record)
     else:
         ds = ImageFolderDataset(root, image_size, channels, manifest=m)
         info = DataInfo(channels, image_size, len(m["classes"]), len(files))
@@ -100,6 +112,7 @@ def build_data(name: str, *, batch_size: int, seed: int = 0, image_size: int = 8
         stream = dali.DaliStream("latents" if name == "latents" else "images", root, files, batch_size,
                                  image_size=image_size, channels=channels, seed=seed, rank=rank, world_size=world_size,
                                  device=device, num_threads=max(1, num_workers), crop=crop, flip=flip)
-        return stream, info
-    augment = None if name == "latents" else (flip, crop == "random")
-    return LoaderStream(ds, batch_size, seed, device, num_workers, rank, world_size, augment), info
+    else:
+        augment = None if name == "latents" else (flip, crop == "random")
+        stream = LoaderStream(ds, batch_size, seed, device, num_workers, rank, world_size, augment)
+    return (LatentStream(stream, record, seed, rank) if record else stream), info

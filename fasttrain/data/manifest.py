@@ -159,6 +159,11 @@ def prepare(root: str | Path, out: str | Path | None = None, encoder: str | None
     """The `fasttrain data prepare` command: check, optionally encode, write the manifest(s)."""
     m = build_manifest(root)
     path = Path(out) if out else Path(root) / MANIFEST
+    if m["kind"] == "latents" and path.is_file():  # a rerun on latents from `--vae` keeps their record (encode.py)
+        try:
+            m["latents"] = json.loads(path.read_text())["latents"]
+        except (ValueError, KeyError, TypeError):
+            pass
     path.write_text(json.dumps(m, indent=1))
     result = {"manifest": str(path), "num_files": m["num_files"], "bad": m["bad"], "classes": m["classes"],
               "sizes": m["sizes"]}

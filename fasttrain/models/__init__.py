@@ -5,14 +5,39 @@ registers its presets (`@register` / `register(name)(factory)`); every module he
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 from torch import nn
 
 from ..errors import InvalidInput
 from ..registry import Registry, discover
 
-MODELS = Registry("model", defaults={"check": None})  # check(image_size, **args): sizes, before building
+# check(image_size, **args): sizes, before building; complete(args) -> args: what a factory would read
+# from elsewhere (a pretrained folder's architecture) written into the run's config (configure.py)
+MODELS = Registry("model", defaults={"check": None, "complete": None})
 register = MODELS.register
+
+# False while a model is built to receive a checkpoint's weights: a factory that would read pretrained
+# weights (models/diffusers_backbone.py) builds from the config alone, so the folder may be gone.
+_PRETRAINED = contextvars.ContextVar("fasttrain_load_pretrained", default=True)
+
+
+@contextlib.contextmanager
+def weights_from_checkpoint():
+    """Models built in this block get their weights from a checkpoint: factories skip pretrained weights."""
+    token = _PRETRAINED.set(False)
+    try:
+        yield
+    finally:
+        _PRETRAINED.reset(token)
+
+
+def load_pretrained() -> bool:
+    """Whether a factory should read its pretrained weights (not inside `weights_from_checkpoint`)."""
+    return _PRETRAINED.get()
+
 
 discover(__name__)  # unet.py, dit.py, mlp.py, ... register their presets
 
@@ -44,7 +69,7 @@ def forward_flops(name: str, *, in_channels: int, image_size: int | None = None,
     the meta device, so that XL models cost no memory. Training is about 3× this."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with torch.device("meta"):
+    with torch.device("meta"), weights_from_checkpoint():  # no pretrained weights onto the meta device
         m = build_model(name, in_channels=in_channels, image_size=image_size, num_classes=num_classes, **kw)
         shape = (1, in_channels) + ((image_size, image_size) if image_size else ())
         x, t = torch.empty(shape), torch.zeros(1, dtype=torch.long)
@@ -55,5 +80,5 @@ def forward_flops(name: str, *, in_channels: int, image_size: int | None = None,
 
 
 def param_count(name: str, **kw) -> int:
-    with torch.device("meta"):
+    with torch.device("meta"), weights_from_checkpoint():
         return count_params(build_model(name, **kw))

@@ -3,6 +3,7 @@
     worker.py parity OUT      FSDP2 (± AC, per-block compile, bf16) and DDP against one process on the
                               global batch, for a DiT and a UNet (its stages)
     worker.py streams OUT     per-rank noise differs, samplers and statistics agree after a sync
+    worker.py diffusers_parity OUT   the parity check for diffusers networks (model.name=diffusers)
 
 Rank 0 writes a JSON result to OUT; every check ends with barrier → destroy → os._exit (gloo's
 teardown can abort otherwise)."""
@@ -19,11 +20,18 @@ from fasttrain.models.dit import DiT
 from fasttrain.models.unet import UNet
 from fasttrain.parallel import parallelize
 
+HF = {"hf_dit": ("DiTTransformer2DModel", {"num_attention_heads": 2, "attention_head_dim": 8, "num_layers": 2}),
+      "hf_unet": ("UNet2DModel", {"block_out_channels": [8, 16], "down_block_types": ["DownBlock2D", "AttnDownBlock2D"],
+                                  "up_block_types": ["AttnUpBlock2D", "UpBlock2D"], "layers_per_block": 1,
+                                  "norm_num_groups": 4, "attention_head_dim": 8})}
+
 
 def _model(kind):
     torch.manual_seed(0)
     if kind == "dit":
         return build_model("dit_tiny", in_channels=2, image_size=8, hidden=32, depth=2, heads=2)
+    if kind in HF:  # diffusers networks as fasttrain backbones (model.name=diffusers)
+        return build_model("diffusers", in_channels=2, image_size=8, class_name=HF[kind][0], config=HF[kind][1])
     return build_model("unet_tiny", in_channels=2, image_size=8, ch=8)
 
 
@@ -43,19 +51,21 @@ def _full(model):
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
 
-def parity(out):
+def parity(out, kinds=("dit", "unet")):
+    from fasttrain.models.diffusers_backbone import DiffusersBackbone
+
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4 * world, 2, 8, 8, generator=g)
     t = torch.randint(0, 1000, (4 * world,), generator=g)
     mine = slice(4 * rank, 4 * (rank + 1))
     res = {}
-    for kind in ("dit", "unet"):
+    for kind in kinds:
         ref = {k: v.clone() for k, v in _train(_model(kind), x, t).state_dict().items()}  # one process, global batch
         for name, kw in [("fsdp", {}), ("fsdp_ac_full", {"ac": "full"}), ("fsdp_ac_selective", {"ac": "selective"}),
                          ("fsdp_compile", {"compile": "blocks"}), ("fsdp_bf16", {"precision": "bf16"}),
                          ("ddp", {"strategy": "ddp"})]:
-            if name == "fsdp_compile" and kind == "unet":  # a compile per distinct stage: minutes on 2 cores
+            if name == "fsdp_compile" and kind != "dit":  # a compile per distinct stage: minutes on 2 cores
                 continue
             model = parallelize(_model(kind), **{"strategy": "fsdp", **kw})
             if kind == "unet" and name == "fsdp":
@@ -63,7 +73,7 @@ def parity(out):
             _train(model, x[mine], t[mine])
             sd = _full(model)
             res[f"{kind}/{name}"] = max((sd[k].float() - ref[k].float()).abs().max().item() for k in ref)
-            res[f"{kind}/{name}/same_model"] = isinstance(model, (DiT, UNet))  # wrapped in place, not replaced
+            res[f"{kind}/{name}/same_model"] = isinstance(model, (DiT, UNet, DiffusersBackbone))  # wrapped in place
     if rank == 0:
         with open(out, "w") as f:
             json.dump(res, f)
@@ -105,7 +115,9 @@ if __name__ == "__main__":
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     code = 0
     try:
-        {"parity": parity, "streams": streams}[sys.argv[1]](sys.argv[2])
+        checks = {"parity": parity, "streams": streams,
+                  "diffusers_parity": lambda out: parity(out, kinds=("hf_dit", "hf_unet"))}
+        checks[sys.argv[1]](sys.argv[2])
         dist.barrier()
     except Exception:  # noqa: BLE001 - reported through the exit code and the traceback
         traceback.print_exc()

@@ -1,0 +1,181 @@
+"""diffusers networks as fasttrain backbones (`model.name=diffusers`): trained or fine-tuned with
+fasttrain's kernels, timestep strategies, compile, FSDP2 and checkpoints like any model.
+
+    model.args.class_name=UNet2DModel  model.args.config.block_out_channels=[32,64] ...   # from a config
+    model.args.class_name=UNet2DModel  model.args.pretrained=FOLDER [model.args.subfolder=unet]  # fine-tune
+
+The data decide `in_channels`, `sample_size` and the class table, the prediction kind `out_channels`;
+a pretrained model must already fit them (one line naming what differs); one with twice the output
+channels (DiT's learned variance, e.g. facebook/DiT-XL-2) is trained on the first half, as DiTPipeline
+samples it. Its config.json is copied
+into the run's config when the run is configured (`complete`), so a checkpoint rebuilds the network
+without the pretrained folder; its weights are read only when a run starts.
+
+Conventions bridged here:
+  classes   fasttrain's null label is `num_classes` (classifier-free guidance); it is mapped to the
+            network's own last row (UNet2DModel: num_class_embeds − 1; DiT: num_embeds_ada_norm), so a
+            pretrained table with more classes than the data works. A DiT's built-in label dropout
+            (10%, drawn independently in every block, diffusers' `LabelEmbedding`) is switched off:
+            the trainer drops labels itself (`model.label_dropout`).
+  timesteps the integer t ∈ [0, T−1] is passed as diffusers' schedulers pass it.
+  blocks    the repeated units (`repeated_blocks()`: per-block activation checkpointing, compile and
+            sharding, parallel.py): a UNet2DModel's down, mid and up blocks, a DiT's transformer blocks
+            but the first (whose embedding the final layer reuses; it stays with the root).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import optional
+from ..errors import InvalidInput
+from . import load_pretrained, register
+
+CLASSES = ("UNet2DModel", "DiTTransformer2DModel")
+
+
+def _config_file(pretrained: str, subfolder: str) -> Path:
+    root = Path(pretrained)
+    if not root.is_dir():
+        raise InvalidInput(f"model.args.pretrained: folder {pretrained!r} does not exist")
+    path = root / subfolder / "config.json" if subfolder else root / "config.json"
+    if not path.is_file():
+        raise InvalidInput(f"model.args.pretrained: {path.parent} holds no diffusers model (no config.json"
+                          f"{'; a pipeline folder: set model.args.subfolder' if not subfolder else ''})")
+    return path
+
+
+def complete(args: dict) -> dict:
+    """The model arguments with a pretrained model's architecture written into `config` (its config.json,
+    under the user's `config` keys), so that the run's config alone rebuilds the network."""
+    if not args.get("pretrained"):
+        return args
+    saved = json.loads(_config_file(args["pretrained"], args.get("subfolder", "")).read_text())
+    cls = saved.get("_class_name")
+    if cls != args.get("class_name", "UNet2DModel"):
+        raise InvalidInput(f"model.args.pretrained holds a {cls}, model.args.class_name is "
+                           f"{args.get('class_name', 'UNet2DModel')}")
+    arch = {k: v for k, v in saved.items() if not k.startswith("_")}
+    return {**args, "config": {**arch, **(args.get("config") or {})}}
+
+
+def check(image_size: int, class_name: str = "UNet2DModel", config: dict | None = None, pretrained: str = "",
+          subfolder: str = "", **_) -> None:
+    """Structural needs, checked when the run is configured (configure.py)."""
+    if class_name not in CLASSES:
+        raise InvalidInput(f"model.args.class_name must be one of {', '.join(CLASSES)}, got {class_name!r}")
+    if pretrained:
+        _config_file(pretrained, subfolder)
+    cfg = config or {}
+    if class_name == "DiTTransformer2DModel" and image_size % int(cfg.get("patch_size", 2)):
+        raise InvalidInput(f"image_size {image_size} is not divisible by model.args.config.patch_size")
+    if class_name == "UNet2DModel":
+        levels = len(cfg.get("block_out_channels", (224, 448, 672, 896)))
+        if image_size % 2 ** (levels - 1):
+            raise InvalidInput(f"the UNet2DModel halves the image size {levels - 1} times: it must be a multiple of "
+                               f"{2 ** (levels - 1)}")
+
+
+def _fit(cfg: dict, key: str, want, strict: bool, what: str) -> None:
+    """Set a config key the data decide; where the user or the pretrained model gave it (`strict`), the
+    values must agree."""
+    if strict and cfg.get(key) is not None and cfg[key] != want:
+        raise InvalidInput(f"the diffusers model has {key}={cfg[key]}, the run needs {want} ({what})")
+    cfg[key] = want
+
+
+class DiffusersBackbone(nn.Module):
+    """A diffusers UNet2DModel or DiTTransformer2DModel with fasttrain's forward(x, t, y) → prediction."""
+
+    def __init__(self, model: nn.Module, num_classes: int, null_row: int | None, out_channels: int | None = None):
+        super().__init__()
+        self.model, self.num_classes, self.null_row = model, num_classes, null_row
+        self.out_channels = out_channels  # fewer than the model's: a learned-Σ half left unused
+        self.is_dit = type(model).__name__ == "DiTTransformer2DModel"
+        if self.is_dit:
+            for blk in model.transformer_blocks:  # the trainer drops labels; diffusers' own 10% would add to it
+                emb = getattr(blk.norm1, "emb", None)
+                if emb is not None:
+                    emb.class_embedder.dropout_prob = 0.0
+
+    def _labels(self, y: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor | None:
+        if self.null_row is None:
+            return None
+        if y is None:
+            return torch.full_like(t, self.null_row, dtype=torch.long)
+        return torch.where(y == self.num_classes, torch.full_like(y, self.null_row), y)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.model(x, t, class_labels=self._labels(y, t)).sample
+        return out if self.out_channels is None else out[:, :self.out_channels]
+
+    def repeated_blocks(self) -> list[nn.Module]:
+        m = self.model
+        if self.is_dit:
+            # not block 0: DiTTransformer2DModel's final layer calls block 0's time/label embedding from
+            # the root's forward, after the block (where FSDP has resharded a unit's parameters)
+            return list(m.transformer_blocks)[1:]
+        return [*m.down_blocks, *([m.mid_block] if m.mid_block is not None else []), *m.up_blocks]
+
+
+def build(in_channels: int, image_size: int, num_classes: int = 0, out_channels: int | None = None,
+          class_name: str = "UNet2DModel", config: dict | None = None, pretrained: str = "",
+          subfolder: str = "") -> DiffusersBackbone:
+    """The network from `config` (completed from `pretrained` by configure.py), with pretrained weights
+    when a run starts (not when a checkpoint's weights will replace them)."""
+    check(image_size, class_name, config, pretrained if load_pretrained() else "", subfolder)
+    diffusers = optional.diffusers("model.name=diffusers")
+    cls = getattr(diffusers, class_name)
+    user = dict(config or {})
+    pre = bool(pretrained)
+    if pre and "in_channels" not in user:  # built without configure.py's `complete`
+        user = complete({"class_name": class_name, "config": user, "pretrained": pretrained,
+                         "subfolder": subfolder})["config"]
+    cfg = dict(user)
+    dit = class_name == "DiTTransformer2DModel"
+    _fit(cfg, "in_channels", in_channels, pre or "in_channels" in user, "the data's channels")
+    want, sliced = out_channels or in_channels, None
+    if pre and cfg.get("out_channels") == 2 * want:  # DiT's learned Σ (Nichol & Dhariwal 2021): mean half used
+        sliced = want
+    else:
+        _fit(cfg, "out_channels", want, pre or "out_channels" in user, "the prediction's output channels")
+    _fit(cfg, "sample_size", image_size, dit and (pre or "sample_size" in user), "data.image_size")
+    # the class table: rows 0..K-1 the data's classes, the last row the null label
+    key = "num_embeds_ada_norm" if dit else "num_class_embeds"
+    given = cfg.get(key) if (pre or key in user) else None
+    if dit:
+        if cfg.setdefault("norm_type", "ada_norm_zero") != "ada_norm_zero":
+            raise InvalidInput("a DiTTransformer2DModel needs norm_type=ada_norm_zero here (timestep and class "
+                               "conditioning)")
+        rows = (given if given is not None else num_classes) + 1
+        cfg[key] = rows - 1
+    else:
+        if cfg.get("class_embed_type") is not None:
+            raise InvalidInput(f"class_embed_type={cfg['class_embed_type']!r}: fasttrain conditions on class "
+                               f"indices (an embedding table: class_embed_type=None)")
+        rows = given if (pre or given is not None) else (num_classes + 1 if num_classes else None)
+        cfg[key] = rows
+    if num_classes and (rows is None or rows < num_classes + 1):
+        have = "no class table" if rows is None else f"a class table of {rows} rows"
+        raise InvalidInput(f"the diffusers {class_name} has {have}, the data need {num_classes + 1} ({num_classes} "
+                           f"classes and the null label; model.class_conditional=false trains it unconditionally)")
+    null_row = None if rows is None else rows - 1
+    if pre and load_pretrained():
+        model = cls.from_pretrained(pretrained, subfolder=subfolder or None, low_cpu_mem_usage=False,
+                                    local_files_only=True)
+        fresh = cls.from_config(cfg)
+        try:
+            fresh.load_state_dict(model.state_dict())
+        except RuntimeError as e:
+            raise InvalidInput(f"model.args.config changes the pretrained {class_name}'s shapes "
+                               f"({str(e).strip().splitlines()[-1][:160]})") from None
+        model = fresh
+    else:
+        model = cls.from_config(cfg)
+    return DiffusersBackbone(model.train(), num_classes, null_row, sliced)
+
+
+register("diffusers", check=check, complete=complete)(build)
