@@ -1,10 +1,19 @@
-"""Steps (and seconds) to a target FID from evaluation curves: the arithmetic of the convergence
-benchmark (bench/convergence.py), kept apart so that it can be tested on synthetic curves.
+"""Steps (and seconds) to a target metric from evaluation curves, and paired intervals over seeds:
+the arithmetic of the convergence study (bench/convergence.py), kept apart so that it can be tested
+on synthetic curves.
 
-A run's curve is its evaluations (step, FID), read as piecewise linear between evaluations. The
-first crossing of the target is where the curve first reaches it: between two evaluations at the
-linearly interpolated step, exactly at an evaluation that equals it (a tie counts as reached). A
-run that never reaches it is censored: its steps-to-target is only known to exceed its last step.
+A run's curve is its evaluations (step, metric; lower is better), read as piecewise linear between
+evaluations. The first crossing of the target is where the curve first reaches it: between two
+evaluations at the linearly interpolated step, exactly at an evaluation that equals it (a tie counts
+as reached). A run that never reaches it is censored: its steps-to-target is only known to exceed
+its last step, so its speed-up ratio is only known to lie below a bound.
+
+Intervals (`paired_median_ci`): per seed the ratio baseline steps / arm steps (the same seed's
+baseline: paired); the median over seeds and a percentile bootstrap over seeds. A censored seed is
+ranked below every reached ratio (conservative: its ratio lies below its bound baseline steps /
+horizon, and a reached ratio lies above its own, about equal, bound), never counted as its bound:
+where the median or an interval end falls on censored seeds it is reported as None ("censored"), so
+the interval stays honest.
 """
 from __future__ import annotations
 
@@ -64,11 +73,27 @@ def value_at(step: float, steps: list[float], values: list[float]) -> float:
     return values[-1] if steps and step == steps[-1] else math.nan
 
 
-def summarize(ratios: list[tuple[float, str]]) -> dict:
-    """Median of per-seed ratios and their range, with how many were bounds rather than values."""
-    finite = sorted(r for r, _ in ratios if r == r)
-    if not finite:
-        return {"median": math.nan, "min": math.nan, "max": math.nan, "bounds": len(ratios)}
-    mid = len(finite) // 2
-    median = finite[mid] if len(finite) % 2 else (finite[mid - 1] + finite[mid]) / 2
-    return {"median": median, "min": finite[0], "max": finite[-1], "bounds": sum(k != "=" for _, k in ratios)}
+def paired_median_ci(ratios: list[tuple[float, bool]], level: float = 0.9, n_boot: int = 20000,
+                     seed: int = 0) -> dict:
+    """Median and percentile-bootstrap interval of per-seed ratios `(value, censored)`; censored seeds
+    rank lowest. Returns {"median", "ci": [lo, hi], "censored", "n"}; a statistic that falls on a
+    censored seed is None ("below the censoring bound")."""
+    import numpy as np
+
+    n = len(ratios)
+    if n == 0:
+        return {"median": None, "ci": [None, None], "censored": 0, "n": 0}
+    vals = np.array([-np.inf if c or not (v == v) else v for v, c in ratios], dtype=np.float64)
+
+    def med(x):  # the lower median on ties of parity: a conservative order statistic
+        x = np.sort(x, axis=-1)
+        k = x.shape[-1]
+        lo, hi = x[..., (k - 1) // 2], x[..., k // 2]
+        return np.where(np.isfinite(lo) & np.isfinite(hi), (lo + hi) / 2, -np.inf)
+
+    rng = np.random.default_rng(seed)
+    boot = med(vals[rng.integers(0, n, size=(n_boot, n))])
+    q = np.quantile(boot, [(1 - level) / 2, 1 - (1 - level) / 2], method="inverted_cdf")
+    fin = lambda v: float(v) if np.isfinite(v) else None  # noqa: E731
+    return {"median": fin(med(vals)), "ci": [fin(q[0]), fin(q[1])], "censored": int(sum(c for _, c in ratios)),
+            "n": n}

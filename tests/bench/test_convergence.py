@@ -9,7 +9,7 @@ import pytest
 BENCH = Path(__file__).parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
-from convergence_lib import Crossing, first_crossing, seconds_at, summarize, value_at  # noqa: E402
+from convergence_lib import Crossing, first_crossing, paired_median_ci, seconds_at, value_at  # noqa: E402
 
 
 def test_crossing_interpolates_between_evaluations():
@@ -33,8 +33,42 @@ def test_ratios_and_bounds():
     r, kind = Crossing(1500, False).ratio_to(Crossing(3000, True))  # the baseline never did: at least 2×
     assert r == 2.0 and kind == ">"
     assert math.isnan(Crossing(5, True).ratio_to(Crossing(5, True))[0])
-    s = summarize([(3.0, "="), (1.0, "<"), (2.0, "=")])
-    assert s == {"median": 2.0, "min": 1.0, "max": 3.0, "bounds": 1}
+
+
+def test_paired_intervals_rank_censored_seeds_lowest_and_never_as_their_bound():
+    s = paired_median_ci([(3.0, False), (1.0, False), (2.0, False)])
+    assert s["median"] == 2.0 and s["censored"] == 0 and 1.0 <= s["ci"][0] <= 2.0 <= s["ci"][1] <= 3.0
+    # one censored seed of three: the median is the middle of (censored, 2, 3), i.e. 2
+    s = paired_median_ci([(2.0, False), (3.0, False), (math.nan, True)])
+    assert s["median"] == 2.0 and s["censored"] == 1 and s["ci"][0] is None and s["ci"][1] == 3.0
+    # two of three censored: the median itself is only known to be below the bound
+    assert paired_median_ci([(2.0, False), (math.nan, True), (math.nan, True)])["median"] is None
+    # ten clearly faster seeds: the whole interval above 1
+    s = paired_median_ci([(1.5 + 0.05 * k, False) for k in range(10)])
+    assert s["ci"][0] > 1.2 and s["ci"][1] < 2.1 and s["ci"][0] <= s["median"] <= s["ci"][1]
+    assert paired_median_ci([])["median"] is None
+
+
+def test_the_edm2_arm_trains_with_edm2s_sampler_weighting_and_log_variance_layer():
+    """The table names the recipe; the config the arm runs turns exactly that on."""
+    from convergence import DOMAINS, overrides
+    from convergence_arms import ARMS
+
+    from fasttrain.bundle import DataSpec, build_network
+    from fasttrain.configure import load_config
+
+    arm = ARMS["edm2"]
+    cfg = load_config("default", overrides("digits", arm, "edm2", 16, 0, 100, 10))
+    d = cfg.diffusion
+    assert (d.sampler, d.sampler_args.p_mean, d.sampler_args.p_std) == ("lognormal", -0.8, 1.6)
+    assert (d.weighting, d.weighting_args.sigma_data, d.prediction) == ("edm", 0.5, "v")
+    assert d.learned_weighting and d.logvar_layer == "edm2"
+    assert cfg.optim.grad_clip == 0 and list(cfg.optim.betas) == [0.9, 0.99]
+    for words in ("log-normal", "EDM weighting", "MPConv", "no gradient clipping"):
+        assert words in arm.recipe
+    net = build_network(cfg, DataSpec("digits", 1, 8, 10, 0.1))
+    assert net.logvar is not None and net.logvar.layer == "edm2"
+    assert "edm2" not in DOMAINS["digits"]["base"]
 
 
 def test_clock_and_values_at_fractional_steps():
@@ -49,7 +83,7 @@ def test_quick_mode_writes_the_table_and_the_plot(tmp_path):
     out = subprocess.run([sys.executable, str(BENCH / "convergence.py"), "--quick", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    for f in ("convergence.json", "convergence.md", "convergence.png"):
+    for f in ("convergence.json", "convergence.md", "convergence-digits.png"):
         assert (tmp_path / f).is_file(), f
     table = (tmp_path / "convergence.md").read_text()
-    assert "| baseline | 1.00 (1.00–1.00)" in table and "| min_snr_eps |" in table
+    assert "| baseline |" in table and "1.00 [1.00, 1.00]" in table and "| min_snr_eps |" in table

@@ -1,0 +1,101 @@
+"""The arms of the convergence study (bench/convergence.py): each strategy as its source trains it,
+with the recipe and the source named, and which single-prediction control it is paired with.
+
+An arm is config overrides on top of its domain's baseline. `kind` says which knob it turns (for the
+choice of the combination arm); `control` names the arm it differs from in one knob only (the
+table reports both against the baseline, and the mixed arms also against their control).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Arm:
+    overrides: tuple[str, ...]
+    kind: str                 # base | weighting | sampler | both | prediction | noise | loss | diagnostic | combo
+    recipe: str               # what it trains with, in words
+    source: str               # where the recipe comes from
+    control: str = "baseline"
+    adaptive: bool = False    # report policy updates and the drift of p(t)
+    needs: tuple[str, ...] = field(default=())  # config keys it needs (an arm whose keys this version lacks is left out)
+
+
+BASELINE = Arm((), "base", "uniform t, ε-prediction, unweighted ε-MSE (≡ SNR-weighted x0-MSE)", "Ho et al. 2020 (DDPM)")
+
+ARMS: dict[str, Arm] = {
+    "baseline": BASELINE,
+    "min_snr_eps": Arm(("diffusion.weighting=min_snr", "diffusion.weighting_args.gamma=5"), "weighting",
+                       "ε, Min-SNR-5: x0-space weight min(SNR, 5)", "Hang et al. 2023, official weights for ε"),
+    "min_snr_v": Arm(("diffusion.prediction=v", "diffusion.weighting=min_snr", "diffusion.weighting_args.gamma=5"),
+                     "weighting", "v, Min-SNR-5", "Hang et al. 2023 (their best: v + Min-SNR-5)"),
+    "speed": Arm(("diffusion.sampler=speed", "diffusion.weighting=speed"), "both",
+                 "SpeeD asymmetric sampling (k=5, τ=700, dual) + change-aware weighting",
+                 "Wang et al. 2024, official `ours` setting"),
+    "loss_second_moment": Arm(("diffusion.sampler=loss_second_moment",), "sampler",
+                              "importance sampling by the loss's second moment (history 10)",
+                              "Nichol & Dhariwal 2021 (iDDPM resample.py)"),
+    "logit_normal": Arm(("diffusion.sampler=logit_normal",), "sampler", "logit-normal t (0, 1)",
+                        "Esser et al. 2024 (SD3)"),
+    "edm2": Arm(("diffusion.prediction=v", "diffusion.weighting=edm", "diffusion.weighting_args.sigma_data=0.5",
+                 "diffusion.sampler=lognormal", "diffusion.sampler_args.p_mean=-0.8", "diffusion.sampler_args.p_std=1.6",
+                 "diffusion.learned_weighting=true", "diffusion.logvar_layer=edm2", "optim.grad_clip=0",
+                 "optim.betas=[0.9,0.99]"), "weighting",
+                "log-normal σ (P_mean −0.8, P_std 1.6), EDM weighting λ(σ) (σ_data 0.5), learned log-variance through "
+                "EDM2's MPFourier + MPConv (random init, forced weight normalization), no gradient clipping, Adam "
+                "β2 0.99, v-parametrised output",
+                "Karras et al. 2024 (NVlabs/edm2: training_loop.EDM2Loss, networks_edm2.Precond, img64 P_mean/P_std)",
+                needs=("diffusion.logvar_layer",)),
+    "edm2_learned_alone": Arm(("diffusion.learned_weighting=true",), "diagnostic",
+                              "diagnostic: the learned log-variance (zero-init linear) alone, on uniform t and ε-MSE",
+                              "fasttrain's earlier edm2 arm (not EDM2's recipe)"),
+    "adaptive": Arm(("diffusion.sampler=adaptive",), "sampler", "learned policy π(t|x0), fasttrain's defaults "
+                    "(τ-grid 16 strata) with a shorter look-ahead period for ≥ 300 policy updates",
+                    "Kim et al. 2024 (ku-dmlab/Adaptive-Timestep-Sampler)", adaptive=True),
+    "adaptive_official": Arm(("diffusion.sampler=adaptive", "diffusion.sampler_args.tau_grid=0"), "sampler",
+                             "learned policy, the official τ-grid (all T timesteps) with a shorter look-ahead period "
+                             "for ≥ 300 policy updates", "Kim et al. 2024, official train.py", adaptive=True),
+    "mixed_snr": Arm(("diffusion.prediction=mixed", "diffusion.weighting=snr"), "prediction",
+                     "mixed prediction (ε, x0, v; pixel gate) under the baseline's weighting (x0-space SNR ≡ ε-MSE)",
+                     "Xie & Agam 2025", control="baseline"),
+    "mixed_min_snr": Arm(("diffusion.prediction=mixed", "diffusion.weighting=min_snr", "diffusion.weighting_args.gamma=5"),
+                         "prediction", "mixed prediction under Min-SNR-5", "Xie & Agam 2025", control="min_snr_eps"),
+    "input_perturbation": Arm(("diffusion.noise.perturbation=0.1",), "noise",
+                              "input perturbation γ = 0.1 (x_t from ε + γξ, target ε)",
+                              "Ning et al. 2023; diffusers --input_perturbation", needs=("diffusion.noise",)),
+    "pseudo_huber_snr": Arm(("diffusion.loss.type=huber", "diffusion.loss.huber_schedule=snr",
+                             "diffusion.loss.huber_c=0.1"), "loss",
+                            "scheduled pseudo-Huber loss 2c(√(d²+c²)−c), SNR schedule, c = 0.1",
+                            "Khrapov & Popov 2024; sd-scripts --loss_type huber --huber_schedule snr",
+                            needs=("diffusion.loss",)),
+    "immiscible": Arm(("diffusion.noise.immiscible=assignment",), "noise",
+                      "immiscible noise: batch-wise linear assignment of noise to images",
+                      "Li et al. 2024 (official Linear_Assignment code)", needs=("diffusion.noise",)),
+}
+
+# Which arms are candidates for the two halves of the combination (the strongest arm of any knob but the
+# sampler, mixed included; the best sampler arm), chosen by the script at the first batch size.
+COMBINABLE = ("weighting", "both", "prediction", "noise", "loss")
+
+
+def available(arms: dict[str, Arm], has_key) -> dict[str, Arm]:
+    """The arms whose config keys this version has (`has_key(key) -> bool`)."""
+    return {n: a for n, a in arms.items() if all(has_key(k) for k in a.needs)}
+
+
+def combination(results: dict, arms: dict[str, Arm]) -> tuple[str, Arm] | None:
+    """The strongest non-sampler arm combined with the best sampler arm, by the median steps ratio at the
+    full-run target (sampler settings of the second added to the first)."""
+    def best(kinds):
+        cands = [(r["targets"]["1.0"]["ratio_median"], a) for a, r in results.items()
+                 if a in arms and arms[a].kind in kinds and r["targets"]["1.0"]["ratio_median"] is not None]
+        return max(cands)[1] if cands else None
+
+    strong, sampler = best(COMBINABLE), best(("sampler",))
+    if not strong or not sampler:
+        return None
+    s_over = tuple(o for o in arms[sampler].overrides if o.startswith("diffusion.sampler"))
+    over = tuple(o for o in arms[strong].overrides if not o.startswith("diffusion.sampler")) + s_over
+    return f"{strong} + {sampler}", Arm(over, "combo", f"{arms[strong].recipe}; with {arms[sampler].recipe}",
+                                       "chosen by the script from the first batch's arms",
+                                       adaptive=arms[sampler].adaptive)
