@@ -16,7 +16,7 @@ side × side (pixel diffusion), or latent-like smooth fields plus white noise of
             the eager launch count that a CUDA graph would replay
   fp16 lost what the official code's own approximation gives up: the exact assignment of the fp16 matrix,
             scored on the same distances in float64, against the float64 optimum (same "lost" scale)
-Writes bench/results/immiscible-<device>.{json,md}; the device is cpu (this script times the CPU only).
+Writes bench/results/immiscible-cpu.{json,md}: this script times the CPU only (a GPU timing is still to be done).
 """
 from __future__ import annotations
 
