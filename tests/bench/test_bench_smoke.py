@@ -57,3 +57,13 @@ def test_every_benchmark_script_imports():
     for name in scripts:
         mod = importlib.import_module(name)
         assert mod.__file__.endswith(f"bench/{name}.py")
+
+
+def test_immiscible_bench_runs_on_tiny_sizes():
+    import immiscible
+
+    rows = immiscible.run([5], [16], seeds=1, reps=1, count_ops=False)  # the profiler takes seconds
+    assert [r["variant"] for r in rows] == list(immiscible.VARIANTS)
+    for r in rows:
+        assert r["batches"] == 2 and r["gap_mean"] >= -1e-9 and r["ms"] > 0
+        assert 0 <= r["fp16_lost_mean"] < 1

@@ -34,6 +34,8 @@ SAMPLERS = [
     ("mode", {"scale": -0.5}),
     ("lognormal", {"p_mean": -1.2, "p_std": 1.2}),
     ("speed", {"k": 5, "tau": 700, "dual": False}),
+    ("timestep_bias", {"strategy": "later", "multiplier": 3.0, "portion": 0.3}),
+    ("timestep_bias", {"strategy": "range", "multiplier": 0.25, "begin": 100, "end": 650}),
 ]
 
 
