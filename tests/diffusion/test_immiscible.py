@@ -2,29 +2,17 @@
 distances as the official code computes them, its permutation guarantee on hostile inputs, no host sync
 (meta tensors cannot be read back), the exact solver against brute force, and the KNN choice."""
 import itertools
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fasttrain.diffusion.immiscible import assignment, exact_assignment, knn_choice
 
-
-def images(kind: str, B: int, D: int, g: torch.Generator) -> torch.Tensor:
-    """[B, D] images: sklearn's digits in [-1, 1] resized to sqrt(D)² pixels, or latent-like smooth fields of
-    about unit variance (what SD latents × scaling_factor look like to a distance)."""
-    side = int(round(D**0.5))
-    if kind == "digits":
-        from sklearn.datasets import load_digits
-
-        x = torch.from_numpy(load_digits().images).float().div(8).sub(1)[:, None]
-        x = x[torch.randint(0, len(x), (B,), generator=g)]
-    else:
-        lo = max(side // 8, 2)
-        x = torch.randn(B, 1, lo, lo, generator=g) + 0.3 * torch.randn(B, 1, 1, 1, generator=g)
-    x = F.interpolate(x, size=(side, side), mode="bilinear", align_corners=False).flatten(1)
-    return x + (0.5 * torch.randn(B, D, generator=g) if kind == "latent" else 0)
+sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+from immiscible import images  # noqa: E402  (the benchmark's image batches: digits, latent-like fields)
 
 
 def official_dist(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
