@@ -242,18 +242,22 @@ def run(jobs: list[Job], archs=ARCHS, n_jobs: int = 1) -> list[dict]:
     global _JOBS
     _JOBS = jobs
     work = [(i, a) for i in range(len(jobs)) for a in archs]
-    if n_jobs <= 1:
-        return [compile_job(i, a) for i, a in work]
+    rows = []
     # fork: the workers inherit the imports and the job list (spawn would pay for `import torch` again)
-    with ProcessPoolExecutor(n_jobs, mp_context=get_context("fork")) as pool:
-        return list(pool.map(compile_job, *zip(*work)))
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(ProcessPoolExecutor(n_jobs, mp_context=get_context("fork"))) if n_jobs > 1 else None
+        for row in (pool.map(compile_job, *zip(*work)) if pool else (compile_job(i, a) for i, a in work)):
+            rows.append(row)
+            if len(rows) % 50 == 0:
+                print(f"aot: {len(rows)} of {len(work)} compiled", file=sys.stderr, flush=True)
+    return rows
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--set", choices=("ci", "full"), default="ci")
     ap.add_argument("--arch", type=int, nargs="+", default=list(ARCHS))
-    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="compiling processes")
     ap.add_argument("--modules", nargs="+", default=list(MODULES), help="modules with specializations()")
     ap.add_argument("--json", help="write the rows, the problems and the timing here")
     a = ap.parse_args(argv)

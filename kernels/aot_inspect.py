@@ -50,7 +50,7 @@ def ptxas_report(ptx: str, arch: str) -> str:
 
 
 # -- global memory access widths in PTX ------------------------------------------------------------
-ACCESS = re.compile(r"\b(ld|st|atom|red)\.global((?:\.[a-z0-9_]+)*)\s")
+ACCESS = re.compile(r"\b(ld|st|atom|red)\.global((?:\.[A-Za-z0-9_:]+)*)\s")  # .L1::evict_last, .v4, .b32
 CP_ASYNC = re.compile(r"\bcp\.async\.c[ag]\.shared\.global(?:\.[a-z0-9_]+)*\s+\[[^]]+\],\s*\[[^]]+\],\s*"
                       r"(0x[0-9a-f]+|\d+)")
 
