@@ -4,7 +4,7 @@ the CUDA C++ ops of fasttrain._C from the built library, and what torch.compile 
 for the reference math (bench/inductor_aot.py). Writes bench/results/kernels-aot.{md,json}: kernel ×
 specialisation × target: registers, spills, stack, shared memory, access widths.
 
-    python bench/kernels_aot.py [--set full|ci] [--jobs N] [--no-inductor]
+    python bench/kernels_aot.py [--set full|ci] [--jobs N] [--fresh] [--no-inductor]
 
 Exits 1 when a Triton specialisation fails the check (compile error, spill, narrow row access) or a
 CUDA C++ kernel spills. TRITON_INTERPRET is removed from the environment (re-executing if needed).
@@ -26,6 +26,10 @@ RESULTS = ROOT / "bench" / "results"
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # before anything imports triton
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
+if "--fresh" in sys.argv:  # time the compiles, not Triton's cache: an empty cache for this run
+    import tempfile
+
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="fasttrain-aot-")
 
 
 def widths(row: dict) -> str:
@@ -97,6 +101,7 @@ def main() -> int:
     ap.add_argument("--set", choices=("ci", "full"), default="full")
     ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1))
     ap.add_argument("--no-inductor", action="store_true")
+    ap.add_argument("--fresh", action="store_true", help="compile into an empty Triton cache (timings)")
     ap.add_argument("--out", default=str(RESULTS / "kernels-aot"))
     a = ap.parse_args()
 
@@ -133,8 +138,9 @@ def main() -> int:
     md = [
         "# GPU kernels compiled ahead of time for sm_80 and sm_90, without a GPU",
         "",
-        f"`python bench/kernels_aot.py --set {a.set}` on the CI machine (2 shared CPU cores, no GPU, no CUDA "
-        f"driver): triton {triton.__version__}, its bundled ptxas ({ptxas.strip().splitlines()[-1]}). "
+        f"`python bench/kernels_aot.py --set {a.set}{' --fresh' * a.fresh}` on the CI machine (2 shared CPU cores, "
+        f"load average {os.getloadavg()[0]:.1f}, no GPU, no CUDA driver): triton {triton.__version__}, its "
+        f"bundled ptxas ({ptxas.strip().splitlines()[-1]}). "
         f"{s['specialisations']} Triton specialisations (of {s['of']}) × 2 targets = {s['compiles']} compiles in "
         f"{s['wall_seconds']} s wall ({s['compile_seconds']} s of compiling in {s['jobs']} processes, "
         f"{s['capture_seconds']} s to enumerate them through the launchers). Problems: "

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from . import triton_shared as shared
 from .backend import workspace
-from .triton_shared import block_size, div_of, scatter_value
+from .triton_shared import block_size, div_of, launch_options, scatter_value
 
 
 # Only D is value-specialised (its alignment decides the vector width); B, T, NCH and the seed are not,
@@ -93,7 +93,8 @@ def loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs_e
     loss_kernel[(B, nch)](pred.contiguous(), x0c, eps.contiguous() if eps is not None else x0c, t, weight, iw,
                           coef, pivots, bins, grad, acc, cnt, raw, wl, per, mean, D, B, T, nch, seed, offset,
                           2.0 / (B * D), NEEDS_EPS=needs_eps, NEEDS_X0=needs_x0,
-                          HAS_EPS=eps is not None, BINS=bins.numel() > 0, BLOCK=BLOCK, DIV=div_of(D))
+                          HAS_EPS=eps is not None, BINS=bins.numel() > 0, BLOCK=BLOCK, DIV=div_of(D),
+                          **launch_options(BLOCK))
     return mean, per, raw, wl, grad
 
 
@@ -104,8 +105,8 @@ def specializations():
     """Every compilation `loss` can launch on a GPU (triton_shared.Spec): each (data, model) dtype pair
     × eps drawn or given (fp32, as the probes pass it, or in x0's dtype) × the target's terms (eps, x0,
     both: the prediction types) × with and without bins, at a 3×32×32 row; each tile size and
-    alignment class (triton_shared.row_sizes) in each dtype, the other options rotating, some with an
-    unaligned prediction. A new launcher option extends this list."""
+    alignment class (triton_shared.row_sizes) in each dtype with an int32 and an int64 seed, the other
+    options rotating, some with an unaligned prediction. A new launcher option extends this list."""
     T = 1000
 
     def spec(x_dt, p_dt, D=3072, eps_dt=None, needs=(True, True), bins=True, seed=shared.SEEDS[0], aligned=True):
@@ -131,7 +132,8 @@ def specializations():
                     yield spec(x_dt, p_dt, eps_dt=eps_dt, needs=needs, bins=bins)
     for i, D in enumerate(shared.row_sizes()):
         for j, dt in enumerate(shared.SAME_DTYPES):
-            kw = dict(needs=targets[(i + j) % 3], bins=(i + j) % 2 == 0, seed=shared.SEEDS[(i + j) % 2])
-            yield spec(dt, dt, D, **kw)
+            kw = dict(needs=targets[(i + j) % 3], bins=(i + j) % 2 == 0)
+            for seed in shared.SEEDS:
+                yield spec(dt, dt, D, seed=seed, **kw)
             if (i + j) % 3 == 0:
-                yield spec(dt, dt, D, aligned=False, **kw)
+                yield spec(dt, dt, D, aligned=False, seed=shared.SEEDS[(i + j) % 2], **kw)

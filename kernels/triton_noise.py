@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import triton_shared as shared
-from .triton_shared import block_size, div_of
+from .triton_shared import block_size, div_of, launch_options
 
 
 # The seed is not value-specialised (a seed of 1 would otherwise compile a kernel of its own).
@@ -49,7 +49,8 @@ def noise(x0, t, alpha, sigma, eps, seed, offset, out_dtype, write_eps, interpre
     BLOCK = block_size(D, interpret, block)
     noise_kernel[(B, triton.cdiv(D, BLOCK))](x0c, t, alpha, sigma, eps.contiguous() if eps is not None else x0c,
                                              xt, eps_out, D, seed, offset, HAS_EPS=eps is not None,
-                                             WRITE_EPS=write_eps, BLOCK=BLOCK, DIV=div_of(D))
+                                             WRITE_EPS=write_eps, BLOCK=BLOCK, DIV=div_of(D),
+                                             **launch_options(BLOCK))
     return xt, eps_out
 
 
@@ -59,8 +60,8 @@ STREAMS = ("x0_ptr", "eps_ptr", "xt_ptr", "eps_out_ptr")  # rows of elements (tr
 def specializations():
     """Every compilation `noise` can launch on a GPU (triton_shared.Spec): each (data, model) dtype
     pair with eps drawn, given (fp32, as the probes pass it, or in x0's dtype) and written out, at a
-    3×32×32 row; each tile size and alignment class (triton_shared.row_sizes) in each dtype, some with
-    an int64 seed or an unaligned x0. A new launcher option extends this list."""
+    3×32×32 row; each tile size and alignment class (triton_shared.row_sizes) in each dtype with an
+    int32 and an int64 seed, some with an unaligned x0. A new launcher option extends this list."""
     def spec(x_dt, out_dt, D=3072, eps_dt=None, write_eps=False, seed=shared.SEEDS[0], aligned=True):
         def launch():
             x0 = torch.empty(2, D, dtype=x_dt) if aligned else shared.unaligned((2, D), x_dt)
@@ -78,7 +79,7 @@ def specializations():
                 yield spec(x_dt, out_dt, eps_dt=eps_dt, write_eps=write_eps)
     for i, D in enumerate(shared.row_sizes()):
         for j, dt in enumerate(shared.SAME_DTYPES):
-            seed = shared.SEEDS[(i + j) % 2]
-            yield spec(dt, dt, D, seed=seed)
+            for seed in shared.SEEDS:
+                yield spec(dt, dt, D, seed=seed)
             if (i + j) % 3 == 0:
-                yield spec(dt, dt, D, seed=seed, aligned=False)
+                yield spec(dt, dt, D, seed=shared.SEEDS[(i + j) % 2], aligned=False)

@@ -20,6 +20,17 @@ def block_size(D: int, interpret: bool, block: int = 0) -> int:
     return min(16384 if interpret else 2048, max(16, triton.next_power_of_2(D)))
 
 
+def launch_options(block: int) -> dict:
+    """num_warps and the register budget of a noise or loss kernel program: at most 8 elements per
+    thread (8 warps for 2048-element tiles, else Triton's 4) and at most 64 registers (`.maxnreg`: 4
+    blocks of 8 warps per SM, 32 KB of each fp32 row stream in flight per SM). Found by kernels/aot.py:
+    at 16 elements per thread ptxas held the one-element-wide paths (odd row lengths) to 80 registers
+    on sm_90 and spilled 8-12 bytes; at 8 per thread with no budget it squeezed some variants to 32-40
+    registers (for occupancy) and spilled 4; with a budget of 48 the loss kernel's odd-length half
+    paths spilled 8-16; with 64 nothing spills."""
+    return dict(num_warps=8 if block >= 2048 else 4, maxnreg=64)
+
+
 def div_of(n: int) -> int:
     """DIV: the largest power of two dividing the row length n, at most 16. The kernels rebuild n as
     (n // DIV)·DIV, so the compiler knows n % DIV == 0: every row starts DIV-aligned and a row's mask is
@@ -73,8 +84,8 @@ def row_sizes(largest: int = 3072) -> list[int]:
     """Row lengths that reach every tile block_size() picks on a GPU (16 … 2048: a 2-D point (the moons
     data), then a power-of-two row each), and every alignment class DIV < 16 (div_of) at the largest
     tile, with a masked tail: `largest` (a 3×32×32 image: two 2048-tiles, the second masked) minus 16
-    plus DIV."""
-    return [2] + [16 << k for k in range(7)] + [largest] + [largest - 16 + d for d in (8, 4, 2, 1)]
+    plus DIV; and an odd row on the 1024-tile (4 warps)."""
+    return [2] + [16 << k for k in range(7)] + [1021, largest] + [largest - 16 + d for d in (8, 4, 2, 1)]
 
 
 def unaligned(shape, dtype) -> torch.Tensor:
