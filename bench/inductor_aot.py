@@ -1,21 +1,24 @@
-"""What torch.compile (inductor) generates for fasttrain's reference math, compiled for sm_80 and sm_90
-without a GPU, with the resources and access widths of each generated Triton kernel.
+"""What torch.compile (inductor) generates for fasttrain, compiled for sm_80 and sm_90 without a GPU,
+with the resources and access widths of each generated Triton kernel and autotuning config.
 
     python bench/inductor_aot.py [--arch 80 90] [--json PATH]
 
-The reference math is what `torch.compile(reference)` runs in bench/bench_diffusion_loss.py and what the
-ops' `torch` backend computes: the noise (x_t from the Philox stream, philox.py), the diffusion loss
-with its gradient, and the mixed loss with its gradients (torch_ref.py, torch_ref_mixed_loss.py),
-traced on fake CUDA tensors and compiled by inductor for the target. fasttrain's ops themselves are
-opaque custom ops, so inductor generates no code for them; in the trainer it generates the model's.
+Graphs: the reference math, which `torch.compile(reference)` runs in bench/bench_diffusion_loss.py
+and the ops' `torch` backend computes (the noise with eps from the Philox stream, philox.py; the
+diffusion loss with its gradient; the mixed loss with its gradients: torch_ref.py,
+torch_ref_mixed_loss.py), and the forward pass of two models as the trainer runs them (bf16 autocast):
+the default run's unet_tiny and dit_tiny. fasttrain's ops themselves are opaque custom ops: inductor
+generates no code for them. The models' backward is not here: tracing it runs the autograd engine,
+which asks the CUDA runtime for a device context (`hasPrimaryContext`), and there is none.
 
 This needs private APIs of torch 2.14 and triton 3.8 and breaks on upgrades, which is why it is a
 bench script and not a test: inductor asks the CUDA driver for the device's properties, for the
 active Triton driver and, after compiling, for a context to load the binaries into. Here a
-codegen-only driver answers with the target, the device properties are those of an A100 or H100, and
-launcher creation (which loads the cubin) is skipped: each Triton kernel and every config inductor
-lists for it are still compiled by triton.compile for the target, exactly as on a GPU machine, and
-read from there. Each target runs in its own process (the patches are global).
+codegen-only driver answers with the target, the device properties are those of an A100 or H100,
+constant folding (which would run ops on the device) is off, and launcher creation (which loads the
+cubin) is skipped: each Triton kernel and every autotuning config inductor lists for it are still
+compiled by triton.compile for the target, as on a GPU machine, and read from there (on a GPU the
+autotuner would then time the configs and keep one). Each target runs in its own process.
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ def patch_for(sm: int, harvest: list) -> None:
     CudaInterface.get_compute_capability = staticmethod(lambda device=None: sm)
     CudaInterface.is_available = staticmethod(lambda: True)
     CudaInterface.is_bf16_supported = staticmethod(lambda including_emulation=False: True)
+    torch.cuda.is_bf16_supported = lambda including_emulation=True: True
     CudaInterface.device_count = staticmethod(lambda: 1)
     torch.cuda.get_device_properties = lambda device=None: props
     torch.cuda.get_device_capability = lambda device=None: (props.major, props.minor)
@@ -118,6 +122,23 @@ def graphs():
     def mixed(out, x0, eps, t, weight, iw, tab):
         return torch_ref_mixed_loss.loss_and_grad(out, x0, eps, t, weight, iw, tab)
 
+    def model_forward(name, in_channels, shape):
+        from torch.func import functional_call
+
+        from fasttrain.models import build_model
+
+        model = build_model(name, in_channels=in_channels, image_size=shape[-1])
+        names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+
+        def forward(x, t, *tensors):  # the trainer's forward: bf16 autocast on CUDA (precision.py)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return functional_call(model, dict(zip(names, tensors)), (x, t))
+
+        state = [*model.parameters(), *model.buffers()]
+        return (f"{name} forward ({shape[0]}×{in_channels}×{shape[-1]}², bf16 autocast)", forward,
+                (torch.empty(*shape, **f32), torch.zeros(shape[0], dtype=torch.int64, device="cuda"),
+                 *(torch.empty(v.shape, dtype=v.dtype, device="cuda") for v in state)))
+
     H, nrows = 2, torch_ref_mixed_loss.NROWS
     return [
         ("noise (x_t in bf16, eps from philox.randn)", noise,
@@ -128,6 +149,8 @@ def graphs():
         ("mixed loss + gradients (2 heads, pixel gate, bf16 output)", mixed,
          (torch.empty(B, H * C + H, S, S, **bf16), x0, torch.empty(B, C, S, S, **f32), t, tab,
           torch.empty(B, **f32), torch.empty(H, nrows, T, **f32))),
+        model_forward("unet_tiny", 1, (16, 1, 8, 8)),  # the default run's model and data
+        model_forward("dit_tiny", 4, (32, 4, 8, 8)),
     ]
 
 
@@ -165,21 +188,38 @@ def run_target(sm: int) -> list[dict]:
 
 
 def markdown(res: dict) -> list[str]:
-    """The table of bench/results/kernels-aot.md's inductor section."""
+    """The inductor section of bench/results/kernels-aot.md: per graph and target, then every kernel."""
     if "error" in res:
         return [f"Not produced here: {res['error'].strip().splitlines()[-1]}"]
-    out = [f"{len(res['rows'])} generated kernels × configs over both targets, compiled in {res.get('seconds', '?')} s "
-           "(python bench/inductor_aot.py; private torch/triton APIs, see its docstring). Widths: every global "
-           "load (ld) and store (st) of the kernel, bits × count.", "",
-           "| graph | kernel | config | target | registers | spills st/ld | stack | shared (Triton + static) | "
-           "global accesses |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in res["rows"]:
+    rows = res["rows"]
+    out = [f"{len(rows)} generated kernels × autotuning configs over both targets, compiled in "
+           f"{res.get('seconds', '?')} s (python bench/inductor_aot.py; private torch/triton APIs, see its "
+           "docstring). Widths: every global load (ld) and store (st) of the kernels, bits × count.", "",
+           "| graph | target | kernels | configs | registers min / median / max | spill bytes | stack | "
+           "global accesses |", "|---|---|---|---|---|---|---|---|"]
+    for graph in dict.fromkeys(r["graph"] for r in rows):
+        for arch in sorted({r["arch"] for r in rows}):
+            rs = [r for r in rows if r["graph"] == graph and r["arch"] == arch]
+            regs = sorted(r["registers"] for r in rs)
+            acc: dict = collections.Counter()
+            for r in rs:
+                acc.update(r["accesses"])
+            spills = max(r["spill_stores"] + r["spill_loads"] for r in rs)
+            out.append(f"| {graph} | sm_{arch} | {len({r['kernel'] for r in rs})} | {len(rs)} | {regs[0]} / "
+                       f"{regs[len(regs) // 2]} / {regs[-1]} | {spills} | "
+                       f"{'/'.join(map(str, sorted({r['stack'] for r in rs})))} | "
+                       f"{', '.join(f'{k}×{v}' for k, v in sorted(acc.items()))} |")
+    out += ["", "<details><summary>Every generated kernel and config</summary>", "",
+            "| graph | kernel | config | target | registers | spills st/ld | stack | shared (Triton + static) | "
+            "global accesses |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
         cfg = " ".join(f"{k}={v}" for k, v in r["config"].items()) + f" warps={r['num_warps']}"
         acc = ", ".join(f"{k}×{v}" for k, v in r["accesses"].items())
-        out.append(f"| {r['graph']} | `{r['kernel']}` | {cfg} | sm_{r['arch']} | {r['registers']} | "
+        name = r["kernel"] if len(r["kernel"]) <= 40 else r["kernel"][:37] + "…"
+        out.append(f"| {r['graph']} | `{name}` | {cfg} | sm_{r['arch']} | {r['registers']} | "
                    f"{r['spill_stores']}/{r['spill_loads']} | {r['stack']} | {r['triton_smem']} + {r['smem']} | "
                    f"{acc} |")
-    return out
+    return out + ["", "</details>"]
 
 
 def main() -> int:

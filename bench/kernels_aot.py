@@ -1,8 +1,9 @@
 """Every GPU kernel of fasttrain compiled for sm_80 and sm_90 on this machine (no GPU) and inspected:
 the Triton kernels over every specialisation their launchers can produce (kernels/aot.py, --set full),
 the CUDA C++ ops of fasttrain._C from the built library, and what torch.compile (inductor) generates
-for the reference math (bench/inductor_aot.py). Writes bench/results/kernels-aot.{md,json}: kernel ×
-specialisation × target: registers, spills, stack, shared memory, access widths.
+for the reference math and two models' forward (bench/inductor_aot.py). Writes
+bench/results/kernels-aot.{md,json}: kernel × specialisation × target: registers, spills, stack,
+shared memory, access widths.
 
     python bench/kernels_aot.py [--set full|ci] [--jobs N] [--fresh] [--no-inductor]
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -71,11 +73,17 @@ def summary_rows(rows: list[dict]) -> list[str]:
     return out
 
 
+def short_name(name: str) -> str:
+    """`loss_kernel<float>` of `void fasttrain::cuda::(anonymous namespace)::loss_kernel<float>(LossArgs, float*)`."""
+    found = re.findall(r"(\w+(?:<[^()]*>)?)\(", name)
+    return found[-1] if found else name
+
+
 def native_rows(native: list[dict]) -> list[str]:
     out = ["| CUDA C++ kernel | target | registers | stack | local | shared | global accesses (SASS, bits × count) |",
            "|---|---|---|---|---|---|---|"]
     for r in native:
-        short = r["name"].split("(")[0].rsplit("::", 1)[-1]
+        short = short_name(r["name"])
         acc = ", ".join(f"{k}×{v}" for k, v in r["accesses"].items())
         out.append(f"| `{short}` | {r['arch']} | {r['registers']} | {r['stack']} | {r['local']} | {r['shared']} | "
                    f"{acc} |")
@@ -96,24 +104,17 @@ def full_table(rows: list[dict]) -> list[str]:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--set", choices=("ci", "full"), default="full")
-    ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1))
-    ap.add_argument("--no-inductor", action="store_true")
-    ap.add_argument("--fresh", action="store_true", help="compile into an empty Triton cache (timings)")
-    ap.add_argument("--out", default=str(RESULTS / "kernels-aot"))
-    a = ap.parse_args()
-
+def measure(a) -> dict:
+    """Compile and inspect: the Triton rows, the CUDA C++ kernels, inductor's kernels, the header facts."""
     import triton
 
     from fasttrain.kernels import aot, aot_inspect, native
 
     tmp = Path(a.out + ".triton.json")
-    rc = aot.main(["--set", a.set, "--jobs", str(a.jobs), "--json", str(tmp)])
+    aot.main(["--set", a.set, "--jobs", str(a.jobs), "--json", str(tmp)])
     res = json.loads(tmp.read_text())
     tmp.unlink()
-    nat, nat_problems = [], []
+    nat = []
     if native.available("cpu"):
         import torch
 
@@ -121,30 +122,33 @@ def main() -> int:
 
         if torch.ops.fasttrain_C.has_cuda():
             nat = aot_inspect.native_resources(ext.__file__)
-            nat_problems = [f"{r['name']} {r['arch']}: stack {r['stack']} local {r['local']}" for r in nat
-                            if r["stack"] or r["local"]]
     ind = None
     if not a.no_inductor:
         t0 = time.perf_counter()
-        run = subprocess.run([sys.executable, str(ROOT / "bench" / "inductor_aot.py"), "--json", a.out + ".ind.json"],
-                             capture_output=True, text=True)
         ind_path = Path(a.out + ".ind.json")
+        run = subprocess.run([sys.executable, str(ROOT / "bench" / "inductor_aot.py"), "--json", str(ind_path)],
+                             capture_output=True, text=True)
         ind = json.loads(ind_path.read_text()) if ind_path.exists() else dict(error=run.stderr[-3000:])
         ind["seconds"] = round(time.perf_counter() - t0, 1)
-        if ind_path.exists():
-            ind_path.unlink()
+        ind_path.unlink(missing_ok=True)
     ptxas = subprocess.run([aot_inspect.tool("ptxas"), "--version"], capture_output=True, text=True).stdout
+    return dict(command=f"python bench/kernels_aot.py --set {a.set}{' --fresh' * a.fresh}",
+                loadavg=round(os.getloadavg()[0], 1), triton=triton.__version__,
+                ptxas=ptxas.strip().splitlines()[-1], aot=res, native=nat, inductor=ind)
+
+
+def render(m: dict) -> list[str]:
+    res, nat, ind = m["aot"], m["native"], m["inductor"]
     s = res["summary"]
+    nat_problems = [r for r in nat if r["stack"] or r["local"]]
     md = [
         "# GPU kernels compiled ahead of time for sm_80 and sm_90, without a GPU",
         "",
-        f"`python bench/kernels_aot.py --set {a.set}{' --fresh' * a.fresh}` on the CI machine (2 shared CPU cores, "
-        f"load average {os.getloadavg()[0]:.1f}, no GPU, no CUDA driver): triton {triton.__version__}, its "
-        f"bundled ptxas ({ptxas.strip().splitlines()[-1]}). "
-        f"{s['specialisations']} Triton specialisations (of {s['of']}) × 2 targets = {s['compiles']} compiles in "
-        f"{s['wall_seconds']} s wall ({s['compile_seconds']} s of compiling in {s['jobs']} processes, "
-        f"{s['capture_seconds']} s to enumerate them through the launchers). Problems: "
-        f"{len(res['problems']) + len(nat_problems)}.",
+        f"`{m['command']}` on the CI machine (2 shared CPU cores, load average {m['loadavg']}, no GPU, no CUDA "
+        f"driver): triton {m['triton']}, its bundled ptxas ({m['ptxas']}). {s['specialisations']} Triton "
+        f"specialisations (of {s['of']}) × 2 targets = {s['compiles']} compiles in {s['wall_seconds']} s wall "
+        f"({s['compile_seconds']} s of compiling in {s['jobs']} processes, {s['capture_seconds']} s to enumerate "
+        f"them through the launchers). Problems: {len(res['problems']) + len(nat_problems)}.",
         "",
         "Registers and spill bytes from ptxas -v (as Triton runs it), shared memory = Triton's dynamic request + "
         "ptxas's static bytes; the stack of the noise-drawing variants (32 bytes) is libdevice's sinf/cosf slow-path "
@@ -168,12 +172,35 @@ def main() -> int:
     if ind is not None:
         from inductor_aot import markdown
 
-        md += ["## torch.compile (inductor) of the reference math", "", *markdown(ind), ""]
+        md += ["## torch.compile (inductor): the reference math and two models' forward", "", *markdown(ind), ""]
     md += ["## Every Triton specialisation", "", *full_table(res["rows"]), ""]
-    Path(a.out + ".md").write_text("\n".join(md))
-    Path(a.out + ".json").write_text(json.dumps(dict(triton=res, native=nat, inductor=ind), indent=1, default=str))
+    return md
+
+
+def compact(m: dict) -> dict:
+    """The JSON kept in bench/results: the table's facts per row, without the per-line access lists."""
+    rows = [{k: r.get(k) for k in ("kernel", "axes", "constexprs", "arch", "registers", "spill_stores", "spill_loads",
+                                    "stack", "smem", "triton_smem", "seconds", "error")} | {"streams": widths(r)}
+            for r in m["aot"]["rows"]]
+    aot = {k: v for k, v in m["aot"].items() if k != "rows"} | {"rows": rows}
+    return m | {"aot": aot}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--set", choices=("ci", "full"), default="full")
+    ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1))
+    ap.add_argument("--no-inductor", action="store_true")
+    ap.add_argument("--fresh", action="store_true", help="compile into an empty Triton cache (timings)")
+    ap.add_argument("--render", help="only write the tables again from this JSON of a previous run (uncompacted)")
+    ap.add_argument("--out", default=str(RESULTS / "kernels-aot"))
+    a = ap.parse_args()
+    m = json.loads(Path(a.render).read_text()) if a.render else measure(a)
+    Path(a.out + ".md").write_text("\n".join(render(m)))
+    Path(a.out + ".json").write_text(json.dumps(compact(m), separators=(",", ":"), default=str))
     print(f"wrote {a.out}.md and .json")
-    return 1 if (rc or nat_problems) else 0
+    failed = m["aot"]["problems"] or any(r["stack"] or r["local"] for r in m["native"])
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
