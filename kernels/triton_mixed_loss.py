@@ -28,6 +28,11 @@ from . import triton_shared as shared
 from .backend import workspace
 from .triton_shared import div_of, scatter_value
 
+# An explicit register ceiling (.maxnreg), the hardware's: without one ptxas squeezed the fp32 kernel
+# (2 heads, pixel gate) into 128 registers on sm_80 and spilled 20 bytes; with it, it takes the 163 it
+# needs, and no specialisation spills (kernels/aot.py). The kernel takes 30-220 registers.
+MAXNREG = 255
+
 # Logit of a padded head lane (exp underflows to exactly 0); constexpr, as compiled Triton only reads
 # globals that are.
 NEG = tl.constexpr(-1e30)
@@ -154,11 +159,10 @@ def tile(H: int, C: int, P: int, budget: int) -> tuple[int, int, int]:
 
 def budget(interpret: bool, block: int = 0) -> int:
     """Elements per program tile (`block` overrides it: tests)."""
-    # Interpreter: few large programs (each op costs Python time). GPU: 1024-element tiles (heads ×
-    # channels × pixels; not yet timed on a GPU). At 2048, 16 tile elements per thread, ptxas kept the
-    # fp32 kernel in 128 registers on sm_80 and spilled 20 bytes, and the others took 150-220 registers
-    # (2 blocks of 4 warps per SM); at 1024 no specialisation spills (kernels/aot.py checks it).
-    return block or (16384 if interpret else 1024)
+    # Interpreter: few large programs (each op costs Python time); GPU: 2048-element tiles, as the loss
+    # kernel (the tile spans heads × channels × pixels; not yet tuned on a GPU). 16 tile elements per
+    # thread keep x0 and the pixel gate 128 bits wide with 4 heads too (at 1024 they were 64).
+    return block or (16384 if interpret else 2048)
 
 
 def mixed_loss(out, x0, t, weight, iw, tab, gate, pivots, bins, eps, seed, offset, nrows, interpret, block):
@@ -182,7 +186,7 @@ def mixed_loss(out, x0, t, weight, iw, tab, gate, pivots, bins, eps, seed, offse
         gate.contiguous() if gate is not None else iw, pivots, bins, grad, ggrad, acc, cnt, raw, wl, per, x0e,
         mean, H, C, P, out.shape[1], B, T, nch, nacc, seed, offset, 2.0 / (B * C * P),
         PIXEL_GATE=gate is None, HAS_EPS=eps is not None, BINS=bins.numel() > 0, NROWS=nrows,
-        HP=HP, CB=CB, BP=BP, DIV=div_of(P))
+        HP=HP, CB=CB, BP=BP, DIV=div_of(P), maxnreg=MAXNREG)
     return mean, per, raw, wl, x0e, grad, ggrad
 
 
