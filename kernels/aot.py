@@ -1,8 +1,8 @@
 """Ahead-of-time compile of every Triton kernel specialisation fasttrain's launchers can produce, for
 sm_80 (A100) and sm_90 (H100/H200), on a machine without a GPU, with the checks a first GPU user
 would otherwise be the first to run: it compiles (the interpreter accepts code the compiler rejects),
-it does not spill, and its element streams load and store in the widest vectors their alignment
-allows (128-bit for aligned rows).
+it does not spill, and its row streams (triton_shared.Spec.streams) load and store in the widest
+vectors their alignment allows (128-bit for aligned rows).
 
     python -m fasttrain.kernels.aot [--set ci|full] [--arch 80 90] [--jobs N] [--json PATH]
 
@@ -13,8 +13,9 @@ itself on CPU tensors with the kernel call intercepted, and Triton's own binder 
 (signature, constexprs, divisibility attributes), exactly as a GPU launch would; duplicates collapse.
 So the tile, the constexprs and the argument list come from the launcher, and a new option only needs
 a line in its module's `specializations()`. `--set ci`: a subset in which every argument type and
-alignment and every constexpr value of every kernel appears at least once (the CI test,
-tests/kernels/test_aot.py); `--set full`: all of them (bench/kernels_aot.py, its table).
+alignment and every constexpr value of every kernel appears at least once, tile sizes by their
+smallest, median and largest value (ci_subset; the CI test, tests/kernels/test_aot.py); `--set full`:
+all of them (bench/kernels_aot.py writes their table).
 
 Must run without TRITON_INTERPRET (with it, @triton.jit makes interpreter functions that cannot be
 compiled): the test runs this in a subprocess with the variable removed. No CUDA driver is needed.
