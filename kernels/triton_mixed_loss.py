@@ -30,7 +30,7 @@ from .triton_shared import div_of, scatter_value
 
 # An explicit register ceiling (.maxnreg), the hardware's: without one ptxas squeezed the fp32 kernel
 # (2 heads, pixel gate) into 128 registers on sm_80 and spilled 20 bytes; with it, it takes the 163 it
-# needs, and no specialisation spills (kernels/aot.py). The kernel takes 30-220 registers.
+# needs, and no specialisation spills (kernels/aot.py). The kernel takes 36-229 registers.
 MAXNREG = 255
 
 # Logit of a padded head lane (exp underflows to exactly 0); constexpr, as compiled Triton only reads
