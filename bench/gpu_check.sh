@@ -26,7 +26,10 @@ $PY -c "from fasttrain.kernels import native; print('fasttrain._C:', 'CUDA ops b
   2>&1 | tee bench/results/native-cuda.txt
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.inductor-cache}"
 rc=0
+# tests/kernels/test_aot.py compiles for sm_80/sm_90 without a GPU (CI runs it); test_gpu.py checks the
+# driver's spill count of what the ops compiled here.
 timeout 200 $PY -m pytest -q -p no:cacheprovider tests/kernels tests/diffusion tests/test_graphs.py -m "not slow" \
+  --ignore=tests/kernels/test_aot.py \
   2>&1 | tee bench/results/gpu-tests.txt || rc=1
 timeout 150 $PY -m pytest -q -p no:cacheprovider bench/bench_diffusion_loss.py --benchmark-only \
   2>&1 | tee bench/results/gpu-kernels.txt || rc=1

@@ -20,18 +20,22 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_shared as shared
 from .backend import workspace
-from .triton_shared import block_size, scatter_value
+from .triton_shared import block_size, div_of, launch_options, scatter_value
 
 
-@triton.jit
+# Only D is value-specialised (its alignment decides the vector width); B, T, NCH and the seed are not,
+# so a batch of 1 or a seed of 1 compiles no kernel of its own.
+@triton.jit(do_not_specialize=["B", "T", "NCH", "seed"])
 def loss_kernel(pred_ptr, x0_ptr, eps_ptr, t_ptr, w_ptr, iw_ptr, coef_ptr, pivot_ptr, bins_ptr,
                 grad_ptr, acc_ptr, cnt_ptr, raw_ptr, wl_ptr, ps_ptr, loss_ptr,
                 D, B, T, NCH, seed, offset_ptr, grad_scale,
                 NEEDS_EPS: tl.constexpr, NEEDS_X0: tl.constexpr, HAS_EPS: tl.constexpr, BINS: tl.constexpr,
-                BLOCK: tl.constexpr):
+                BLOCK: tl.constexpr, DIV: tl.constexpr):
     b = tl.program_id(0)
     c = tl.program_id(1)
+    D = D // DIV * DIV  # == D: DIV-wide loads and stores (triton_shared.div_of)
     idx = c * BLOCK + tl.arange(0, BLOCK)
     mask = idx < D
     gidx = b.to(tl.int64) * D + idx
@@ -89,5 +93,47 @@ def loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs_e
     loss_kernel[(B, nch)](pred.contiguous(), x0c, eps.contiguous() if eps is not None else x0c, t, weight, iw,
                           coef, pivots, bins, grad, acc, cnt, raw, wl, per, mean, D, B, T, nch, seed, offset,
                           2.0 / (B * D), NEEDS_EPS=needs_eps, NEEDS_X0=needs_x0,
-                          HAS_EPS=eps is not None, BINS=bins.numel() > 0, BLOCK=BLOCK)
+                          HAS_EPS=eps is not None, BINS=bins.numel() > 0, BLOCK=BLOCK, DIV=div_of(D),
+                          **launch_options(BLOCK))
     return mean, per, raw, wl, grad
+
+
+STREAMS = ("pred_ptr", "x0_ptr", "eps_ptr", "grad_ptr")  # rows of elements (triton_shared.Spec)
+
+
+def specializations():
+    """Every compilation `loss` can launch on a GPU (triton_shared.Spec): each (data, model) dtype pair
+    × eps drawn or given (fp32, as the probes pass it, or in x0's dtype) × the target's terms (eps, x0,
+    both: the prediction types) × with and without bins, at a 3×32×32 row; each tile size and
+    alignment class (triton_shared.row_sizes) in each dtype with an int32 and an int64 seed, the other
+    options rotating, some with an unaligned prediction. A new launcher option extends this list."""
+    T = 1000
+
+    def spec(x_dt, p_dt, D=3072, eps_dt=None, needs=(True, True), bins=True, seed=shared.SEEDS[0], aligned=True):
+        def launch():
+            pred = torch.empty(2, D, dtype=p_dt) if aligned else shared.unaligned((2, D), p_dt)
+            f64 = dict(dtype=torch.float64)
+            piv, data = (torch.zeros(2, T, **f64), torch.zeros(5, T, **f64)) if bins else (
+                torch.zeros(0, 0, **f64), torch.zeros(0, 0, **f64))
+            eps = None if eps_dt is None else torch.empty(2, D, dtype=eps_dt)
+            return loss(pred, torch.empty(2, D, dtype=x_dt), torch.zeros(2, dtype=torch.int64), torch.zeros(T),
+                        torch.ones(2), torch.zeros(2, T), piv, data, eps, seed, torch.zeros((), dtype=torch.int64),
+                        needs[0], needs[1], False, 0)
+        axes = dict(x0=shared.name(x_dt), pred=shared.name(p_dt), eps=shared.name(eps_dt),
+                    target="+".join(n for n, u in zip(("eps", "x0"), needs) if u), bins=bins, D=D,
+                    seed=shared.name(seed), aligned=aligned)
+        return shared.Spec(axes, launch, min(div_of(D), block_size(D, False)), STREAMS)
+
+    targets = ((True, True), (True, False), (False, True))  # v and flow, eps, x0 prediction
+    for x_dt, p_dt in shared.DTYPE_PAIRS:
+        for eps_dt in dict.fromkeys((None, torch.float32, x_dt)):
+            for needs in targets:
+                for bins in (True, False):
+                    yield spec(x_dt, p_dt, eps_dt=eps_dt, needs=needs, bins=bins)
+    for i, D in enumerate(shared.row_sizes()):
+        for j, dt in enumerate(shared.SAME_DTYPES):
+            kw = dict(needs=targets[(i + j) % 3], bins=(i + j) % 2 == 0)
+            for seed in shared.SEEDS:
+                yield spec(dt, dt, D, seed=seed, **kw)
+            if (i + j) % 3 == 0:
+                yield spec(dt, dt, D, aligned=False, seed=shared.SEEDS[(i + j) % 2], **kw)

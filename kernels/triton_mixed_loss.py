@@ -24,22 +24,31 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_shared as shared
 from .backend import workspace
-from .triton_shared import scatter_value
+from .triton_shared import div_of, scatter_value
+
+# An explicit register ceiling (.maxnreg), the hardware's: without one ptxas squeezed the fp32 kernel
+# (2 heads, pixel gate) into 128 registers on sm_80 and spilled 20 bytes; with it, it takes the 163 it
+# needs, and no specialisation spills (kernels/aot.py). The kernel takes 36-229 registers.
+MAXNREG = 255
 
 # Logit of a padded head lane (exp underflows to exactly 0); constexpr, as compiled Triton only reads
 # globals that are.
 NEG = tl.constexpr(-1e30)
 
 
-@triton.jit
+# P, H, C and CO are value-specialised (P's alignment decides the vector width); B, T, NCH, NACC and the
+# seed are not, so a batch of 1 or a seed of 1 compiles no kernel of its own.
+@triton.jit(do_not_specialize=["B", "T", "NCH", "NACC", "seed"])
 def mixed_loss_kernel(out_ptr, x0_ptr, eps_ptr, t_ptr, w_ptr, iw_ptr, tab_ptr, gate_ptr, pivot_ptr, bins_ptr,
                       grad_ptr, ggrad_ptr, acc_ptr, cnt_ptr, raw_ptr, wl_ptr, ps_ptr, x0e_ptr, loss_ptr,
                       H, C, P, CO, B, T, NCH, NACC, seed, offset_ptr, grad_scale,
                       PIXEL_GATE: tl.constexpr, HAS_EPS: tl.constexpr, BINS: tl.constexpr, NROWS: tl.constexpr,
-                      HP: tl.constexpr, CB: tl.constexpr, BP: tl.constexpr):
+                      HP: tl.constexpr, CB: tl.constexpr, BP: tl.constexpr, DIV: tl.constexpr):
     b = tl.program_id(0)
     pblk = tl.program_id(1)
+    P = P // DIV * DIV  # == P: DIV-wide loads and stores (triton_shared.div_of)
     hh = tl.arange(0, HP)
     hm = hh < H
     pp = pblk * BP + tl.arange(0, BP)
@@ -151,7 +160,8 @@ def tile(H: int, C: int, P: int, budget: int) -> tuple[int, int, int]:
 def budget(interpret: bool, block: int = 0) -> int:
     """Elements per program tile (`block` overrides it: tests)."""
     # Interpreter: few large programs (each op costs Python time); GPU: 2048-element tiles, as the loss
-    # kernel (the tile spans heads × channels × pixels; not yet tuned on a GPU).
+    # kernel (the tile spans heads × channels × pixels; not yet tuned on a GPU). 16 tile elements per
+    # thread keep x0 and the pixel gate 128 bits wide with 4 heads too (at 1024 they were 64).
     return block or (16384 if interpret else 2048)
 
 
@@ -176,5 +186,58 @@ def mixed_loss(out, x0, t, weight, iw, tab, gate, pivots, bins, eps, seed, offse
         gate.contiguous() if gate is not None else iw, pivots, bins, grad, ggrad, acc, cnt, raw, wl, per, x0e,
         mean, H, C, P, out.shape[1], B, T, nch, nacc, seed, offset, 2.0 / (B * C * P),
         PIXEL_GATE=gate is None, HAS_EPS=eps is not None, BINS=bins.numel() > 0, NROWS=nrows,
-        HP=HP, CB=CB, BP=BP)
+        HP=HP, CB=CB, BP=BP, DIV=div_of(P), maxnreg=MAXNREG)
     return mean, per, raw, wl, x0e, grad, ggrad
+
+
+STREAMS = ("out_ptr", "x0_ptr", "eps_ptr", "grad_ptr")  # rows of elements (triton_shared.Spec)
+
+
+def specializations():
+    """Every compilation `mixed_loss` can launch on a GPU (triton_shared.Spec): each (data, model) dtype
+    pair × pixel or timestep gate × eps drawn or given (fp32, as the probes pass it, or in x0's dtype)
+    × with and without bins × 2 or 3 heads (padded to 2 or 4), on 3×32×32 images; then every tile
+    `tile` picks for 2-4 heads, 1, 3, 4 or 16 channels and 4×4 to 256×256 images (and 2-D points, P =
+    1), and each alignment class of P, the dtypes and options rotating, some with unaligned outputs.
+    A new launcher option extends this list."""
+    from .torch_ref_mixed_loss import NROWS
+
+    T = 1000
+
+    def spec(x_dt, o_dt, H=2, C=3, P=1024, gate=None, eps_dt=None, bins=True, seed=shared.SEEDS[0], aligned=True):
+        def launch():
+            V = 2 + H
+            shape = (2, H * C + (H if gate is None else 0), P)
+            out = torch.empty(shape, dtype=o_dt) if aligned else shared.unaligned(shape, o_dt)
+            f64 = dict(dtype=torch.float64)
+            piv, data = (torch.zeros(V, T, **f64), torch.zeros(1 + 2 * V, T, **f64)) if bins else (
+                torch.zeros(0, 0, **f64), torch.zeros(0, 0, **f64))
+            eps = None if eps_dt is None else torch.empty(2, C, P, dtype=eps_dt)
+            g = None if gate is None else torch.empty(2, H, dtype=gate)
+            return mixed_loss(out, torch.empty(2, C, P, dtype=x_dt), torch.zeros(2, dtype=torch.int64),
+                              torch.zeros(T), torch.ones(2), torch.zeros(H, NROWS, T), g, piv, data, eps, seed,
+                              torch.zeros((), dtype=torch.int64), NROWS, False, 0)
+        axes = dict(x0=shared.name(x_dt), out=shared.name(o_dt),
+                    gate="pixel" if gate is None else f"timestep {shared.name(gate)}", eps=shared.name(eps_dt),
+                    bins=bins, H=H, C=C, P=P, seed=shared.name(seed), aligned=aligned)
+        return shared.Spec(axes, launch, min(div_of(P), tile(H, C, P, budget(False))[2]), STREAMS)
+
+    for x_dt, o_dt in shared.DTYPE_PAIRS:
+        for gate in (None, o_dt):
+            for eps_dt in dict.fromkeys((None, torch.float32, x_dt)):
+                for bins in (True, False):
+                    for H in (2, 3):
+                        yield spec(x_dt, o_dt, H, gate=gate, eps_dt=eps_dt, bins=bins)
+    yield spec(torch.float32, torch.bfloat16, gate=torch.float32)  # an fp32 timestep gate under a bf16 model
+    shapes, tiles = [(2, 2, 1)], {tile(2, 2, 1, budget(False))}
+    for H in (2, 3, 4):
+        for C in (1, 3, 4, 16):
+            for P in [16 << k for k in range(13)]:
+                if tile(H, C, P, budget(False)) not in tiles:
+                    tiles.add(tile(H, C, P, budget(False)))
+                    shapes.append((H, C, P))
+    shapes += [(2, 3, 1024 - 16 + d) for d in (8, 4, 2, 1)]  # the alignment classes of P (div_of)
+    for i, (H, C, P) in enumerate(shapes):
+        dt = shared.SAME_DTYPES[i % 3]
+        kw = dict(gate=None if i % 2 else dt, bins=i % 4 < 2, seed=shared.SEEDS[i % 5 == 0], aligned=i % 3 != 1)
+        yield spec(dt, dt, H, C, P, **kw)

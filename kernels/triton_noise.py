@@ -13,14 +13,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_shared import block_size
+from . import triton_shared as shared
+from .triton_shared import block_size, div_of, launch_options
 
 
-@triton.jit
+# The seed is not value-specialised (a seed of 1 would otherwise compile a kernel of its own).
+@triton.jit(do_not_specialize=["seed"])
 def noise_kernel(x0_ptr, t_ptr, alpha_ptr, sigma_ptr, eps_ptr, xt_ptr, eps_out_ptr, D, seed, offset_ptr,
-                 HAS_EPS: tl.constexpr, WRITE_EPS: tl.constexpr, BLOCK: tl.constexpr):
+                 HAS_EPS: tl.constexpr, WRITE_EPS: tl.constexpr, BLOCK: tl.constexpr, DIV: tl.constexpr):
     b = tl.program_id(0)
     c = tl.program_id(1)
+    D = D // DIV * DIV  # == D: DIV-wide loads and stores (triton_shared.div_of)
     idx = c * BLOCK + tl.arange(0, BLOCK)
     mask = idx < D
     gidx = b.to(tl.int64) * D + idx  # global element index: the Philox counter
@@ -46,5 +49,37 @@ def noise(x0, t, alpha, sigma, eps, seed, offset, out_dtype, write_eps, interpre
     BLOCK = block_size(D, interpret, block)
     noise_kernel[(B, triton.cdiv(D, BLOCK))](x0c, t, alpha, sigma, eps.contiguous() if eps is not None else x0c,
                                              xt, eps_out, D, seed, offset, HAS_EPS=eps is not None,
-                                             WRITE_EPS=write_eps, BLOCK=BLOCK)
+                                             WRITE_EPS=write_eps, BLOCK=BLOCK, DIV=div_of(D),
+                                             **launch_options(BLOCK))
     return xt, eps_out
+
+
+STREAMS = ("x0_ptr", "eps_ptr", "xt_ptr", "eps_out_ptr")  # rows of elements (triton_shared.Spec)
+
+
+def specializations():
+    """Every compilation `noise` can launch on a GPU (triton_shared.Spec): each (data, model) dtype
+    pair with eps drawn, given (fp32, as the probes pass it, or in x0's dtype) and written out, at a
+    3×32×32 row; each tile size and alignment class (triton_shared.row_sizes) in each dtype with an
+    int32 and an int64 seed, some with an unaligned x0. A new launcher option extends this list."""
+    def spec(x_dt, out_dt, D=3072, eps_dt=None, write_eps=False, seed=shared.SEEDS[0], aligned=True):
+        def launch():
+            x0 = torch.empty(2, D, dtype=x_dt) if aligned else shared.unaligned((2, D), x_dt)
+            tab = torch.zeros(1000)
+            eps = None if eps_dt is None else torch.empty(2, D, dtype=eps_dt)
+            return noise(x0, torch.zeros(2, dtype=torch.int64), tab, tab, eps, seed,
+                         torch.zeros((), dtype=torch.int64), out_dt, write_eps, False, 0)
+        axes = dict(x0=shared.name(x_dt), out=shared.name(out_dt), eps=shared.name(eps_dt), write_eps=write_eps,
+                    D=D, seed=shared.name(seed), aligned=aligned)
+        return shared.Spec(axes, launch, min(div_of(D), block_size(D, False)), STREAMS)
+
+    for x_dt, out_dt in shared.DTYPE_PAIRS:
+        for eps_dt in dict.fromkeys((None, torch.float32, x_dt)):
+            for write_eps in (False, True):
+                yield spec(x_dt, out_dt, eps_dt=eps_dt, write_eps=write_eps)
+    for i, D in enumerate(shared.row_sizes()):
+        for j, dt in enumerate(shared.SAME_DTYPES):
+            for seed in shared.SEEDS:
+                yield spec(dt, dt, D, seed=seed)
+            if (i + j) % 3 == 0:
+                yield spec(dt, dt, D, seed=shared.SEEDS[(i + j) % 2], aligned=False)

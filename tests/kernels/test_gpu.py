@@ -104,6 +104,29 @@ def test_diffusion_math_is_two_launches_plus_one_backward_scale():
     assert len(kernels) <= 4, kernels  # A, B, the backward scale (+ gradient accumulation into .grad)
 
 
+def test_the_driver_sees_no_spills_in_the_compiled_triton_kernels():
+    """What kernels/aot.py checks without a GPU (tests/kernels/test_aot.py), from the driver here: every
+    Triton kernel the three ops compiled in this process, fp32 and bf16 models, loaded with 0 spills."""
+    from fasttrain.kernels import triton_diffusion_loss, triton_mixed_loss, triton_noise
+    from fasttrain.kernels.mixed_loss import mixed_loss
+    from fasttrain.kernels.torch_ref_mixed_loss import NROWS
+
+    a, sg, w, x0, t = _cuda_case("linear", "min_snr", "v", (8, 3, 32, 32))
+    iw = torch.ones(8, device="cuda")
+    for dt in (torch.float32, torch.bfloat16):
+        noise(x0, t, a, sg, out_dtype=dt, backend="triton")
+        diffusion_loss(torch.randn(8, 3, 32, 32, device="cuda", dtype=dt), x0, t, w, iw,
+                       torch.rand(2, 1000, device="cuda"), backend="triton")
+        for gate in (None, torch.randn(8, 2, device="cuda", dtype=dt)):
+            mixed_loss(torch.randn(8, 6 + (2 if gate is None else 0), 32, 32, device="cuda", dtype=dt), x0, t, w, iw,
+                       torch.rand(2, NROWS, 1000, device="cuda"), gate=gate, backend="triton")
+    torch.cuda.synchronize()
+    for k in (triton_noise.noise_kernel, triton_diffusion_loss.loss_kernel, triton_mixed_loss.mixed_loss_kernel):
+        compiled = [c for cache in k.device_caches.values() for c in cache[0].values()]  # triton 3.8's layout
+        assert compiled, k.fn.__name__
+        assert all(c.n_spills == 0 for c in compiled), [(k.fn.__name__, c.n_regs, c.n_spills) for c in compiled]
+
+
 @pytest.mark.parametrize("backend", ["triton", "native"])
 def test_bf16_model_input_and_gradient_dtypes(backend):
     if backend == "native":
