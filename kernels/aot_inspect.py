@@ -111,7 +111,9 @@ def pointer_accesses(ptx: str, signature: dict, streams: tuple, aligned: set, ve
         text = f.read().splitlines()
     rows = []
     for (path, line), acc in sorted(accesses_by_line(ptx).items()):
-        if os.path.realpath(path) != os.path.realpath(source_file) or not 0 < line <= len(text):
+        # By file name: Triton's cache key holds the kernel's source and first line but not its path, so
+        # PTX cached from another checkout of the same code names that checkout's file.
+        if os.path.basename(path) != os.path.basename(source_file) or not 0 < line <= len(text):
             continue
         m = POINTER_OP.search(text[line - 1])
         if not m or m.group(1).startswith("atomic") or not signature.get(m.group(2), "").startswith("*"):
