@@ -12,6 +12,11 @@ Its accumulators (Σd² per sample and the batch sum, tile counters) live in a w
 that sample's slots, the program that finishes the batch resets the batch slots. So no memset launch
 and no call-order protocol: the forward math of a step is two launches (noise, loss).
 
+With noise options (SPEC != 0; noise_spec.py) eps is the options' ε (triton_noise_spec.spec_eps, the
+same the noise kernel drew); with a loss shape (LOSS != 0; loss_shape.py) d² becomes ρ(d) and the
+gradient's d becomes ψ(d), with the threshold c[t_b] read from a [T] table. LOSS = SPEC = 0 is the
+plain kernel, unchanged.
+
 Byte floor: read pred and x0, write the gradient (eps costs nothing).
 """
 from __future__ import annotations
@@ -21,15 +26,17 @@ import triton
 import triton.language as tl
 
 from .backend import workspace
-from .triton_shared import block_size, scatter_value
+from .triton_noise_spec import launch_args, spec_eps
+from .triton_shared import block_size, rho_psi, scatter_value
 
 
 @triton.jit
 def loss_kernel(pred_ptr, x0_ptr, eps_ptr, t_ptr, w_ptr, iw_ptr, coef_ptr, pivot_ptr, bins_ptr,
                 grad_ptr, acc_ptr, cnt_ptr, raw_ptr, wl_ptr, ps_ptr, loss_ptr,
                 D, B, T, NCH, seed, offset_ptr, grad_scale,
+                rows_ptr, tab_ptr, mean_ptr, std_ptr, C, HW, H, W, L, K_XI, K_N, K_S, K_L, N, c_ptr,
                 NEEDS_EPS: tl.constexpr, NEEDS_X0: tl.constexpr, HAS_EPS: tl.constexpr, BINS: tl.constexpr,
-                BLOCK: tl.constexpr):
+                SPEC: tl.constexpr, LOSS: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     c = tl.program_id(1)
     idx = c * BLOCK + tl.arange(0, BLOCK)
@@ -43,16 +50,25 @@ def loss_kernel(pred_ptr, x0_ptr, eps_ptr, t_ptr, w_ptr, iw_ptr, coef_ptr, pivot
     if NEEDS_EPS:
         if HAS_EPS:
             eps = tl.load(eps_ptr + gidx, mask=mask, other=0.0).to(tl.float32)
-        else:
+        elif SPEC == 0:
             eps = tl.randn(seed, tl.load(offset_ptr) + gidx)  # the same eps the noise kernel used
+        else:
+            eps = spec_eps(seed, tl.load(offset_ptr), b.to(tl.int64), idx, mask, D, rows_ptr, tab_ptr, mean_ptr,
+                           std_ptr, C, HW, H, W, L, K_N, K_S, K_L, N, SPEC=SPEC, NORM=True)
         target += tl.load(coef_ptr + tb) * eps
     if NEEDS_X0:
         x0 = tl.load(x0_ptr + gidx, mask=mask, other=0.0).to(tl.float32)
         target += tl.load(coef_ptr + T + tb) * x0
     d = tl.where(mask, pred - target, 0.0)
+    if LOSS == 0:
+        r = d * d
+        g = d
+    else:
+        cb = tl.load(c_ptr + tb)  # the threshold c(t_b) (a dummy table for l1)
+        r, g = rho_psi(d, cb, LOSS)
     # dL/dpred of L = mean_b ℓ_b, written now: the loss is the last op, backward only rescales it.
-    tl.store(grad_ptr + gidx, (d * (grad_scale * wb * ib)).to(grad_ptr.dtype.element_ty), mask=mask)
-    tl.atomic_add(acc_ptr + b, tl.sum(d * d, axis=0))
+    tl.store(grad_ptr + gidx, (g * (grad_scale * wb * ib)).to(grad_ptr.dtype.element_ty), mask=mask)
+    tl.atomic_add(acc_ptr + b, tl.sum(r, axis=0))
     # The program that finishes a sample (acq_rel atomics order its partial sum before the count)
     # reads the total, writes the per-sample outputs and the bins, and resets the sample's slots.
     last = tl.atomic_add(cnt_ptr + b, 1) == NCH - 1
@@ -76,7 +92,8 @@ def loss_kernel(pred_ptr, x0_ptr, eps_ptr, t_ptr, w_ptr, iw_ptr, coef_ptr, pivot
     tl.store(cnt_ptr + B, 0, mask=final)
 
 
-def loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs_eps, needs_x0, interpret, block):
+def loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs_eps, needs_x0, spec, kind, c_table,
+         interpret, block):
     """(mean, per-sample ℓ, raw, weighted, dL/dpred): one launch of a grid (B, ⌈D/BLOCK⌉)."""
     B, D, T = pred.shape[0], pred[0].numel(), weight.numel()
     BLOCK = block_size(D, interpret, block)
@@ -86,8 +103,10 @@ def loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs_e
     f32 = dict(dtype=torch.float32, device=pred.device)
     raw, wl, per, mean = torch.empty(B, **f32), torch.empty(B, **f32), torch.empty(B, **f32), torch.empty((), **f32)
     x0c = x0.contiguous()
+    args, flags = launch_args(spec if needs_eps else None, x0c)
     loss_kernel[(B, nch)](pred.contiguous(), x0c, eps.contiguous() if eps is not None else x0c, t, weight, iw,
                           coef, pivots, bins, grad, acc, cnt, raw, wl, per, mean, D, B, T, nch, seed, offset,
-                          2.0 / (B * D), NEEDS_EPS=needs_eps, NEEDS_X0=needs_x0,
-                          HAS_EPS=eps is not None, BINS=bins.numel() > 0, BLOCK=BLOCK)
+                          2.0 / (B * D), *args, c_table if c_table is not None else weight,
+                          NEEDS_EPS=needs_eps, NEEDS_X0=needs_x0, HAS_EPS=eps is not None,
+                          BINS=bins.numel() > 0, SPEC=flags, LOSS=kind, BLOCK=BLOCK)
     return mean, per, raw, wl, grad

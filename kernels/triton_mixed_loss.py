@@ -15,6 +15,10 @@ pixel's gate sees all channels of all heads in one program:
     finishes the batch publishes the mean and resets the batch slots (the self-cleaning workspace
     of the loss kernel, triton_diffusion_loss.py: no memset launch).
 
+Noise options (SPEC != 0) regenerate the options' ε (triton_noise_spec.spec_eps); a loss shape
+(LOSS != 0, loss_shape.py) turns E² and d_i² into ρ(E), ρ(d_i) and E, d_i in the gradients into ψ(E),
+ψ(d_i) (torch_ref_mixed_loss.py); both 0: the plain kernel, unchanged.
+
 Workspace row of sample b (NACC = 1 + 3·HP fp32 slots): [0] Σ E², [1 + h] Σ d_h², [1 + HP + h]
 Σ e_h², [1 + 2·HP + h] the per-sample gate gradient (per-sample gate only). Row B: the batch sum.
 """
@@ -25,7 +29,8 @@ import triton
 import triton.language as tl
 
 from .backend import workspace
-from .triton_shared import scatter_value
+from .triton_noise_spec import launch_args, spec_eps
+from .triton_shared import rho_psi, scatter_value
 
 # Logit of a padded head lane (exp underflows to exactly 0); constexpr, as compiled Triton only reads
 # globals that are.
@@ -36,8 +41,9 @@ NEG = tl.constexpr(-1e30)
 def mixed_loss_kernel(out_ptr, x0_ptr, eps_ptr, t_ptr, w_ptr, iw_ptr, tab_ptr, gate_ptr, pivot_ptr, bins_ptr,
                       grad_ptr, ggrad_ptr, acc_ptr, cnt_ptr, raw_ptr, wl_ptr, ps_ptr, x0e_ptr, loss_ptr,
                       H, C, P, CO, B, T, NCH, NACC, seed, offset_ptr, grad_scale,
+                      rows_ptr, spec_ptr, mean_ptr, std_ptr, SC, HW, SH, SW, L, K_XI, K_N, K_S, K_L, N, c_ptr,
                       PIXEL_GATE: tl.constexpr, HAS_EPS: tl.constexpr, BINS: tl.constexpr, NROWS: tl.constexpr,
-                      HP: tl.constexpr, CB: tl.constexpr, BP: tl.constexpr):
+                      SPEC: tl.constexpr, LOSS: tl.constexpr, HP: tl.constexpr, CB: tl.constexpr, BP: tl.constexpr):
     b = tl.program_id(0)
     pblk = tl.program_id(1)
     hh = tl.arange(0, HP)
@@ -68,6 +74,9 @@ def mixed_loss_kernel(out_ptr, x0_ptr, eps_ptr, t_ptr, w_ptr, iw_ptr, tab_ptr, g
     pi = ez / tl.sum(ez, axis=0)[None, :]
     pi3 = pi[:, None, :]
     sb = grad_scale * ib  # 2·iw_b/(B·D)
+    cb = 0.0
+    if LOSS >= 2:
+        cb = tl.load(c_ptr + tb)  # the loss shape's threshold c(t_b)
     sE2 = tl.zeros([BP], dtype=tl.float32)
     sd2 = tl.zeros([HP, BP], dtype=tl.float32)
     se2 = tl.zeros([HP, BP], dtype=tl.float32)
@@ -79,20 +88,33 @@ def mixed_loss_kernel(out_ptr, x0_ptr, eps_ptr, t_ptr, w_ptr, iw_ptr, tab_ptr, g
         x0 = tl.load(x0_ptr + xoff, mask=m2, other=0.0).to(tl.float32)
         if HAS_EPS:
             eps = tl.load(eps_ptr + xoff, mask=m2, other=0.0).to(tl.float32)
-        else:
+        elif SPEC == 0:
             eps = tl.where(m2, tl.randn(seed, tl.load(offset_ptr) + xoff), 0.0)  # the same eps the noise kernel used
+        else:
+            eps = spec_eps(seed, tl.load(offset_ptr), b.to(tl.int64), cc[:, None] * P + pp[None, :], m2, C * P,
+                           rows_ptr, spec_ptr, mean_ptr, std_ptr, SC, HW, SH, SW, L, K_N, K_S, K_L, N, SPEC=SPEC,
+                           NORM=True)
+            eps = tl.where(m2, eps, 0.0)
         m3 = hm[:, None, None] & m2[None, :, :]
         ooff = obase + (hh[:, None, None] * C + cc[None, :, None]) * P + pp[None, None, :]
         pred = tl.load(out_ptr + ooff, mask=m3, other=0.0).to(tl.float32)
         d = pred - (ce * eps[None, :, :] + cx * x0[None, :, :])  # 0 on padded lanes: all loads are 0 there
         e = k1 * d + fb * x0[None, :, :]
         E = tl.sum(pi3 * e, axis=0)  # [CB, BP]
-        gE = (sb * wb) * E
-        g = pi3 * k1 * gE[None, :, :] + (sb * aux)[:, None, None] * d
+        if LOSS == 0:
+            rE = E * E
+            qE = E
+            rd = d * d
+            qd = d
+        else:
+            rE, qE = rho_psi(E, cb, LOSS)
+            rd, qd = rho_psi(d, cb, LOSS)
+        gE = (sb * wb) * qE
+        g = pi3 * k1 * gE[None, :, :] + (sb * aux)[:, None, None] * qd
         tl.store(grad_ptr + ooff, g.to(grad_ptr.dtype.element_ty), mask=m3)
         gacc += tl.sum(pi3 * (e - E[None, :, :]) * gE[None, :, :], axis=1)
-        sE2 += tl.sum(E * E, axis=0)
-        sd2 += tl.sum(d * d, axis=1)
+        sE2 += tl.sum(rE, axis=0)
+        sd2 += tl.sum(rd, axis=1)
         se2 += tl.sum(e * e, axis=1)
     ws = acc_ptr + b * NACC
     if PIXEL_GATE:
@@ -155,7 +177,8 @@ def budget(interpret: bool, block: int = 0) -> int:
     return block or (16384 if interpret else 2048)
 
 
-def mixed_loss(out, x0, t, weight, iw, tab, gate, pivots, bins, eps, seed, offset, nrows, interpret, block):
+def mixed_loss(out, x0, t, weight, iw, tab, gate, pivots, bins, eps, seed, offset, spec, kind, c_table, nrows,
+               interpret, block):
     """(mean, per, raw, weighted, x0_error, ∂L/∂out, ∂L/∂gate): one launch of a grid (B, ⌈P/BP⌉)."""
     B, T = x0.shape[0], weight.numel()
     H, C = tab.shape[0], x0.shape[1]
@@ -171,10 +194,12 @@ def mixed_loss(out, x0, t, weight, iw, tab, gate, pivots, bins, eps, seed, offse
     raw, wl, per, mean = torch.empty(B, **f32), torch.empty(B, **f32), torch.empty(B, **f32), torch.empty((), **f32)
     x0e = torch.empty(B, H, **f32)
     x0c = x0.contiguous()
+    args, flags = launch_args(spec, x0c)
     mixed_loss_kernel[(B, nch)](
         out.contiguous(), x0c, eps.contiguous() if eps is not None else x0c, t, weight, iw, tab.contiguous(),
         gate.contiguous() if gate is not None else iw, pivots, bins, grad, ggrad, acc, cnt, raw, wl, per, x0e,
         mean, H, C, P, out.shape[1], B, T, nch, nacc, seed, offset, 2.0 / (B * C * P),
+        *args, c_table if c_table is not None else weight,
         PIXEL_GATE=gate is None, HAS_EPS=eps is not None, BINS=bins.numel() > 0, NROWS=nrows,
-        HP=HP, CB=CB, BP=BP)
+        SPEC=flags, LOSS=kind, HP=HP, CB=CB, BP=BP)
     return mean, per, raw, wl, x0e, grad, ggrad
