@@ -225,7 +225,15 @@ def test_fake_registration(backend):
     x0, eps, t, iw, out, g = inputs(backend, (3, 2, 4, 4), 3, False)
     args = (out, x0, t, w, iw, tab, g, torch.zeros(5, T, dtype=torch.float64, device=dev),
             torch.zeros(11, T, dtype=torch.float64, device=dev), eps, 0, torch.zeros((), dtype=torch.int64, device=dev),
-            backend.name, 0)
+            [], None, None, None, None, 0, None, backend.name, 0)
+    torch.library.opcheck(mixed_loss_module._mixed_op, args, test_utils=("test_schema", "test_faketensor"))
+    # with noise options and a loss shape (kernels/noise_spec.py, loss_shape.py)
+    from fasttrain.kernels import noise_spec as ns
+
+    spec, _ = ns.prepare(ns.NoiseOptions(offset=0.1, adaptive_scale=0.2, pyramid_iterations=3, perturbation=0.1), x0,
+                         seed=0, offset=0, rows=torch.tensor([2, 0, 1], device=dev), backend=backend.name)
+    c = torch.full((T,), 0.1, device=dev)
+    args = args[:9] + (None,) + args[10:12] + tuple(ns.op_args(spec)) + (2, c, backend.name, 0)
     torch.library.opcheck(mixed_loss_module._mixed_op, args, test_utils=("test_schema", "test_faketensor"))
 
 
