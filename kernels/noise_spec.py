@@ -115,7 +115,9 @@ class Layout(NamedTuple):
 def geometry(shape) -> tuple[int, int, int, int, int]:
     """(B, D, C, H, W): channels are dim 1 (1 for [B] data); H, W the spatial dims of [B, C, H, W] data."""
     B = int(shape[0])
-    D = math.prod(int(s) for s in shape[1:])
+    D = 1
+    for s in shape[1:]:  # (a loop: torch.compile traces it, not math.prod over a generator)
+        D *= int(s)
     C = int(shape[1]) if len(shape) > 1 else 1
     H, W = (int(shape[2]), int(shape[3])) if len(shape) == 4 else (1, 1)
     return B, D, C, H, W

@@ -268,9 +268,9 @@ def test_apex_optimizer_is_a_clear_error_when_missing(tmp_path):
 @pytest.mark.parametrize("over", [[], ["diffusion.sampler=loss_second_moment", "diffusion.stats_every=1"],
                                   ["diffusion.prediction=mixed", "diffusion.stats_every=1"],
                                   ["diffusion.noise.offset=0.1", "diffusion.noise.adaptive_offset=0.2",
-                                   "diffusion.noise.offset_random_strength=true", "diffusion.noise.pyramid_iterations=6",
-                                   "diffusion.noise.perturbation=0.1", "diffusion.noise.immiscible=assignment",
-                                   "diffusion.loss.type=smooth_l1"],
+                                   "diffusion.noise.offset_random_strength=true",
+                                   "diffusion.noise.pyramid_iterations=6", "diffusion.noise.perturbation=0.1",
+                                   "diffusion.noise.immiscible=assignment", "diffusion.loss.type=smooth_l1"],
                                   ["diffusion.noise.immiscible=knn", "diffusion.noise.immiscible_k=4",
                                    "diffusion.prediction=mixed", "diffusion.loss.type=l1"]])
 def test_the_step_reads_nothing_back_to_the_host(tmp_path, over):

@@ -67,5 +67,5 @@ class LossShape:
                         if loss in ("huber", "smooth_l1", "pseudo_huber") else None)
 
     @classmethod
-    def from_config(cls, schedule: NoiseSchedule, cfg) -> "LossShape":
+    def from_config(cls, schedule: NoiseSchedule, cfg) -> LossShape:
         return cls(schedule, cfg.type, cfg.huber_c, cfg.huber_scale, cfg.huber_schedule)

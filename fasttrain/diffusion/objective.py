@@ -23,10 +23,10 @@ c(t) table: loss_shapes.py) replaces d² in the loss op. Without them the step i
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
-
-from typing import NamedTuple
 
 from fasttrain.kernels import noise_spec, philox
 from fasttrain.kernels.backend import BACKENDS, resolve_backend
@@ -267,7 +267,7 @@ class DiffusionObjective(Objective):
 
     @classmethod
     def from_config(cls, diffusion, schedule: NoiseSchedule, output: nn.Module | None = None,
-                    **kw) -> "DiffusionObjective":
+                    **kw) -> DiffusionObjective:
         """`output` (the network's output head) is not needed: a single prediction learns nothing for it."""
         return cls(schedule, diffusion.prediction, diffusion.weighting, diffusion.sampler,
                    **config_options(diffusion, schedule), **kw)

@@ -4,18 +4,18 @@ conditional_loss: huber = 2c(√(d²+c²) − c), smooth_l1 = 2(√(d²+c²) −
 pseudo-Huber √(d²+c²) − c) and ψ against autograd; each op against the reference and autograd with a
 per-timestep threshold table, odd shapes, fp32/bf16/fp16, pre-filled bins and drawn noise with every
 noise option."""
+import mixed_harness as mh
 import pytest
 import torch
+from harness import DTYPES, TOL, backends, filled_bins, inputs, tables
+from mixed_harness import close, leaf
 
 from fasttrain.diffusion import prediction as P
-from fasttrain.kernels import TimestepBins, loss_shape, noise_spec as ns, philox, torch_ref
+from fasttrain.kernels import TimestepBins, loss_shape, philox, torch_ref
+from fasttrain.kernels import noise_spec as ns
 from fasttrain.kernels import torch_ref_mixed_loss as mixed_ref
 from fasttrain.kernels.diffusion_loss import diffusion_loss
 from fasttrain.kernels.mixed_loss import mixed_loss
-
-import mixed_harness as mh
-from harness import DTYPES, TOL, backends, filled_bins, inputs, tables
-from mixed_harness import close, leaf
 
 SHAPED = [k for k in loss_shape.LOSSES if k != "l2"]
 DRAWN = dict(rtol=1e-4, atol=1e-6)

@@ -9,13 +9,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import DTYPES, backends, inputs, tables
 
 from fasttrain.kernels import noise_spec as ns
 from fasttrain.kernels import philox, torch_ref
 from fasttrain.kernels.diffusion_loss import diffusion_loss
 from fasttrain.kernels.noise import noise, randn
-
-from harness import DTYPES, backends, inputs, tables
 
 SEED, OFF = 7, 1234
 DRAWN = dict(rtol=1e-5, atol=2e-5)  # normals to the rounding of log/cos, sums of a few of them
@@ -264,3 +263,41 @@ def test_reference_matches_interpolate_written_out():
     z = torch.randn(1, 1, 1, 3)
     up = F.interpolate(z, size=(4, 5), mode="bilinear", align_corners=False)
     assert torch.equal(up[0, 0, 0], up[0, 0, 3])
+
+
+@backends("triton", "native")
+def test_options_inside_fullgraph_compile_and_opcheck(backend):
+    """The noise and loss ops with a noise spec and a loss shape inside torch.compile(fullgraph=True)
+    (aot_eager), equal to eager; register_fake of the noise, noise_std and loss ops (opcheck)."""
+    from fasttrain.kernels import diffusion_loss as dl_module
+    from fasttrain.kernels import noise as noise_module
+
+    torch._dynamo.reset()
+    dev = backend.device
+    a, s, w, coef = tables("linear", "v", device=dev)
+    x0, _, t, iw = inputs((3, 2, 8, 6), device=dev)
+    c = torch.full((1000,), 0.1, device=dev)
+    rows = torch.tensor([1, 2, 0], device=dev)
+    spec, _ = ns.prepare(ALL, x0, seed=SEED, offset=OFF, rows=rows, backend=backend.name)
+    lin = torch.nn.Linear(6, 6).to(dev)
+
+    def step(x0, spec):
+        x_t = noise(x0, t, a, s, seed=SEED, offset=OFF, spec=spec, backend=backend.name)
+        out = diffusion_loss(lin(x_t), x0, t, w, iw, coef, seed=SEED, offset=OFF, spec=spec, loss="pseudo_huber",
+                             c_table=c, backend=backend.name)
+        return out.loss, out.raw
+
+    eager = step(x0, spec)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(x0, spec)
+    for u, v in zip(eager, compiled):
+        torch.testing.assert_close(u, v, rtol=1e-6, atol=1e-7)
+    off = torch.tensor(OFF, device=dev)
+    args = ns.op_args(spec)
+    torch.library.opcheck(noise_module._noise_op, (x0, t, a, s, None, SEED, off, torch.float32, True, *args,
+                                                   backend.name, 0), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(ns._std_op, (x0, SEED, off, *args[:4], backend.name, 0),
+                          test_utils=("test_schema", "test_faketensor"))
+    bins = torch.zeros(5, 1000, dtype=torch.float64, device=dev)
+    piv = torch.zeros(2, 1000, dtype=torch.float64, device=dev)
+    torch.library.opcheck(dl_module._loss_op, (x0.clone(), x0, t, w, iw, coef, piv, bins, None, SEED, off, 3, *args,
+                                               4, c, backend.name, 0), test_utils=("test_schema", "test_faketensor"))
