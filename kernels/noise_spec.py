@@ -37,6 +37,7 @@ reduction over the regenerated noise before the noise op; on the device, no host
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -125,7 +126,11 @@ def geometry(shape) -> tuple[int, int, int, int, int]:
 
 def layout(options: NoiseOptions | None, shape, rows: int | None = None) -> Layout:
     """The counter sub-ranges of one step for data of `shape` with `rows` base-noise rows (default B)."""
-    options = options or NoiseOptions()
+    return _layout(options or NoiseOptions(), tuple(int(s) for s in shape), None if rows is None else int(rows))
+
+
+@functools.lru_cache(maxsize=64)  # per run: a handful of shapes; host integers only
+def _layout(options: NoiseOptions, shape: tuple, rows: int | None) -> Layout:
     B, D, C, H, W = geometry(shape)
     f, L = options.flags, int(options.pyramid_iterations)
     if f & PYRAMID and len(shape) != 4:

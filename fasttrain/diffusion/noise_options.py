@@ -21,7 +21,9 @@ with the batch's noise draws by a linear assignment on the L2 distances (not squ
 code; fp32 here where the official code uses fp16 of 0.1-scaled values: the same assignment up to
 ties), so the noise set is only permuted and stays N(0, I); `knn` ("Improved Immiscible Diffusion",
 arXiv 2505.18521) draws k fresh candidates per image and keeps the nearest (biased toward the data:
-a deliberate trade-off). Both act through the kernels' row map: sample b takes the base noise of row
+a deliberate trade-off). The assignment is SciPy's exact one on CPU tensors (the official code's
+solver; there it is also the faster one) and the device assignment elsewhere (no host sync). Both act
+through the kernels' row map: sample b takes the base noise of row
 rows[b], drawn at the step's counter (candidates in their own rows for knn); the distance matrices
 are computed on the device from the same candidates (the noise op's fast path: noise.randn).
 """
@@ -37,9 +39,9 @@ from ..errors import ConfigError, InvalidInput
 IMMISCIBLE = ("none", "assignment", "knn")
 
 try:  # the real module (branch strat21) once merged; until then the stand-in with its signatures
-    from .immiscible import assignment, knn_choice
+    from .immiscible import assignment, exact_assignment, knn_choice
 except ImportError:  # pragma: no cover - depends on the merge state
-    from .immiscible_standin import assignment, knn_choice
+    from .immiscible_standin import assignment, exact_assignment, knn_choice
 
 
 def options(cfg) -> NoiseOptions:
@@ -93,7 +95,10 @@ class Immiscible:
             cand = randn((R, *x0.shape[1:]), seed=seed, offset=offset, device=x0.device, backend=backend)
             x = x0.detach().float().flatten(1)
             if self.mode == "assignment":
-                return assignment(torch.cdist(x, cand.flatten(1))), R
+                # CPU tensors: SciPy's exact solver (the official code's), faster there than the device
+                # solver and no device to wait for; elsewhere the device assignment (no host sync)
+                solve = exact_assignment if x0.device.type == "cpu" else assignment
+                return solve(torch.cdist(x, cand.flatten(1))), R
             dist = torch.linalg.vector_norm(x[:, None] - cand.view(B, self.k, -1), dim=2)  # [B, k]
             return torch.arange(B, device=x0.device) * self.k + knn_choice(dist), R
 

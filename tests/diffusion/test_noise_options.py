@@ -50,14 +50,18 @@ def test_assignment_uses_l2_distances_to_the_batchs_own_draws(monkeypatch):
         seen["dist"] = dist
         return torch.tensor([2, 0, 3, 1])
 
-    monkeypatch.setattr(noise_options, "assignment", spy)
     x0 = torch.rand(4, 2, 3, 3)
-    rows, R = Immiscible("assignment").rows(x0, seed=3, offset=50, backend="native")
     cand = philox.randn((4, 2, 3, 3), 3, 50).flatten(1)
     want = torch.stack([torch.stack([torch.linalg.vector_norm(x0[i].flatten() - cand[j]) for j in range(4)])
                         for i in range(4)])
+    exact = noise_options.exact_assignment(want)
+    rows, R = Immiscible("assignment").rows(x0, seed=3, offset=50, backend="native")
+    assert R == 4 and torch.equal(rows, exact)  # CPU tensors: SciPy's exact assignment, as the official code
+    for name in ("assignment", "exact_assignment"):
+        monkeypatch.setattr(noise_options, name, spy)
+    rows, R = Immiscible("assignment").rows(x0, seed=3, offset=50, backend="native")
     torch.testing.assert_close(seen["dist"], want, rtol=1e-5, atol=1e-5)  # L2, not squared (official code)
-    assert R == 4 and rows.tolist() == [2, 0, 3, 1]
+    assert rows.tolist() == [2, 0, 3, 1]
 
 
 def test_knn_takes_the_nearest_of_k_fresh_draws_per_image():
