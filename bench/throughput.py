@@ -93,7 +93,7 @@ OPTIONS = {  # issue 21: each on the plain step (noise_options.py, loss_shapes.p
     "pyramid noise, 6 iterations, discount 0.3": ["diffusion.noise.pyramid_iterations=6"],
     "input perturbation 0.1, random strength": ["diffusion.noise.perturbation=0.1",
                                                 "diffusion.noise.perturbation_random_strength=true"],
-    "immiscible assignment (greedy stand-in)": ["diffusion.noise.immiscible=assignment"],
+    "immiscible assignment (SciPy exact on CPU)": ["diffusion.noise.immiscible=assignment"],
     "immiscible knn, k = 64": ["diffusion.noise.immiscible=knn"],
     "l1 loss": ["diffusion.loss.type=l1"],
     "huber loss, snr schedule": ["diffusion.loss.type=huber"],
