@@ -18,14 +18,16 @@ The sources draw their random strengths with torch.rand and the pyramid's factor
 
 Immiscible diffusion (Li et al., NeurIPS 2024, arXiv 2406.12303): `assignment` pairs the batch's images
 with the batch's noise draws by a linear assignment on the L2 distances (not squared, as the official
-code; fp32 here where the official code uses fp16 of 0.1-scaled values: the same assignment up to
-ties), so the noise set is only permuted and stays N(0, I); `knn` ("Improved Immiscible Diffusion",
+code; fp32 here where the official code uses fp16 of 0.1-scaled values: the scale changes nothing, fp16
+rounding only near-ties), so the noise set is only permuted and stays N(0, I); `knn` ("Improved Immiscible Diffusion",
 arXiv 2505.18521) draws k fresh candidates per image and keeps the nearest (biased toward the data:
 a deliberate trade-off). The assignment is SciPy's exact one on CPU tensors (the official code's
 solver; there it is also the faster one) and the device assignment elsewhere (no host sync). Both act
-through the kernels' row map: sample b takes the base noise of row
-rows[b], drawn at the step's counter (candidates in their own rows for knn); the distance matrices
-are computed on the device from the same candidates (the noise op's fast path: noise.randn).
+through the kernels' row map: sample b takes the base noise of row rows[b], drawn at the step's counter
+(candidates in their own rows for knn); the distance matrices are computed on the device from the same
+candidates (the noise op's fast path: noise.randn). Per rank: the official assignment gathers every
+rank's noise and assigns over the global batch; here each rank assigns within its micro-batch (as the
+official knn does).
 """
 from __future__ import annotations
 

@@ -143,7 +143,7 @@ class Objective(nn.Module):
 
     # -- one step --------------------------------------------------------------------------------
     def noise(self, like: torch.Tensor) -> torch.Tensor:
-        """The eps of the next (seed, offset) (what the kernels would draw); advances the offset."""
+        """The eps of the next (seed, offset) (what the kernels draw without noise options); advances the offset."""
         eps = philox.randn(like.shape, self.seed, self.offset.to(like.device), like.device)
         self.offset += like.numel()
         return eps
