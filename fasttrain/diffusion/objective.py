@@ -98,6 +98,7 @@ class Objective(nn.Module):
         self.input_dtype: torch.dtype | None = None  # x_t's dtype (the model's compute dtype); None: x0's
         self.noise_options = noise or NoiseOptions()
         self.immiscible = immiscible
+        self._plain_noise = not self.noise_options.active and immiscible is None  # the old step, unchanged
         self.register_buffer("noise_table", self.noise_options.table(), persistent=False)
         self.loss_shape = loss or LossShape(schedule)
         self.register_buffer("c_table", self.loss_shape.c_table, persistent=False)  # None for l2 and l1
@@ -160,7 +161,7 @@ class Objective(nn.Module):
         backend = resolve_backend(self.backend, x0.device)
         offset = self.offset.clone()
         spec = None
-        if self.noise_options.active or self.immiscible is not None:
+        if not self._plain_noise:
             rows, n_rows = (None, None) if self.immiscible is None else self.immiscible.rows(
                 x0, seed=self.seed, offset=offset, backend=backend)
             spec, counters = noise_spec.prepare(self.noise_options, x0, seed=self.seed, offset=offset,
