@@ -300,3 +300,24 @@ def test_native_on_cuda_runs_the_reference_with_a_warning(monkeypatch):
     with pytest.warns(UserWarning, match="native mixed loss is CPU only"):
         res = mixed_loss(*args, eps=eps, backend="native")
     torch.testing.assert_close(res.per_sample, mixed_loss(*args, eps=eps, backend="torch").per_sample)
+
+
+@backends(*ALL)
+@pytest.mark.parametrize("gate", ["pixel", "timestep"])
+def test_a_spec_without_options_is_the_plain_loss(backend, gate):
+    """The options' path (kernels/noise_spec.py) with no option and the identity row map: the plain op's
+    outputs and gradients bit for bit."""
+    from fasttrain.kernels import noise_spec as ns
+
+    w, tab = setup(("eps", "x0", "v"), be=backend)
+    x0, _, t, iw, out, g = inputs(backend, (3, 2, 5, 7), 3, gate == "pixel")
+    spec, _ = ns.prepare(None, x0, seed=3, offset=9, rows=torch.arange(3, device=backend.device),
+                         backend=backend.name)
+    runs = []
+    for sp in (None, spec):
+        o, gg = leaf(out), leaf(g)
+        res = mixed_loss(o, x0, t, w, iw, tab, gate=gg, seed=3, offset=9, spec=sp, backend=backend.name)
+        res.loss.backward()
+        runs.append((*res, o.grad) + ((gg.grad,) if gg is not None else ()))
+    for u, v in zip(*runs):
+        assert torch.equal(u, v)
