@@ -39,6 +39,7 @@ INSTALL_REQUIRES = [
     "pillow>=9",
     "torch-fidelity>=0.3",  # FID / KID / precision-recall (with the project's own offline extractor)
     "jinja2>=3",           # the HTML run report
+    "scipy>=1.10",         # exact immiscible assignment on CPU tensors (scikit-learn needs it anyway)
 ]
 
 DALI = ["nvidia-dali-cuda130>=2.0"]  # CPU pipelines work without a GPU (device_id=None)
@@ -48,7 +49,7 @@ DIFFUSERS = ["diffusers>=0.42,<0.43", "huggingface-hub>=1.32", "safetensors>=0.8
 EXTRAS = {
     "dali": DALI,
     "diffusers": DIFFUSERS,
-    "dev": ["pytest>=8", "pytest-benchmark>=4", "scipy>=1.10"] + DALI + DIFFUSERS,
+    "dev": ["pytest>=8", "pytest-benchmark>=4", "ruff>=0.17"] + DALI + DIFFUSERS,
 }
 
 

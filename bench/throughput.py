@@ -6,7 +6,9 @@
 Machinery: the cost of fasttrain's timestep machinery against a plain step (uniform t, unweighted
 MSE, no statistics) on the same model and batch: loss-second-moment + Min-SNR with statistics
 synced every step (the worst case), SpeeD, the adaptive sampler with fasttrain's defaults and with
-the official setting, mixed prediction, and the interference diagnostic at its default period.
+the official setting, mixed prediction, and the interference diagnostic at its default period; and each
+noise and loss option (`diffusion.noise`, `diffusion.loss`) on the plain step, in the same interleaved
+rounds (the fused backend: native C++ on CPU, Triton on CUDA).
 Small batch (CUDA): the tiny UNet on digits and DiT-S/2, DiT-B/2 on 4×32×32 latents at batch 8, 32,
 256, each eager, compiled, and compiled + the whole step in one CUDA graph, in images/s and MFU.
 
@@ -39,16 +41,22 @@ def trainer(overrides: list[str], tmp: Path):
     return Trainer(load_config("default", [f"run_dir={run}"] + QUIET + overrides))
 
 
+CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = CLOCK["wall"]
+
+
 def seconds_per_step(tr, n: int) -> float:
+    """Seconds per step on `clock`: wall time, or (--clock cpu) this process's CPU time, which on a shared
+    machine leaves out the time other processes hold the cores (threads=1: one busy thread)."""
     cuda = tr.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(n):
         tr.train_step()
     if cuda:
         torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n
+    return (clock() - t0) / n
 
 
 def interleaved(trainers: dict, steps: int, warmup: int, round_steps: int) -> dict:
@@ -77,6 +85,25 @@ MACHINERY = {
                                                "diffusion.stats_every=1000000", "diagnostics.interference_every=50"],
 }
 INTERFERENCE_DEFAULT = 500  # the default period: its overhead is the every-50 figure scaled by 50/500
+PLAIN = MACHINERY["plain: uniform t, unweighted MSE, no statistics"]
+OPTIONS = {  # issue 21: each on the plain step (noise_options.py, loss_shapes.py)
+    "noise offset 0.1": ["diffusion.noise.offset=0.1"],
+    "noise offset 0.1, random strength, adaptive 0.5": ["diffusion.noise.offset=0.1",
+                                                        "diffusion.noise.offset_random_strength=true",
+                                                        "diffusion.noise.adaptive_offset=0.5"],
+    "pyramid noise, 6 iterations, discount 0.3": ["diffusion.noise.pyramid_iterations=6"],
+    "input perturbation 0.1, random strength": ["diffusion.noise.perturbation=0.1",
+                                                "diffusion.noise.perturbation_random_strength=true"],
+    "immiscible assignment (SciPy exact on CPU)": ["diffusion.noise.immiscible=assignment"],
+    "immiscible knn, k = 64": ["diffusion.noise.immiscible=knn"],
+    "l1 loss": ["diffusion.loss.type=l1"],
+    "huber loss, snr schedule": ["diffusion.loss.type=huber"],
+    "pseudo-Huber loss, snr schedule": ["diffusion.loss.type=pseudo_huber"],
+    "offset + pyramid + perturbation + pseudo-Huber": ["diffusion.noise.offset=0.1",
+                                                       "diffusion.noise.pyramid_iterations=6",
+                                                       "diffusion.noise.perturbation=0.1",
+                                                       "diffusion.loss.type=pseudo_huber"],
+}
 
 
 def machinery(args, tmp: Path) -> list[dict]:
@@ -85,18 +112,19 @@ def machinery(args, tmp: Path) -> list[dict]:
     base = [f"model.name={args.model}", f"data.batch_size={args.batch}", f"train.threads={args.threads}",
             "data.name=digits", "diagnostics.interference_every=0"] + (["model.args.ch=16"] if args.model == "unet_tiny" else [])
     variants = {k: v for k, v in MACHINERY.items() if "adaptive" not in " ".join(v) or "adaptive" in SAMPLERS}
+    variants.update({k: PLAIN + v for k, v in OPTIONS.items()} if args.options else {})
     trainers = {k: trainer(base + v, tmp) for k, v in variants.items()}
     med = interleaved(trainers, args.steps, args.warmup, args.round)
     for tr in trainers.values():
         tr.close()
     base_t = next(iter(med.values()))
-    rows = [{"variant": k, "ms_per_step": t * 1e3, "images_per_s": args.batch / t, "overhead": t / base_t - 1}
-            for k, t in med.items()]
+    rows = [{"variant": k, "ms_per_step": t * 1e3, "images_per_s": args.batch / t, "overhead": t / base_t - 1,
+             "group": "options" if k in OPTIONS else "machinery"} for k, t in med.items()]
     inter = next(r for r in rows if r["variant"].startswith("interference"))
     rows.append({"variant": f"interference diagnostic every {INTERFERENCE_DEFAULT} steps (the default; scaled)",
                  "ms_per_step": base_t * 1e3 * (1 + inter["overhead"] * 50 / INTERFERENCE_DEFAULT),
                  "images_per_s": args.batch / (base_t * (1 + inter["overhead"] * 50 / INTERFERENCE_DEFAULT)),
-                 "overhead": inter["overhead"] * 50 / INTERFERENCE_DEFAULT})
+                 "overhead": inter["overhead"] * 50 / INTERFERENCE_DEFAULT, "group": "machinery"})
     return rows
 
 
@@ -114,6 +142,45 @@ def interference_default(args, tmp: Path) -> dict:
         tr.close()
     return {"ms_plain": med["plain"] * 1e3, "ms_diag": med["diag"] * 1e3, "overhead": med["diag"] / med["plain"] - 1,
             "steps": args.interference_steps, "round": rnd, "measurements": n}
+
+
+def options_direct(args, tmp: Path) -> dict:
+    """The diffusion math of one step alone (objective forward with a fixed prediction, and backward), plain
+    and with each option, on the trainer's objective and batch shape: the options' added work measured
+    without the network's time and its noise (interleaved rounds of `round` calls)."""
+    from fasttrain.bundle import build_objective
+    from fasttrain.configure import load_config
+
+    base = [f"data.batch_size={args.batch}", "data.name=digits", f"train.threads={args.threads}"] + PLAIN
+    variants = {"plain": [], **OPTIONS}
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    objs = {k: build_objective(load_config("default", [f"run_dir={tmp}/direct"] + QUIET + base + v)).to(dev)
+            for k, v in variants.items()}
+    g = torch.Generator().manual_seed(0)
+    x0 = (torch.rand(args.batch, 1, 8, 8, generator=g) * 2 - 1).to(dev)
+    pred = torch.randn(args.batch, 1, 8, 8, generator=g).to(dev).requires_grad_()
+    gen = torch.Generator(dev).manual_seed(0)
+
+    def calls(obj, n):
+        cuda = dev.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = clock()
+        for _ in range(n):
+            loss, _ = obj(lambda x, t: pred * 1.0, x0, generator=gen)
+            loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
+        return (clock() - t0) / n
+
+    for obj in objs.values():
+        calls(obj, 20)
+    times = {k: [] for k in objs}
+    rnd = 100
+    for _ in range(max(1, args.direct_calls // rnd)):
+        for k, obj in objs.items():
+            times[k].append(calls(obj, rnd))
+    return {k: sum(v) / len(v) for k, v in times.items()}
 
 
 SMALL = [("unet_tiny", ["data.name=digits"], 1, 8), ("dit_s2", ["data.name=synthetic", "data.channels=4",
@@ -156,27 +223,59 @@ def main() -> None:
     ap.add_argument("--interference-steps", type=int, default=2000,
                     help="steps per variant for the direct measurement at the diagnostic's default period (0 = skip)")
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 32, 256])
+    ap.add_argument("--no-options", dest="options", action="store_false",
+                    help="leave out the noise and loss options (issue 21)")
+    ap.add_argument("--direct-calls", type=int, default=3000,
+                    help="calls per variant of the options' diffusion math alone (0 = skip)")
+    ap.add_argument("--clock", choices=tuple(CLOCK), default="wall",
+                    help="wall time, or this process's CPU time (a shared CPU machine; not on CUDA)")
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    global clock
+    if args.clock == "cpu" and dev == "cuda":
+        ap.error("--clock cpu measures CPU work; on CUDA use wall time")
+    clock = CLOCK[args.clock]
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         rows = machinery(args, tmp)
         direct = interference_default(args, tmp) if args.interference_steps else None
+        math_ms = options_direct(args, tmp) if args.options and args.direct_calls else None
         small = small_batch(args, tmp) if args.small_batch and dev == "cuda" else []
     info = {"torch": torch.__version__, "python": platform.python_version(), "threads": args.threads, "device": dev,
-            "gpu": torch.cuda.get_device_name() if dev == "cuda" else None}
+            "gpu": torch.cuda.get_device_name() if dev == "cuda" else None, "clock": args.clock}
     out = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": info, "command": " ".join(sys.argv),
            "model": args.model, "batch": args.batch, "machinery": rows, "interference_default": direct,
+           "options_direct_s": math_ms,
            "small_batch": small}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"throughput-{dev}.json").write_text(json.dumps(out, indent=2))
     lines = [f"# Training step on the trainer, {dev}", "", f"machine: {json.dumps(info)}  ", f"when: {out['when']}  ",
              f"command: `{out['command']}`", "",
              f"## Timestep machinery ({args.model}, digits, batch {args.batch}; mean over interleaved rounds of "
-             f"{args.round} steps, {args.steps} steps each)", "",
+             f"{args.round} steps, {args.steps} steps each; {args.clock} time)", "",
              "| variant | ms/step | images/s | overhead vs plain |", "|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['variant']} | {r['ms_per_step']:.2f} | {r['images_per_s']:.0f} | {100 * r['overhead']:+.1f}% |")
+        if r.get("group") != "options":
+            lines.append(f"| {r['variant']} | {r['ms_per_step']:.2f} | {r['images_per_s']:.0f} | "
+                         f"{100 * r['overhead']:+.1f}% |")
+    opts = [r for r in rows if r.get("group") == "options"]
+    if opts:
+        lines += ["", "## Noise and loss options on the plain step (the same interleaved rounds; `diffusion.noise`, "
+                      "`diffusion.loss`)", "", "| option | ms/step | images/s | overhead vs plain |",
+                  "|---|---|---|---|",
+                  f"| plain (as above) | {rows[0]['ms_per_step']:.2f} | {rows[0]['images_per_s']:.0f} | +0.0% |"]
+        for r in opts:
+            lines.append(f"| {r['variant']} | {r['ms_per_step']:.2f} | {r['images_per_s']:.0f} | "
+                         f"{100 * r['overhead']:+.1f}% |")
+    if math_ms:
+        plain_step = rows[0]["ms_per_step"] / 1e3
+        lines += ["", f"The options' work alone: the step's diffusion math (the objective's forward with a fixed "
+                      f"prediction, and its backward; {args.direct_calls} calls per variant in interleaved rounds of "
+                      f"100), and what it adds to the plain trainer step above:", "",
+                  "| option | diffusion math µs/step | added µs | added to the plain step |", "|---|---|---|---|"]
+        for k, t in math_ms.items():
+            add = t - math_ms["plain"]
+            lines.append(f"| {k} | {t * 1e6:.0f} | {add * 1e6:+.0f} | {100 * add / plain_step:+.2f}% |")
     if direct:
         lines += ["", f"Interference diagnostic at its default period, measured directly: {direct['ms_plain']:.2f} → "
                       f"{direct['ms_diag']:.2f} ms/step, **{100 * direct['overhead']:+.1f}%** ({direct['steps']} steps "

@@ -70,6 +70,40 @@ class MixedConfig:
 
 
 @dataclass
+class NoiseConfig:
+    offset: float = _f(0.0, "noise offset c: ε + c·n, n ~ N(0, 1) per sample and channel (diffusers --noise_offset, "
+                       "sd-scripts noise_offset; 0 = off)", min=0)
+    offset_random_strength: bool = _f(False, "offset c·u, u ~ U[0, 1) once per batch (sd-scripts "
+                                      "noise_offset_random_strength)")
+    adaptive_offset: float = _f(0.0, "add this × |mean over pixels of x0| to the offset per sample and channel, "
+                                "clamped at 0 (sd-scripts adaptive_noise_scale; needs offset; 0 = off)", finite=True)
+    pyramid_iterations: int = _f(0, "pyramid (multi-resolution) noise levels (sd-scripts multires_noise_iterations; "
+                                 "0 = off)", min=0, below=17)
+    pyramid_discount: float = _f(0.3, "weight discount^i of pyramid level i (sd-scripts multires_noise_discount)",
+                                 min=0)
+    perturbation: float = _f(0.0, "input perturbation γ: x_t from ε + γ·ξ, the target keeps ε (Ning et al. 2023; "
+                             "diffusers --input_perturbation, sd-scripts ip_noise_gamma; 0 = off)", min=0)
+    perturbation_random_strength: bool = _f(False, "γ·u, u ~ U[0, 1) once per batch (sd-scripts "
+                                            "ip_noise_gamma_random_strength)")
+    immiscible: str = _f("none", "immiscible noise (Li et al. 2024): assignment (batch linear assignment, L2 "
+                         "distance) or knn (nearest of k fresh draws per image)", choices=("none", "assignment", "knn"))
+    immiscible_k: int = _f(64, "knn candidates per image (official: 64 for Stable Diffusion, 4 for flow matching)",
+                           min=1)
+
+
+@dataclass
+class LossConfig:
+    type: str = _f("l2", "per-element loss: l2 | l1 | huber 2c(√(d²+c²)−c) and smooth_l1 2(√(d²+c²)−c) (sd-scripts, "
+                   "diffusers) | pseudo_huber √(d²+c²)−c (Charbonnier; diffusers LCM)",
+                   choices=("l2", "l1", "huber", "smooth_l1", "pseudo_huber"))
+    huber_c: float = _f(0.1, "threshold c of the Huber family (sd-scripts and diffusers: 0.1; LCM: 0.001)", above=0)
+    huber_scale: float = _f(1.0, "scale of c for the constant and exponential schedules (sd-scripts huber_scale)",
+                            above=0)
+    huber_schedule: str = _f("snr", "c(t): constant | exponential (huber_c^(t/T)) | snr ((1-c)/(1+σ/α)² + c) "
+                             "(sd-scripts and diffusers; default snr)", choices=("constant", "exponential", "snr"))
+
+
+@dataclass
 class DiffusionConfig:
     schedule: str = _f("linear", "the noise schedule")
     T: int = _f(1000, "number of discrete timesteps", min=2)
@@ -85,6 +119,8 @@ class DiffusionConfig:
     stats_every: int = _f(10, "steps between statistics syncs and sampler updates (K)", min=1)
     backend: str = _f("auto", "kernel backend: auto (triton on CUDA, native on CPU where built, else torch)")
     mixed: MixedConfig = field(default_factory=MixedConfig)
+    noise: NoiseConfig = field(default_factory=NoiseConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
 
 
 @dataclass

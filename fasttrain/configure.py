@@ -6,7 +6,8 @@ component check its own part, so that a run that starts will not fail on its set
 Each check lives with its component: registries check names and argument types (registry.py), a
 model family its sizes (`check` registered with the model), a prediction kind its combination with
 the schedule (`objective_class(...).check_config`), samplers and weightings their values (built once
-here), solvers their options (`solvers.check_options`). What is left here is naming the key: every
+here), solvers their options (`solvers.check_options`), the noise options their combinations
+(`noise_options.check_config`). What is left here is naming the key: every
 error is one `ConfigError` line.
 """
 from __future__ import annotations
@@ -102,6 +103,11 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"bad value for 'data.root': None (a folder is needed for data.name={cfg.data.name})")
     if cfg.data.name == "folder" and cfg.data.channels not in (1, 3):
         raise ConfigError(f"bad value for 'data.channels': {cfg.data.channels!r} (1 (grey) or 3 (RGB))")
+    from .diffusion import noise_options
+
+    noise_options.check_config(d.noise, images=not toy)  # the cross-key rules, one line naming the key
+    with _Key("diffusion.noise"):
+        noise_options.options(d.noise)
     with _Key("diffusion.T", cfg):
         sched = make_schedule(d.schedule, d.T, d.zero_terminal_snr)
     with _Key("diffusion.prediction", cfg):

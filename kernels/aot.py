@@ -7,7 +7,7 @@ vectors their alignment allows (128-bit for aligned rows).
     python -m fasttrain.kernels.aot [--set ci|full] [--arch 80 90] [--jobs N] [--json PATH]
 
 Where the list comes from: each Triton module (triton_noise, triton_diffusion_loss,
-triton_mixed_loss) has `specializations()`, the launches its launcher can make (dtypes, options,
+triton_mixed_loss, triton_noise_spec) has `specializations()`, the launches its launcher can make (dtypes, options,
 shapes that reach each tile and alignment class; triton_shared.Spec). Each launch runs the launcher
 itself on CPU tensors with the kernel call intercepted, and Triton's own binder turns the call into
 (signature, constexprs, divisibility attributes), exactly as a GPU launch would; duplicates collapse.
@@ -37,7 +37,7 @@ from typing import NamedTuple
 from . import aot_inspect
 
 MODULES = ("fasttrain.kernels.triton_noise", "fasttrain.kernels.triton_diffusion_loss",
-           "fasttrain.kernels.triton_mixed_loss")
+           "fasttrain.kernels.triton_mixed_loss", "fasttrain.kernels.triton_noise_spec")
 ARCHS = (80, 90)
 
 
@@ -138,8 +138,8 @@ def ci_features(jobs: list[Job]) -> set:
 
 
 def ci_subset(jobs: list[Job]) -> list[Job]:
-    """A small subset of the jobs covering ci_features: first, per kernel and row dtype fp32 and bf16,
-    the first job in list order whose rows of that dtype can move 128 bits (aligned, vec × bits >= 128:
+    """A small subset of the jobs covering ci_features: first, per kernel, row stream and its dtype fp32
+    or bf16, the first job in list order whose rows of that dtype can move 128 bits (aligned, vec × bits >= 128:
     each module lists its typical full-tile launches first), so the 128-bit check surely runs on both;
     then, greedily, the job with most features still uncovered (ties in list order)."""
     chosen, typical = [], set()
@@ -147,8 +147,8 @@ def ci_subset(jobs: list[Job]) -> list[Job]:
         for k, (n, ty) in enumerate(j.signature.items()):
             wide = (n in j.streams and ty in ("*fp32", "*bf16") and j.attrs.get((k,))
                     and j.vec * aot_inspect.BITS[ty[1:]] >= 128)
-            if wide and (j.kernel, ty) not in typical:
-                typical.add((j.kernel, ty))
+            if wide and (j.kernel, n, ty) not in typical:
+                typical.add((j.kernel, n, ty))
                 if i not in chosen:
                     chosen.append(i)
     todo = ci_features(jobs) - set().union(set(), *(features(jobs[i]) for i in chosen))

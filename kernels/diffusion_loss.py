@@ -7,7 +7,8 @@ the statistics bins, so its autograd rule is a `torch.autograd.Function` around 
 (`register_autograd` accepts functional ops only); a model compiled with `fullgraph=True` can call it.
 Backends (backend.py): the Triton loss kernel (triton_diffusion_loss.py), the native C++/CUDA op
 (native.py), the PyTorch reference (torch_ref.py). eps is regenerated from the stream the noise op drew
-(philox.py), unless given.
+(philox.py; with the step's noise options, noise_spec.py), unless given. The loss shape (loss_shape.py:
+l2, l1 and the Huber family with a threshold table c(t)) is per element, inside the same pass.
 """
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import native, philox
+from . import loss_shape, native, noise_spec, philox
 from . import torch_ref as ref
 from .backend import as_offset, resolve_backend
 from .bins import TimestepBins, scatter_into
+from .noise_spec import NoiseSpec
 
 NEEDS_EPS, NEEDS_X0 = 1, 2  # bits of `needs`: which inputs the target reads
 
@@ -26,13 +28,17 @@ NEEDS_EPS, NEEDS_X0 = 1, 2  # bits of `needs`: which inputs the target reads
 @torch.library.custom_op("fasttrain::diffusion_loss", mutates_args=("bins",))
 def _loss_op(pred: torch.Tensor, x0: torch.Tensor, t: torch.Tensor, weight: torch.Tensor, iw: torch.Tensor,
              coef: torch.Tensor, pivots: torch.Tensor, bins: torch.Tensor, eps: Optional[torch.Tensor], seed: int,
-             offset: torch.Tensor, needs: int, backend: str, block: int
+             offset: torch.Tensor, needs: int, spec_i: list[int], table: Optional[torch.Tensor],
+             rows: Optional[torch.Tensor], mean: Optional[torch.Tensor], std: Optional[torch.Tensor], kind: int,
+             c_table: Optional[torch.Tensor], backend: str, block: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if backend == "native":
-        return native.loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs)
+        return native.loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs, spec_i, table, rows,
+                           mean, std, kind, c_table)
+    spec = NoiseSpec(tuple(spec_i), table, rows, mean, std) if spec_i else None
     if backend == "torch":
-        e = eps if eps is not None else philox.randn(x0.shape, seed, offset, x0.device)
-        per, raw, grad = ref.loss_and_grad(pred, x0, e, t, weight, iw, coef)
+        e = eps if eps is not None else noise_spec.reference_eps(spec, x0.shape, seed, offset, x0.device)
+        per, raw, grad = ref.loss_and_grad(pred, x0, e, t, weight, iw, coef, kind, c_table)
         wl = weight.float()[t] * raw
         if bins.numel():
             scatter_into(bins, pivots, t, torch.stack([raw, wl]))
@@ -40,11 +46,13 @@ def _loss_op(pred: torch.Tensor, x0: torch.Tensor, t: torch.Tensor, weight: torc
     from . import triton_diffusion_loss  # imports triton: only now, after resolve_backend (backend.py)
 
     return triton_diffusion_loss.loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset,
-                                      bool(needs & NEEDS_EPS), bool(needs & NEEDS_X0), backend == "interpret", block)
+                                      bool(needs & NEEDS_EPS), bool(needs & NEEDS_X0), spec, kind, c_table,
+                                      backend == "interpret", block)
 
 
 @_loss_op.register_fake
-def _(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs, backend, block):
+def _(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs, spec_i, table, rows, mean, std, kind,
+      c_table, backend, block):
     B = pred.shape[0]
     f = dict(dtype=torch.float32, device=pred.device)
     return torch.empty((), **f), torch.empty(B, **f), torch.empty(B, **f), torch.empty(B, **f), torch.empty_like(pred)
@@ -69,18 +77,21 @@ class _Loss(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         if g_per is None:
             # bf16 grad × fp32 0-d tensor stays bf16 and runs as a single kernel
-            return (None if g_mean is None else grad * g_mean,) + (None,) * 13
+            return (None if g_mean is None else grad * g_mean,) + (None,) * _NARGS
         B = grad.shape[0]
         scale = B * g_per.float() if g_mean is None else g_mean.float() + B * g_per.float()
         g = grad.float() * scale.view(-1, *([1] * (grad.ndim - 1)))
-        return (g.to(grad.dtype),) + (None,) * 13
+        return (g.to(grad.dtype),) + (None,) * _NARGS
+
+
+_NARGS = 20  # the op's arguments after pred
 
 
 class LossOut(NamedTuple):
     loss: torch.Tensor         # 0-d: mean_b ℓ_b (differentiable)
-    per_sample: torch.Tensor   # [B]: ℓ_b = w[t_b]·iw_b·mean(d²) (differentiable)
-    raw: torch.Tensor          # [B]: mean(d²) in the prediction's space (statistic)
-    weighted: torch.Tensor     # [B]: w[t_b]·mean(d²), without the importance weight (statistic)
+    per_sample: torch.Tensor   # [B]: ℓ_b = w[t_b]·iw_b·mean(ρ(d)) (differentiable)
+    raw: torch.Tensor          # [B]: mean(ρ(d)) in the prediction's space (ρ = d²: the MSE) (statistic)
+    weighted: torch.Tensor     # [B]: w[t_b]·mean(ρ(d)), without the importance weight (statistic)
 
 
 def needs_of(coef_is_used: tuple[bool, bool]) -> int:
@@ -89,15 +100,23 @@ def needs_of(coef_is_used: tuple[bool, bool]) -> int:
 
 
 def diffusion_loss(pred, x0, t, weight, iw, coef, *, uses=(True, True), seed: int = 0, offset: int = 0, eps=None,
+                   spec: NoiseSpec | None = None, loss: str = "l2", c_table: torch.Tensor | None = None,
                    bins: TimestepBins | None = None, backend: str = "auto", block: int = 0) -> LossOut:
     """The loss for the target coef[0, t]·eps + coef[1, t]·x0 (`uses`: whether each term is nonzero
     for this prediction type, so the kernel can skip a read). With `bins` (2 values: raw, weighted)
-    the per-sample losses are also scattered into them. seed/offset: the noise op's; `eps` given
-    overrides the stream (tests); `block` overrides the Triton tile (tests)."""
+    the per-sample losses are also scattered into them. seed/offset/spec: the noise op's; `loss` the
+    shape ρ (loss_shape.LOSSES) and `c_table` its threshold c(t), float32 [T]; `eps` given overrides the
+    stream (tests, probes; not with a spec); `block` overrides the Triton tile (tests)."""
     backend = resolve_backend(backend, pred.device)
+    kind = loss_shape.code(loss)
+    loss_shape.check_c(kind, c_table, weight.numel(), pred.device)
+    if spec is not None and eps is not None:
+        raise ValueError("give either eps or a noise spec, not both")
+    noise_spec.check(spec, x0.shape, x0.device)
     if bins is not None and bins.n_values != 2:
         raise ValueError(f"the loss kernel scatters 2 values (raw, weighted); these bins hold {bins.n_values}")
     data = bins.data if bins is not None else pred.new_empty((0, 0), dtype=torch.float64)
     piv = bins.pivots if bins is not None else pred.new_empty((0, 0), dtype=torch.float64)
     return LossOut(*_Loss.apply(pred, x0, t, weight, iw, coef, piv, data, eps, philox.check_seed(seed),
-                                as_offset(offset, pred.device), needs_of(uses), backend, block))
+                                as_offset(offset, pred.device), needs_of(uses), *noise_spec.op_args(spec), kind,
+                                c_table if loss_shape.needs_c(kind) else None, backend, block))

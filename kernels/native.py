@@ -3,8 +3,8 @@ in `fasttrain._C`.
 
 `fasttrain._C` is built by CMakeLists.txt during `pip install` where a compiler is present; without
 it fasttrain runs on the `torch` backend (the PyTorch reference math). The extension registers the
-operators `fasttrain_C::noise` and `fasttrain_C::loss` for CPU (and CUDA where it was compiled with
-nvcc), and `fasttrain_C::mixed_loss` for CPU only (the Triton kernel is the mixed loss's GPU path);
+operators `fasttrain_C::noise`, `fasttrain_C::noise_std` and `fasttrain_C::loss` for CPU (and CUDA where
+it was compiled with nvcc), and `fasttrain_C::mixed_loss` for CPU only (the Triton kernel is the mixed loss's GPU path);
 the custom ops of noise.py, diffusion_loss.py and mixed_loss.py call them for backend="native", so
 autograd, `register_fake` and torch.compile see the same operators as on every other backend.
 """
@@ -48,14 +48,26 @@ def why_not(device) -> str:
     return f"fasttrain._C was built without CUDA support, so it cannot run on {torch.device(device).type}"
 
 
-def noise(x0, t, alpha, sigma, eps, seed, offset, out_dtype, write_eps):
-    return tuple(torch.ops.fasttrain_C.noise(x0, t, alpha, sigma, eps, seed, offset, out_dtype, write_eps))
+# The noise options reach every op as (spec, table, rows, mean, std) (kernels/noise_spec.py: an empty
+# `spec` list is the plain stream) and the loss shape as (kind, c table) (kernels/loss_shape.py).
+def noise(x0, t, alpha, sigma, eps, seed, offset, out_dtype, write_eps, spec, table, rows, mean, std):
+    return tuple(torch.ops.fasttrain_C.noise(x0, t, alpha, sigma, eps, seed, offset, out_dtype, write_eps, spec, table,
+                                             rows, mean, std))
 
 
-def loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs):
-    return tuple(torch.ops.fasttrain_C.loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs))
+def noise_std(x0, seed, offset, spec, table, rows, mean):
+    """The pyramid noise's global std (float32 0-d): noise_spec.reference_std."""
+    return torch.ops.fasttrain_C.noise_std(x0, seed, offset, spec, table, rows, mean)
 
 
-def mixed_loss(out, x0, t, weight, iw, tab, gate, pivots, bins, eps, seed, offset):
+def loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs, spec, table, rows, mean, std, kind,
+         c_table):
+    return tuple(torch.ops.fasttrain_C.loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs,
+                                            spec, table, rows, mean, std, kind, c_table))
+
+
+def mixed_loss(out, x0, t, weight, iw, tab, gate, pivots, bins, eps, seed, offset, spec, table, rows, mean, std, kind,
+               c_table):
     """(mean, per, raw, weighted, x0_error, grad, gate grad): torch_ref_mixed_loss.loss_and_grad, CPU tensors."""
-    return tuple(torch.ops.fasttrain_C.mixed_loss(out, x0, t, weight, iw, tab, gate, pivots, bins, eps, seed, offset))
+    return tuple(torch.ops.fasttrain_C.mixed_loss(out, x0, t, weight, iw, tab, gate, pivots, bins, eps, seed, offset,
+                                                  spec, table, rows, mean, std, kind, c_table))

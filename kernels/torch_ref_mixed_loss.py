@@ -28,10 +28,16 @@ Gradients of L = mean_b ℓ_b (written in the forward pass by the fused backends
   ∂L/∂pred_i = s_b·(w·π_i·k1_i·E + aux_i·d_i)
   ∂L/∂gate_i = s_b·w·Σ_c π_i·(e_i - E)·E          (softmax Jacobian; summed over channels; for the
                                                    per-sample gate also over pixels)
+With a loss shape ρ (loss_shape.py: Huber family, l1; threshold c = c_table[t_b]) every squared residual of
+the objective becomes ρ: raw_b = mean(ρ(E)) (the mixed x0-space term), the aux terms mean(ρ(d_i)); and E,
+d_i in the gradients become ψ(E), ψ(d_i) (ψ = ρ'/2). x0_error stays each head's x0-space MSE (a statistic
+that ranks the heads, mode=argmin).
 """
 from __future__ import annotations
 
 import torch
+
+from . import loss_shape
 
 ROWS = ("ce", "cx", "k1", "fb", "bias", "aux")
 CE, CX, K1, FB, BIAS, AUX = range(len(ROWS))
@@ -81,17 +87,26 @@ def parts(out, x0, eps, t, tab, gate=None):
     return d, e, (pi * e).sum(1), pi, aux
 
 
-def loss(out, x0, eps, t, weight, iw, tab, gate=None):
+def thresholds(c_table, t, ndim: int, kind: int):
+    """c(t_b) shaped to broadcast over E [B, C, *S] and over d [B, H, C, *S] (None without a threshold)."""
+    if not loss_shape.needs_c(kind):
+        return None, None
+    c = c_table.to(torch.float32)[t].view(-1, *([1] * (ndim - 1)))
+    return c, c[:, None]
+
+
+def loss(out, x0, eps, t, weight, iw, tab, gate=None, kind: int = loss_shape.L2, c_table=None):
     """(ℓ [B], raw [B], weighted [B], x0_error [B, H]): differentiable in out and gate (autograd: the
     independent check of the gradients the kernel writes)."""
     d, e, E, _, aux = parts(out, x0, eps, t, tab, gate)
-    raw = E.pow(2).flatten(1).mean(1)
-    own = d.pow(2).flatten(2).mean(2)
+    cE, cd = thresholds(c_table, t, x0.ndim, kind)
+    raw = loss_shape.rho(E, cE, kind).flatten(1).mean(1)
+    own = loss_shape.rho(d, cd, kind).flatten(2).mean(2)
     weighted = weight.to(torch.float32)[t] * raw + (aux.flatten(1) * own).sum(1)
     return iw.float() * weighted, raw, weighted, e.pow(2).flatten(2).mean(2)
 
 
-def loss_and_grad(out, x0, eps, t, weight, iw, tab, gate=None):
+def loss_and_grad(out, x0, eps, t, weight, iw, tab, gate=None, kind: int = loss_shape.L2, c_table=None):
     """`loss` (detached) plus the closed-form ∂(mean_b ℓ_b)/∂out [out's dtype] and ∂/∂gate ([B, H] in
     gate's dtype; empty for a pixel gate, whose gradient is in the last H channels of the first)."""
     with torch.no_grad():
@@ -102,11 +117,13 @@ def loss_and_grad(out, x0, eps, t, weight, iw, tab, gate=None):
         s = (2.0 / (B * D)) * iw.float()
         w = weight.to(torch.float32)[t] * s
         k1 = rows(tab, t, x0.ndim)[K1]
-        gE = w.view(B, *ones) * E  # ∂L/∂E
-        g_heads = pi * k1 * gE[:, None] + aux * s.view(B, 1, *ones) * d
+        cE, cd = thresholds(c_table, t, x0.ndim, kind)
+        gE = w.view(B, *ones) * loss_shape.psi(E, cE, kind)  # ∂L/∂E
+        g_heads = pi * k1 * gE[:, None] + aux * s.view(B, 1, *ones) * loss_shape.psi(d, cd, kind)
         g_gate = (pi * (e - E[:, None]) * gE[:, None]).sum(2)  # [B, H, *S]
-        raw = E.pow(2).flatten(1).mean(1)
-        weighted = weight.to(torch.float32)[t] * raw + (aux.flatten(1) * d.pow(2).flatten(2).mean(2)).sum(1)
+        raw = loss_shape.rho(E, cE, kind).flatten(1).mean(1)
+        own = loss_shape.rho(d, cd, kind).flatten(2).mean(2)
+        weighted = weight.to(torch.float32)[t] * raw + (aux.flatten(1) * own).sum(1)
         x0err = e.pow(2).flatten(2).mean(2)
         g_heads = g_heads.reshape(B, H * C, *x0.shape[2:])
         if gate is None:

@@ -12,6 +12,11 @@ Its accumulators (Σd² per sample and the batch sum, tile counters) live in a w
 that sample's slots, the program that finishes the batch resets the batch slots. So no memset launch
 and no call-order protocol: the forward math of a step is two launches (noise, loss).
 
+With noise options (SPEC != 0; noise_spec.py) eps is the options' ε (triton_noise_spec.spec_eps, the
+same the noise kernel drew); with a loss shape (LOSS != 0; loss_shape.py) d² becomes ρ(d) and the
+gradient's d becomes ψ(d), with the threshold c[t_b] read from a [T] table. LOSS = SPEC = 0 is the
+plain kernel, unchanged.
+
 Byte floor: read pred and x0, write the gradient (eps costs nothing).
 """
 from __future__ import annotations
@@ -22,7 +27,10 @@ import triton.language as tl
 
 from . import triton_shared as shared
 from .backend import workspace
-from .triton_shared import block_size, div_of, launch_options, scatter_value
+from .loss_shape import LOSSES
+from .noise_spec import PYRAMID
+from .triton_noise_spec import launch_args, spec_eps
+from .triton_shared import block_size, div_of, launch_options, rho_psi, scatter_value
 
 
 # Only D is value-specialised (its alignment decides the vector width); B, T, NCH and the seed are not,
@@ -31,8 +39,9 @@ from .triton_shared import block_size, div_of, launch_options, scatter_value
 def loss_kernel(pred_ptr, x0_ptr, eps_ptr, t_ptr, w_ptr, iw_ptr, coef_ptr, pivot_ptr, bins_ptr,
                 grad_ptr, acc_ptr, cnt_ptr, raw_ptr, wl_ptr, ps_ptr, loss_ptr,
                 D, B, T, NCH, seed, offset_ptr, grad_scale,
+                rows_ptr, tab_ptr, mean_ptr, std_ptr, C, HW, H, W, L, K_XI, K_N, K_S, K_L, N, c_ptr,
                 NEEDS_EPS: tl.constexpr, NEEDS_X0: tl.constexpr, HAS_EPS: tl.constexpr, BINS: tl.constexpr,
-                BLOCK: tl.constexpr, DIV: tl.constexpr):
+                 SPEC: tl.constexpr, LOSS: tl.constexpr, BLOCK: tl.constexpr, DIV: tl.constexpr):
     b = tl.program_id(0)
     c = tl.program_id(1)
     D = D // DIV * DIV  # == D: DIV-wide loads and stores (triton_shared.div_of)
@@ -47,16 +56,25 @@ def loss_kernel(pred_ptr, x0_ptr, eps_ptr, t_ptr, w_ptr, iw_ptr, coef_ptr, pivot
     if NEEDS_EPS:
         if HAS_EPS:
             eps = tl.load(eps_ptr + gidx, mask=mask, other=0.0).to(tl.float32)
-        else:
+        elif SPEC == 0:
             eps = tl.randn(seed, tl.load(offset_ptr) + gidx)  # the same eps the noise kernel used
+        else:
+            eps = spec_eps(seed, tl.load(offset_ptr), b.to(tl.int64), idx, mask, D, rows_ptr, tab_ptr, mean_ptr,
+                           std_ptr, C, HW, H, W, L, K_N, K_S, K_L, N, SPEC=SPEC, NORM=True)
         target += tl.load(coef_ptr + tb) * eps
     if NEEDS_X0:
         x0 = tl.load(x0_ptr + gidx, mask=mask, other=0.0).to(tl.float32)
         target += tl.load(coef_ptr + T + tb) * x0
     d = tl.where(mask, pred - target, 0.0)
+    if LOSS == 0:
+        r = d * d
+        g = d
+    else:
+        cb = tl.load(c_ptr + tb)  # the threshold c(t_b) (a dummy table for l1)
+        r, g = rho_psi(d, cb, LOSS)
     # dL/dpred of L = mean_b ℓ_b, written now: the loss is the last op, backward only rescales it.
-    tl.store(grad_ptr + gidx, (d * (grad_scale * wb * ib)).to(grad_ptr.dtype.element_ty), mask=mask)
-    tl.atomic_add(acc_ptr + b, tl.sum(d * d, axis=0))
+    tl.store(grad_ptr + gidx, (g * (grad_scale * wb * ib)).to(grad_ptr.dtype.element_ty), mask=mask)
+    tl.atomic_add(acc_ptr + b, tl.sum(r, axis=0))
     # The program that finishes a sample (acq_rel atomics order its partial sum before the count)
     # reads the total, writes the per-sample outputs and the bins, and resets the sample's slots.
     last = tl.atomic_add(cnt_ptr + b, 1) == NCH - 1
@@ -80,21 +98,25 @@ def loss_kernel(pred_ptr, x0_ptr, eps_ptr, t_ptr, w_ptr, iw_ptr, coef_ptr, pivot
     tl.store(cnt_ptr + B, 0, mask=final)
 
 
-def loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs_eps, needs_x0, interpret, block):
+def loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs_eps, needs_x0, spec, kind, c_table,
+         interpret, block):
     """(mean, per-sample ℓ, raw, weighted, dL/dpred): one launch of a grid (B, ⌈D/BLOCK⌉)."""
     B, D, T = pred.shape[0], pred[0].numel(), weight.numel()
-    BLOCK = block_size(D, interpret, block)
+    x0c = x0.contiguous()
+    args, flags = launch_args(spec if needs_eps else None, x0c)
+    pyramid = bool(flags & PYRAMID)
+    BLOCK = block_size(D, interpret, block, pyramid)
     nch = triton.cdiv(D, BLOCK)
     acc, cnt = workspace(B, pred.device)
     grad = torch.empty_like(pred, memory_format=torch.contiguous_format)
     f32 = dict(dtype=torch.float32, device=pred.device)
     raw, wl, per, mean = torch.empty(B, **f32), torch.empty(B, **f32), torch.empty(B, **f32), torch.empty((), **f32)
-    x0c = x0.contiguous()
     loss_kernel[(B, nch)](pred.contiguous(), x0c, eps.contiguous() if eps is not None else x0c, t, weight, iw,
                           coef, pivots, bins, grad, acc, cnt, raw, wl, per, mean, D, B, T, nch, seed, offset,
-                          2.0 / (B * D), NEEDS_EPS=needs_eps, NEEDS_X0=needs_x0,
-                          HAS_EPS=eps is not None, BINS=bins.numel() > 0, BLOCK=BLOCK, DIV=div_of(D),
-                          **launch_options(BLOCK))
+                          2.0 / (B * D), *args, c_table if c_table is not None else weight,
+                          NEEDS_EPS=needs_eps, NEEDS_X0=needs_x0, HAS_EPS=eps is not None,
+                          BINS=bins.numel() > 0, SPEC=flags, LOSS=kind, BLOCK=BLOCK, DIV=div_of(D),
+                          **(shared.pyramid_options() if pyramid else launch_options(BLOCK)))
     return mean, per, raw, wl, grad
 
 
@@ -106,22 +128,27 @@ def specializations():
     × eps drawn or given (fp32, as the probes pass it, or in x0's dtype) × the target's terms (eps, x0,
     both: the prediction types) × with and without bins, at a 3×32×32 row; each tile size and
     alignment class (triton_shared.row_sizes) in each dtype with an int32 and an int64 seed, the other
-    options rotating, some with an unaligned prediction. A new launcher option extends this list."""
+    options rotating, some with an unaligned prediction; each loss shape (loss_shape.py) and each group
+    of noise options (triton_shared.NOISE_OPTIONS) in each dtype pair. A new launcher option extends
+    this list."""
     T = 1000
 
-    def spec(x_dt, p_dt, D=3072, eps_dt=None, needs=(True, True), bins=True, seed=shared.SEEDS[0], aligned=True):
+    def spec(x_dt, p_dt, D=3072, eps_dt=None, needs=(True, True), bins=True, seed=shared.SEEDS[0], aligned=True,
+             kind=0, options=None):
         def launch():
-            pred = torch.empty(2, D, dtype=p_dt) if aligned else shared.unaligned((2, D), p_dt)
+            shape = shared.IMAGE if options else (2, D)
+            pred = torch.empty(shape, dtype=p_dt) if aligned else shared.unaligned(shape, p_dt)
+            x0 = torch.zeros(shape, dtype=x_dt)
             f64 = dict(dtype=torch.float64)
             piv, data = (torch.zeros(2, T, **f64), torch.zeros(5, T, **f64)) if bins else (
                 torch.zeros(0, 0, **f64), torch.zeros(0, 0, **f64))
             eps = None if eps_dt is None else torch.empty(2, D, dtype=eps_dt)
-            return loss(pred, torch.empty(2, D, dtype=x_dt), torch.zeros(2, dtype=torch.int64), torch.zeros(T),
-                        torch.ones(2), torch.zeros(2, T), piv, data, eps, seed, torch.zeros((), dtype=torch.int64),
-                        needs[0], needs[1], False, 0)
+            return loss(pred, x0, torch.zeros(2, dtype=torch.int64), torch.zeros(T), torch.ones(2),
+                        torch.zeros(2, T), piv, data, eps, seed, torch.zeros((), dtype=torch.int64), needs[0],
+                        needs[1], shared.noise_spec(x0, options), kind, shared.loss_table(kind, T), False, 0)
         axes = dict(x0=shared.name(x_dt), pred=shared.name(p_dt), eps=shared.name(eps_dt),
                     target="+".join(n for n, u in zip(("eps", "x0"), needs) if u), bins=bins, D=D,
-                    seed=shared.name(seed), aligned=aligned)
+                    seed=shared.name(seed), aligned=aligned, loss=LOSSES[kind], noise=options or "plain")
         return shared.Spec(axes, launch, min(div_of(D), block_size(D, False)), STREAMS)
 
     targets = ((True, True), (True, False), (False, True))  # v and flow, eps, x0 prediction
@@ -137,3 +164,10 @@ def specializations():
                 yield spec(dt, dt, D, seed=seed, **kw)
             if (i + j) % 3 == 0:
                 yield spec(dt, dt, D, aligned=False, seed=shared.SEEDS[(i + j) % 2], **kw)
+    for kind in range(1, len(LOSSES)):
+        for j, (x_dt, p_dt) in enumerate(shared.DTYPE_PAIRS):
+            yield spec(x_dt, p_dt, kind=kind, needs=targets[(kind + j) % 3], bins=(kind + j) % 2 == 0)
+    for i, options in enumerate(shared.NOISE_OPTIONS):
+        for j, (x_dt, p_dt) in enumerate(shared.DTYPE_PAIRS):
+            yield spec(x_dt, p_dt, options=options, kind=(i + j) % len(LOSSES), needs=targets[(i + j) % 2],
+                       bins=j % 2 == 0)

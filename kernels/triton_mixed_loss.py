@@ -15,6 +15,10 @@ pixel's gate sees all channels of all heads in one program:
     finishes the batch publishes the mean and resets the batch slots (the self-cleaning workspace
     of the loss kernel, triton_diffusion_loss.py: no memset launch).
 
+Noise options (SPEC != 0) regenerate the options' ε (triton_noise_spec.spec_eps); a loss shape
+(LOSS != 0, loss_shape.py) turns E² and d_i² into ρ(E), ρ(d_i) and E, d_i in the gradients into ψ(E),
+ψ(d_i) (torch_ref_mixed_loss.py); both 0: the plain kernel, unchanged.
+
 Workspace row of sample b (NACC = 1 + 3·HP fp32 slots): [0] Σ E², [1 + h] Σ d_h², [1 + HP + h]
 Σ e_h², [1 + 2·HP + h] the per-sample gate gradient (per-sample gate only). Row B: the batch sum.
 """
@@ -26,7 +30,10 @@ import triton.language as tl
 
 from . import triton_shared as shared
 from .backend import workspace
-from .triton_shared import div_of, scatter_value
+from .loss_shape import LOSSES
+from .noise_spec import PYRAMID
+from .triton_noise_spec import launch_args, spec_eps
+from .triton_shared import div_of, rho_psi, scatter_value
 
 # An explicit register ceiling (.maxnreg), the hardware's: without one ptxas squeezed the fp32 kernel
 # (2 heads, pixel gate) into 128 registers on sm_80 and spilled 20 bytes; with it, it takes the 163 it
@@ -44,8 +51,10 @@ NEG = tl.constexpr(-1e30)
 def mixed_loss_kernel(out_ptr, x0_ptr, eps_ptr, t_ptr, w_ptr, iw_ptr, tab_ptr, gate_ptr, pivot_ptr, bins_ptr,
                       grad_ptr, ggrad_ptr, acc_ptr, cnt_ptr, raw_ptr, wl_ptr, ps_ptr, x0e_ptr, loss_ptr,
                       H, C, P, CO, B, T, NCH, NACC, seed, offset_ptr, grad_scale,
+                      rows_ptr, spec_ptr, mean_ptr, std_ptr, SC, HW, SH, SW, L, K_XI, K_N, K_S, K_L, N, c_ptr,
                       PIXEL_GATE: tl.constexpr, HAS_EPS: tl.constexpr, BINS: tl.constexpr, NROWS: tl.constexpr,
-                      HP: tl.constexpr, CB: tl.constexpr, BP: tl.constexpr, DIV: tl.constexpr):
+                      SPEC: tl.constexpr, LOSS: tl.constexpr, HP: tl.constexpr, CB: tl.constexpr, BP: tl.constexpr,
+                      DIV: tl.constexpr):
     b = tl.program_id(0)
     pblk = tl.program_id(1)
     P = P // DIV * DIV  # == P: DIV-wide loads and stores (triton_shared.div_of)
@@ -77,6 +86,9 @@ def mixed_loss_kernel(out_ptr, x0_ptr, eps_ptr, t_ptr, w_ptr, iw_ptr, tab_ptr, g
     pi = ez / tl.sum(ez, axis=0)[None, :]
     pi3 = pi[:, None, :]
     sb = grad_scale * ib  # 2·iw_b/(B·D)
+    cb = 0.0
+    if LOSS >= 2:
+        cb = tl.load(c_ptr + tb)  # the loss shape's threshold c(t_b)
     sE2 = tl.zeros([BP], dtype=tl.float32)
     sd2 = tl.zeros([HP, BP], dtype=tl.float32)
     se2 = tl.zeros([HP, BP], dtype=tl.float32)
@@ -88,20 +100,33 @@ def mixed_loss_kernel(out_ptr, x0_ptr, eps_ptr, t_ptr, w_ptr, iw_ptr, tab_ptr, g
         x0 = tl.load(x0_ptr + xoff, mask=m2, other=0.0).to(tl.float32)
         if HAS_EPS:
             eps = tl.load(eps_ptr + xoff, mask=m2, other=0.0).to(tl.float32)
-        else:
+        elif SPEC == 0:
             eps = tl.where(m2, tl.randn(seed, tl.load(offset_ptr) + xoff), 0.0)  # the same eps the noise kernel used
+        else:
+            eps = spec_eps(seed, tl.load(offset_ptr), b.to(tl.int64), cc[:, None] * P + pp[None, :], m2, C * P,
+                           rows_ptr, spec_ptr, mean_ptr, std_ptr, SC, HW, SH, SW, L, K_N, K_S, K_L, N, SPEC=SPEC,
+                           NORM=True)
+            eps = tl.where(m2, eps, 0.0)
         m3 = hm[:, None, None] & m2[None, :, :]
         ooff = obase + (hh[:, None, None] * C + cc[None, :, None]) * P + pp[None, None, :]
         pred = tl.load(out_ptr + ooff, mask=m3, other=0.0).to(tl.float32)
         d = pred - (ce * eps[None, :, :] + cx * x0[None, :, :])  # 0 on padded lanes: all loads are 0 there
         e = k1 * d + fb * x0[None, :, :]
         E = tl.sum(pi3 * e, axis=0)  # [CB, BP]
-        gE = (sb * wb) * E
-        g = pi3 * k1 * gE[None, :, :] + (sb * aux)[:, None, None] * d
+        if LOSS == 0:
+            rE = E * E
+            qE = E
+            rd = d * d
+            qd = d
+        else:
+            rE, qE = rho_psi(E, cb, LOSS)
+            rd, qd = rho_psi(d, cb, LOSS)
+        gE = (sb * wb) * qE
+        g = pi3 * k1 * gE[None, :, :] + (sb * aux)[:, None, None] * qd
         tl.store(grad_ptr + ooff, g.to(grad_ptr.dtype.element_ty), mask=m3)
         gacc += tl.sum(pi3 * (e - E[None, :, :]) * gE[None, :, :], axis=1)
-        sE2 += tl.sum(E * E, axis=0)
-        sd2 += tl.sum(d * d, axis=1)
+        sE2 += tl.sum(rE, axis=0)
+        sd2 += tl.sum(rd, axis=1)
         se2 += tl.sum(e * e, axis=1)
     ws = acc_ptr + b * NACC
     if PIXEL_GATE:
@@ -157,20 +182,23 @@ def tile(H: int, C: int, P: int, budget: int) -> tuple[int, int, int]:
     return HP, CB, BP
 
 
-def budget(interpret: bool, block: int = 0) -> int:
-    """Elements per program tile (`block` overrides it: tests)."""
+def budget(interpret: bool, block: int = 0, pyramid: bool = False) -> int:
+    """Elements per program tile (`block` overrides it: tests; pyramid noise: triton_shared.PYRAMID_BLOCK)."""
     # Interpreter: few large programs (each op costs Python time); GPU: 2048-element tiles, as the loss
     # kernel (the tile spans heads × channels × pixels; not yet tuned on a GPU). 16 tile elements per
     # thread keep x0 and the pixel gate 128 bits wide with 4 heads too (at 1024 they were 64).
-    return block or (16384 if interpret else 2048)
+    return block or (16384 if interpret else shared.PYRAMID_BLOCK if pyramid else 2048)
 
 
-def mixed_loss(out, x0, t, weight, iw, tab, gate, pivots, bins, eps, seed, offset, nrows, interpret, block):
+def mixed_loss(out, x0, t, weight, iw, tab, gate, pivots, bins, eps, seed, offset, spec, kind, c_table, nrows,
+               interpret, block):
     """(mean, per, raw, weighted, x0_error, ∂L/∂out, ∂L/∂gate): one launch of a grid (B, ⌈P/BP⌉)."""
     B, T = x0.shape[0], weight.numel()
     H, C = tab.shape[0], x0.shape[1]
     P = x0[0, 0].numel()
-    HP, CB, BP = tile(H, C, P, budget(interpret, block))
+    x0c = x0.contiguous()
+    args, flags = launch_args(spec, x0c)
+    HP, CB, BP = tile(H, C, P, budget(interpret, block, bool(flags & PYRAMID)))
     nch = triton.cdiv(P, BP)
     nacc = 1 + 3 * HP
     acc, cnt = workspace(B, out.device, nacc)
@@ -180,13 +208,13 @@ def mixed_loss(out, x0, t, weight, iw, tab, gate, pivots, bins, eps, seed, offse
                         device=out.device)
     raw, wl, per, mean = torch.empty(B, **f32), torch.empty(B, **f32), torch.empty(B, **f32), torch.empty((), **f32)
     x0e = torch.empty(B, H, **f32)
-    x0c = x0.contiguous()
     mixed_loss_kernel[(B, nch)](
         out.contiguous(), x0c, eps.contiguous() if eps is not None else x0c, t, weight, iw, tab.contiguous(),
         gate.contiguous() if gate is not None else iw, pivots, bins, grad, ggrad, acc, cnt, raw, wl, per, x0e,
         mean, H, C, P, out.shape[1], B, T, nch, nacc, seed, offset, 2.0 / (B * C * P),
+        *args, c_table if c_table is not None else weight,
         PIXEL_GATE=gate is None, HAS_EPS=eps is not None, BINS=bins.numel() > 0, NROWS=nrows,
-        HP=HP, CB=CB, BP=BP, DIV=div_of(P), maxnreg=MAXNREG)
+        SPEC=flags, LOSS=kind, HP=HP, CB=CB, BP=BP, DIV=div_of(P), maxnreg=MAXNREG)
     return mean, per, raw, wl, x0e, grad, ggrad
 
 
@@ -198,13 +226,15 @@ def specializations():
     pair × pixel or timestep gate × eps drawn or given (fp32, as the probes pass it, or in x0's dtype)
     × with and without bins × 2 or 3 heads (padded to 2 or 4), on 3×32×32 images; then every tile
     `tile` picks for 2-4 heads, 1, 3, 4 or 16 channels and 4×4 to 256×256 images (and 2-D points, P =
-    1), and each alignment class of P, the dtypes and options rotating, some with unaligned outputs.
-    A new launcher option extends this list."""
+    1), and each alignment class of P, the dtypes and options rotating, some with unaligned outputs;
+    each loss shape (loss_shape.py) and each group of noise options (triton_shared.NOISE_OPTIONS) in
+    each dtype pair. A new launcher option extends this list."""
     from .torch_ref_mixed_loss import NROWS
 
     T = 1000
 
-    def spec(x_dt, o_dt, H=2, C=3, P=1024, gate=None, eps_dt=None, bins=True, seed=shared.SEEDS[0], aligned=True):
+    def spec(x_dt, o_dt, H=2, C=3, P=1024, gate=None, eps_dt=None, bins=True, seed=shared.SEEDS[0], aligned=True,
+             kind=0, options=None):
         def launch():
             V = 2 + H
             shape = (2, H * C + (H if gate is None else 0), P)
@@ -214,12 +244,15 @@ def specializations():
                 torch.zeros(0, 0, **f64), torch.zeros(0, 0, **f64))
             eps = None if eps_dt is None else torch.empty(2, C, P, dtype=eps_dt)
             g = None if gate is None else torch.empty(2, H, dtype=gate)
-            return mixed_loss(out, torch.empty(2, C, P, dtype=x_dt), torch.zeros(2, dtype=torch.int64),
-                              torch.zeros(T), torch.ones(2), torch.zeros(H, NROWS, T), g, piv, data, eps, seed,
-                              torch.zeros((), dtype=torch.int64), NROWS, False, 0)
+            x0 = torch.zeros(2, C, P, dtype=x_dt)
+            spec = shared.noise_spec(x0.view(shared.IMAGE), options) if options else None
+            return mixed_loss(out, x0, torch.zeros(2, dtype=torch.int64), torch.zeros(T), torch.ones(2),
+                              torch.zeros(H, NROWS, T), g, piv, data, eps, seed, torch.zeros((), dtype=torch.int64),
+                              spec, kind, shared.loss_table(kind, T), NROWS, False, 0)
         axes = dict(x0=shared.name(x_dt), out=shared.name(o_dt),
                     gate="pixel" if gate is None else f"timestep {shared.name(gate)}", eps=shared.name(eps_dt),
-                    bins=bins, H=H, C=C, P=P, seed=shared.name(seed), aligned=aligned)
+                    bins=bins, H=H, C=C, P=P, seed=shared.name(seed), aligned=aligned, loss=LOSSES[kind],
+                    noise=options or "plain")
         return shared.Spec(axes, launch, min(div_of(P), tile(H, C, P, budget(False))[2]), STREAMS)
 
     for x_dt, o_dt in shared.DTYPE_PAIRS:
@@ -241,3 +274,10 @@ def specializations():
         dt = shared.SAME_DTYPES[i % 3]
         kw = dict(gate=None if i % 2 else dt, bins=i % 4 < 2, seed=shared.SEEDS[i % 5 == 0], aligned=i % 3 != 1)
         yield spec(dt, dt, H, C, P, **kw)
+    for kind in range(1, len(LOSSES)):
+        for j, (x_dt, o_dt) in enumerate(shared.DTYPE_PAIRS):
+            yield spec(x_dt, o_dt, 2 + (kind + j) % 2, gate=None if j % 2 else o_dt, kind=kind)
+    for i, options in enumerate(shared.NOISE_OPTIONS):  # 3×32×32 images (shared.IMAGE)
+        for j, (x_dt, o_dt) in enumerate(shared.DTYPE_PAIRS):
+            yield spec(x_dt, o_dt, 2 + (i + j) % 2, gate=None if (i + j) % 2 else o_dt, bins=j % 2 == 0,
+                       kind=(i + j) % len(LOSSES), options=options)

@@ -1,7 +1,8 @@
 """What the Triton kernels share: the default tile size of the noise and loss kernels, the alignment
 class of a row length, the scatter of one per-sample value into the per-timestep bins (layout:
-bins.py), and the vocabulary of the launchers' `specializations()` (every compilation a launcher can
-produce on a GPU, enumerated next to it; kernels/aot.py compiles them for sm_80 and sm_90)."""
+bins.py), the loss shapes (loss_shape.py), and the vocabulary of the launchers' `specializations()`
+(every compilation a launcher can produce on a GPU, enumerated next to it; kernels/aot.py compiles
+them for sm_80 and sm_90)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -12,12 +13,18 @@ import triton
 import triton.language as tl
 
 
-def block_size(D: int, interpret: bool, block: int = 0) -> int:
+# Tile of the kernels when pyramid noise is on (noise_spec.PYRAMID): each element draws 4 normals per
+# level (bilinear upsampling of the level's field), and at 2048-element tiles ptxas spilled about 1 KB
+# per thread in every kernel that regenerates it (kernels/aot.py).
+PYRAMID_BLOCK = 256
+
+
+def block_size(D: int, interpret: bool, block: int = 0, pyramid: bool = False) -> int:
     """Elements per program for samples of D elements (`block` overrides it: tests)."""
     if block:
         return block
     # Interpreter: few large programs (each costs ~0.5 ms of Python); GPU: 2048-element tiles.
-    return min(16384 if interpret else 2048, max(16, triton.next_power_of_2(D)))
+    return min(16384 if interpret else PYRAMID_BLOCK if pyramid else 2048, max(16, triton.next_power_of_2(D)))
 
 
 def launch_options(block: int) -> dict:
@@ -29,6 +36,14 @@ def launch_options(block: int) -> dict:
     registers (for occupancy) and spilled 4; with a budget of 48 the loss kernel's odd-length half
     paths spilled 8-16; with 64 nothing spills."""
     return dict(num_warps=8 if block >= 2048 else 4, maxnreg=64)
+
+
+def pyramid_options() -> dict:
+    """num_warps and register budget of a kernel regenerating pyramid noise (PYRAMID_BLOCK tiles)."""
+    return dict(num_warps=4, maxnreg=PYRAMID_REGS)
+
+
+PYRAMID_REGS = 128
 
 
 def div_of(n: int) -> int:
@@ -45,6 +60,30 @@ def scatter_value(bins_ptr, pivot_ptr, v, row, tb, T, mask):
     d = v.to(tl.float64) - tl.load(pivot_ptr + row * T + tb, mask=mask, other=0.0)
     tl.atomic_add(bins_ptr + (1 + 2 * row) * T + tb, d, mask=mask)
     tl.atomic_add(bins_ptr + (2 + 2 * row) * T + tb, d * d, mask=mask)
+
+
+@triton.jit
+def rho_psi(d, c, LOSS: tl.constexpr):
+    """(ρ(d), ψ(d) = ρ'(d)/2) of the loss shape LOSS (loss_shape.py: 0 l2, 1 l1, 2 huber, 3 smooth_l1,
+    4 pseudo_huber) with threshold c; (0, 0) at d = 0, so padded lanes add nothing."""
+    if LOSS == 0:
+        r = d * d
+        g = d
+    elif LOSS == 1:
+        r = tl.abs(d)
+        g = tl.where(d > 0, 0.5, tl.where(d < 0, -0.5, 0.0))
+    else:
+        q = tl.sqrt_rn(d * d + c * c)
+        r = tl.div_rn(d * d, q + c)  # √(d² + c²) − c without cancellation
+        if LOSS == 2:
+            r = (2.0 * c) * r
+            g = tl.div_rn(c * d, q)
+        elif LOSS == 3:
+            r = 2.0 * r
+            g = tl.div_rn(d, q)
+        else:
+            g = tl.div_rn(0.5 * d, q)
+    return r, g
 
 
 # -- the launchers' specialisations -----------------------------------------------------------------
@@ -86,6 +125,39 @@ def row_sizes(largest: int = 3072) -> list[int]:
     tile, with a masked tail: `largest` (a 3×32×32 image: two 2048-tiles, the second masked) minus 16
     plus DIV; and an odd row on the 1024-tile (4 warps)."""
     return [2] + [16 << k for k in range(7)] + [1021, largest] + [largest - 16 + d for d in (8, 4, 2, 1)]
+
+
+# The noise options a launcher's specializations() cover (noise_spec.py): each group of options, then
+# all of them with an immiscible row map: with the plain stream, the values the SPEC constexpr takes.
+NOISE_OPTIONS = {
+    "offset": dict(offset=0.1, offset_random=True, adaptive_scale=0.05),
+    "pyramid": dict(pyramid_iterations=3),
+    "perturbation": dict(perturbation=0.1, perturbation_random=True),
+    "all+rows": dict(offset=0.1, offset_random=True, adaptive_scale=0.05, pyramid_iterations=3, perturbation=0.1,
+                     perturbation_random=True, rows=True),
+}
+IMAGE = (2, 3, 32, 32)  # the data shape of the noise-option launches (pyramid noise needs [B, C, H, W])
+
+
+def noise_spec(x0: torch.Tensor, options: str | None):
+    """The NoiseSpec (noise_spec.prepare, on the CPU: the torch backend reduces the pyramid's std) of
+    NOISE_OPTIONS[options] for data x0; None for the plain stream."""
+    from . import noise_spec as ns
+
+    if options is None:
+        return None
+    kw = dict(NOISE_OPTIONS[options])
+    rows = torch.arange(x0.shape[0]) if kw.pop("rows", False) else None
+    spec, _ = ns.prepare(ns.NoiseOptions(**kw), x0.float(), seed=SEEDS[0], offset=torch.zeros((), dtype=torch.int64),
+                         rows=rows, backend="torch")
+    return spec
+
+
+def loss_table(kind: int, T: int) -> torch.Tensor | None:
+    """The threshold table c(t) a loss shape reads (loss_shape.py), else None."""
+    from .loss_shape import needs_c
+
+    return torch.full((T,), 0.1) if needs_c(kind) else None
 
 
 def unaligned(shape, dtype) -> torch.Tensor:

@@ -57,6 +57,15 @@ def test_short_run_loss_falls_and_writes_artifacts(tmp_path):
     ["diffusion.sampler=adaptive", "diffusion.sampler_args.every=3", "diagnostics.interference_every=4"],
     ["diffusion.prediction=mixed", "diffusion.mixed.gate=timestep", "diffusion.mixed.mode=argmin",
      "diffusion.mixed.argmin_buckets=4", "diffusion.stats_every=3"],
+    # every noise option and a loss shape with mixed prediction and a learned sampler (issue 21): the
+    # random strengths and the pyramid's factors come from the stream at the step's counter
+    ["diffusion.noise.offset=0.1", "diffusion.noise.offset_random_strength=true", "diffusion.noise.adaptive_offset=0.2",
+     "diffusion.noise.pyramid_iterations=6", "diffusion.noise.perturbation=0.1",
+     "diffusion.noise.perturbation_random_strength=true", "diffusion.loss.type=pseudo_huber",
+     "diffusion.prediction=mixed", "diffusion.sampler=adaptive", "diffusion.sampler_args.every=3",
+     "diffusion.stats_every=3"],
+    ["diffusion.noise.immiscible=assignment", "diffusion.noise.offset=0.05", "diffusion.loss.type=huber",
+     "diffusion.loss.huber_schedule=exponential", "diffusion.prediction=v", "diffusion.stats_every=3"],
 ])
 def test_resume_gives_the_same_next_losses(tmp_path, over):
     common = ["train.log_every=1", "train.ckpt_every=0", "data.batch_size=8"] + over
@@ -257,7 +266,13 @@ def test_apex_optimizer_is_a_clear_error_when_missing(tmp_path):
 
 
 @pytest.mark.parametrize("over", [[], ["diffusion.sampler=loss_second_moment", "diffusion.stats_every=1"],
-                                  ["diffusion.prediction=mixed", "diffusion.stats_every=1"]])
+                                  ["diffusion.prediction=mixed", "diffusion.stats_every=1"],
+                                  ["diffusion.noise.offset=0.1", "diffusion.noise.adaptive_offset=0.2",
+                                   "diffusion.noise.offset_random_strength=true",
+                                   "diffusion.noise.pyramid_iterations=6", "diffusion.noise.perturbation=0.1",
+                                   "diffusion.noise.immiscible=assignment", "diffusion.loss.type=smooth_l1"],
+                                  ["diffusion.noise.immiscible=knn", "diffusion.noise.immiscible_k=4",
+                                   "diffusion.prediction=mixed", "diffusion.loss.type=l1"]])
 def test_the_step_reads_nothing_back_to_the_host(tmp_path, over):
     """A CPU proxy of the GPU no-sync test: no `.item()`-style read (aten::_local_scalar_dense) in a
     whole trainer step, data, statistics sync and EMA included, except inside kernels whose CPU

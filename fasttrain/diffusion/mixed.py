@@ -19,7 +19,9 @@ gives x̂0⁽ⁱ⁾ = k1ᵢ(t)·predᵢ + k2ᵢ(t)·x_t, and the estimate is x̂
                  lowest running x0 error (EMA of the per-head, per-timestep statistics).
 
 Loss per sample (kernels/torch_ref_mixed_loss.py): w_x0[t]·mean((x̂0 − x0)²) + aux_weight·Σᵢ mean((predᵢ −
-targetᵢ)²), times the sampler's importance weight; lucidrains' aux weight is 0.1.
+targetᵢ)²), times the sampler's importance weight; lucidrains' aux weight is 0.1. A loss shape
+(`diffusion.loss`, loss_shapes.py) replaces every square, the main term's and the aux terms', by ρ
+(one c(t) table for both); the per-head x0 errors stay MSEs.
 
 Numerical safety where α → 0 or σ → 0. κᵢ(t) = |k1ᵢ| = |σ/detᵢ| is the factor by which head i's own
 error is amplified into x0 space: 1 for x0, σ/α for eps (→ ∞ as α → 0: zero-terminal SNR, the last
@@ -49,7 +51,7 @@ from fasttrain.kernels.noise import noise
 
 from ..errors import ConfigError, InvalidInput
 from . import prediction as P
-from .objective import Objective
+from .objective import Objective, config_options
 from .objective import register as register_objective
 from .schedule import NoiseSchedule
 from .stats import TimestepStats
@@ -234,13 +236,13 @@ class MixedObjective(Objective):
                  sampler="uniform", *, aux_weight: float = 0.1, mode: str = "gate", prior: bool = True,
                  argmin_buckets: int = 20, weighting_args: dict | None = None, sampler_args: dict | None = None,
                  stats: TimestepStats | bool = True, learned_weighting: bool = False, backend: str = "auto",
-                 seed: int = 0, output: MixedOutput | None = None):
+                 seed: int = 0, output: MixedOutput | None = None, **options):
         self.heads = check_heads(heads, schedule)
         if isinstance(weighting, str):  # the main term is an x0-space MSE: the x0-space weight
             weighting = loss_weight(weighting, schedule, "x0", **(weighting_args or {}))
         super().__init__(schedule, weighting, sampler, sampler_args=sampler_args, stats=stats,
                          stat_kinds=("raw", "weighted") + tuple(f"x0_error_{h}" for h in self.heads),
-                         learned_weighting=learned_weighting, backend=backend, seed=seed)
+                         learned_weighting=learned_weighting, backend=backend, seed=seed, **options)
         self.prediction = "mixed"
         self.gate = check_choice("gate", gate, GATES)
         self.mode = check_choice("mode", mode, MODES)
@@ -257,7 +259,8 @@ class MixedObjective(Objective):
     def from_config(cls, diffusion, schedule: NoiseSchedule, output: MixedOutput | None = None, **kw):
         m = diffusion.mixed
         return cls(schedule, list(m.heads), m.gate, diffusion.weighting, diffusion.sampler, aux_weight=m.aux_weight,
-                   mode=m.mode, prior=m.prior, argmin_buckets=m.argmin_buckets, output=output, **kw)
+                   mode=m.mode, prior=m.prior, argmin_buckets=m.argmin_buckets, output=output,
+                   **config_options(diffusion, schedule), **kw)
 
     @classmethod
     def out_channels(cls, diffusion, channels: int) -> int:
@@ -307,11 +310,11 @@ class MixedObjective(Objective):
 
     def forward(self, model, x0: torch.Tensor, cond=None, generator: torch.Generator | None = None,
                 t: torch.Tensor | None = None):
-        t, iw, backend, offset, x_t = self.draw(x0, generator, t)
+        t, iw, backend, offset, x_t, spec = self.draw(x0, generator, t)
         out, logvar, gate = self._network(model, x_t, t, cond)
         st = self.stats
-        res = mixed_loss(out, x0, t, self.weight, iw, self.tab, gate=gate, seed=self.seed, offset=offset,
-                         backend=backend, bins=st.window if st is not None else None)
+        res = mixed_loss(out, x0, t, self.weight, iw, self.tab, gate=gate, seed=self.seed, offset=offset, spec=spec,
+                         backend=backend, bins=st.window if st is not None else None, **self.loss_args)
         if st is not None:
             st.record(t, res.weighted)
         loss, per_sample = self._with_uncertainty(res.loss, res.per_sample, logvar)
@@ -326,7 +329,8 @@ class MixedObjective(Objective):
         x_t = noise(x0, t, self.alpha, self.sigma, eps=eps, backend=backend)
         out, logvar, gate = self._network(model, x_t, t, cond)
         iw = torch.ones(x0.shape[0], device=x0.device)
-        per = mixed_loss(out, x0, t, self.weight, iw, self.tab, gate=gate, eps=eps, backend=backend).per_sample
+        per = mixed_loss(out, x0, t, self.weight, iw, self.tab, gate=gate, eps=eps, backend=backend,
+                         **self.loss_args).per_sample
         return self._with_uncertainty(None, per, logvar)[1]
 
     # -- statistics, argmin, persistence ---------------------------------------------------------

@@ -17,22 +17,29 @@ forward pass, and the raw and weighted losses scattered into the TimestepStats w
 syncs with the host: the noise offset is a device counter advanced in place. With a learned weighting
 the network also returns its per-timestep log-variance u(t) (EDM2), and ℓ_b becomes ℓ_b/exp(u) + u.
 The ops come from `fasttrain.kernels` (noise.py, diffusion_loss.py); every backend draws the same
-noise stream.
+noise stream. Noise options (noise offset, pyramid noise, input perturbation, immiscible assignment:
+noise_options.py) reach both ops as the step's noise spec; a loss shape (l1, the Huber family with its
+c(t) table: loss_shapes.py) replaces d² in the loss op. Without them the step is the plain one.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from fasttrain.kernels import philox
+from fasttrain.kernels import noise_spec, philox
 from fasttrain.kernels.backend import BACKENDS, resolve_backend
 from fasttrain.kernels.diffusion_loss import diffusion_loss
 from fasttrain.kernels.noise import noise
+from fasttrain.kernels.noise_spec import NoiseOptions, NoiseSpec
 
 from ..errors import InvalidInput
 from ..registry import Registry
 from . import prediction as P
 from .denoiser import PredictionOutput
+from .loss_shapes import LossShape
+from .noise_options import Immiscible
 from .samplers import TimestepSampler, timestep_sampler
 from .schedule import NoiseSchedule
 from .stats import TimestepStats
@@ -42,13 +49,32 @@ OBJECTIVES = Registry("objective", positional=1)  # prediction kinds beyond the 
 register = OBJECTIVES.register
 
 
+class Draw(NamedTuple):
+    """One step's draw: timesteps, importance weights, the backend, the noise counter, x_t and the noise
+    spec the loss op must regenerate the same ε with (None: the plain stream)."""
+    t: torch.Tensor
+    iw: torch.Tensor
+    backend: str
+    offset: torch.Tensor
+    x_t: torch.Tensor
+    spec: NoiseSpec | None
+
+
+def config_options(diffusion, schedule: NoiseSchedule) -> dict:
+    """The objective's noise options and loss shape from the `diffusion.noise` and `diffusion.loss` groups."""
+    from .noise_options import from_config
+
+    return {**from_config(diffusion.noise), "loss": LossShape.from_config(schedule, diffusion.loss)}
+
+
 class Objective(nn.Module):
     """The shared part: tables, sampler, statistics, noise counter, persistence and the trainer's hooks.
     Subclasses implement `forward` and `probe_loss`, and the class-level network contract."""
 
     def __init__(self, schedule: NoiseSchedule, weight: torch.Tensor, sampler, *, sampler_args: dict | None,
                  stats: TimestepStats | bool, stat_kinds: tuple[str, ...], learned_weighting: bool, backend: str,
-                 seed: int):
+                 seed: int, noise: NoiseOptions | None = None, immiscible: Immiscible | None = None,
+                 loss: LossShape | None = None):
         super().__init__()
         self.schedule = schedule
         if backend not in BACKENDS:
@@ -70,6 +96,17 @@ class Objective(nn.Module):
         self.learned_weighting = bool(learned_weighting)
         self.seed = philox.check_seed(seed)
         self.input_dtype: torch.dtype | None = None  # x_t's dtype (the model's compute dtype); None: x0's
+        self.noise_options = noise or NoiseOptions()
+        self.immiscible = immiscible
+        self._plain_noise = not self.noise_options.active and immiscible is None  # the old step, unchanged
+        self.register_buffer("noise_table", self.noise_options.table(), persistent=False)
+        self.loss_shape = loss or LossShape(schedule)
+        self.register_buffer("c_table", self.loss_shape.c_table, persistent=False)  # None for l2 and l1
+
+    @property
+    def loss_args(self) -> dict:
+        """The loss ops' shape arguments (kernels/loss_shape.py)."""
+        return {"loss": self.loss_shape.loss, "c_table": self.c_table}
 
     def _apply(self, fn, recurse=True):
         # Keep the non-module pieces (sampler, stats, schedule) on the same device as the buffers.
@@ -107,14 +144,15 @@ class Objective(nn.Module):
 
     # -- one step --------------------------------------------------------------------------------
     def noise(self, like: torch.Tensor) -> torch.Tensor:
-        """The eps of the next (seed, offset) (what the kernels would draw); advances the offset."""
+        """The eps of the next (seed, offset) (what the kernels draw without noise options); advances the offset."""
         eps = philox.randn(like.shape, self.seed, self.offset.to(like.device), like.device)
         self.offset += like.numel()
         return eps
 
-    def draw(self, x0: torch.Tensor, generator: torch.Generator | None = None, t: torch.Tensor | None = None):
-        """The step's (t, iw, backend, noise offset, x_t): timesteps from the sampler (or given, iw = 1),
-        the noise op at this step's counter; the device counter moves on in place."""
+    def draw(self, x0: torch.Tensor, generator: torch.Generator | None = None, t: torch.Tensor | None = None) -> Draw:
+        """The step's draw: timesteps from the sampler (or given, iw = 1), the noise spec of the options
+        (immiscible rows, the pyramid's std: on the device), the noise op at this step's counter; the device
+        counter moves on in place by what the step drew."""
         B = x0.shape[0]
         if t is None:
             t, iw = self.sampler.sample(B, generator, x0)
@@ -122,10 +160,18 @@ class Objective(nn.Module):
             iw = torch.ones(B, device=x0.device)
         backend = resolve_backend(self.backend, x0.device)
         offset = self.offset.clone()
-        self.offset += x0.numel()
+        spec = None
+        if not self._plain_noise:
+            rows, n_rows = (None, None) if self.immiscible is None else self.immiscible.rows(
+                x0, seed=self.seed, offset=offset, backend=backend)
+            spec, counters = noise_spec.prepare(self.noise_options, x0, seed=self.seed, offset=offset,
+                                                table=self.noise_table, rows=rows, n_rows=n_rows, backend=backend)
+            self.offset += counters
+        else:
+            self.offset += x0.numel()
         x_t = noise(x0, t, self.alpha, self.sigma, seed=self.seed, offset=offset, out_dtype=self.input_dtype,
-                    backend=backend)
-        return t, iw, backend, offset, x_t
+                    spec=spec, backend=backend)
+        return Draw(t, iw, backend, offset, x_t, spec)
 
     def _with_uncertainty(self, loss, per_sample, logvar):
         if logvar is None:
@@ -209,21 +255,23 @@ class DiffusionObjective(Objective):
     def __init__(self, schedule: NoiseSchedule, prediction: str = "eps", weighting="simple",
                  sampler="uniform", *, weighting_args: dict | None = None, sampler_args: dict | None = None,
                  stats: TimestepStats | bool = True, learned_weighting: bool = False,
-                 backend: str = "auto", seed: int = 0):
+                 backend: str = "auto", seed: int = 0, **options):
+        """`options`: noise (NoiseOptions), immiscible (Immiscible), loss (LossShape); see `Objective`."""
         self.prediction = P.check(prediction)
         if isinstance(weighting, str):
             weighting = loss_weight(weighting, schedule, prediction, **(weighting_args or {}))
         super().__init__(schedule, weighting, sampler, sampler_args=sampler_args, stats=stats,
                          stat_kinds=("raw", "weighted"), learned_weighting=learned_weighting, backend=backend,
-                         seed=seed)
+                         seed=seed, **options)
         self.pred = P.get(prediction)
         self.register_buffer("coef", self.pred.table(schedule.alpha, schedule.sigma), persistent=False)
 
     @classmethod
     def from_config(cls, diffusion, schedule: NoiseSchedule, output: nn.Module | None = None,
-                    **kw) -> "DiffusionObjective":
+                    **kw) -> DiffusionObjective:
         """`output` (the network's output head) is not needed: a single prediction learns nothing for it."""
-        return cls(schedule, diffusion.prediction, diffusion.weighting, diffusion.sampler, **kw)
+        return cls(schedule, diffusion.prediction, diffusion.weighting, diffusion.sampler,
+                   **config_options(diffusion, schedule), **kw)
 
     @classmethod
     def output_head(cls, diffusion, schedule: NoiseSchedule) -> nn.Module:
@@ -244,12 +292,12 @@ class DiffusionObjective(Objective):
 
     def forward(self, model, x0: torch.Tensor, cond=None, generator: torch.Generator | None = None,
                 t: torch.Tensor | None = None):
-        t, iw, backend, offset, x_t = self.draw(x0, generator, t)
+        t, iw, backend, offset, x_t, spec = self.draw(x0, generator, t)
         pred, logvar = self._call(model, x_t, t, cond)
         st = self.stats
         loss, per_sample, raw, weighted = diffusion_loss(pred, x0, t, self.weight, iw, self.coef, uses=self.pred.uses,
-                                                         seed=self.seed, offset=offset, backend=backend,
-                                                         bins=st.window if st is not None else None)
+                                                         seed=self.seed, offset=offset, spec=spec, backend=backend,
+                                                         bins=st.window if st is not None else None, **self.loss_args)
         if st is not None:
             st.record(t, weighted)
         loss, per_sample = self._with_uncertainty(loss, per_sample, logvar)
@@ -259,13 +307,14 @@ class DiffusionObjective(Objective):
 
     def probe_loss(self, model, x0: torch.Tensor, t: torch.Tensor, eps: torch.Tensor, cond=None) -> torch.Tensor:
         """Per-sample loss ℓ_b (iw = 1) at the given t and eps, with no statistics and no noise-counter
-        move: for probes (diagnostics, look-aheads). Differentiable in the model's parameters."""
+        move: for probes (diagnostics, look-aheads). Differentiable in the model's parameters. The loss
+        shape applies; the noise options do not (the probe's eps is given)."""
         backend = resolve_backend(self.backend, x0.device)
         x_t = noise(x0, t, self.alpha, self.sigma, eps=eps, backend=backend)
         pred, logvar = self._call(model, x_t, t, cond)
         iw = torch.ones(x0.shape[0], device=x0.device)
         per = diffusion_loss(pred, x0, t, self.weight, iw, self.coef, uses=self.pred.uses, eps=eps,
-                             backend=backend).per_sample
+                             backend=backend, **self.loss_args).per_sample
         return self._with_uncertainty(None, per, logvar)[1]
 
     def effective_weight(self, probs: torch.Tensor | None = None) -> torch.Tensor:

@@ -13,6 +13,32 @@ namespace fasttrain {
 
 enum class DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
+// The noise options of one step (kernels/noise_spec.py: formulas and counter layout). flags == 0 and
+// rows == nullptr: the plain stream, eps = philox(seed, offset + b*D + i). Otherwise eps of sample b,
+// element i is philox(seed, offset + rows[b]*D + i), plus the noise offset s*n per (b, channel), plus
+// the pyramid levels, divided by the pyramid's std; the noise kernel adds gamma*u*xi for x_t.
+// Pointers are host memory for the CPU kernels and device memory for the CUDA ones.
+enum SpecFlag : uint32_t {
+  kSpecOffset = 1, kSpecOffsetRandom = 2, kSpecAdaptive = 4, kSpecPyramid = 8, kSpecPerturb = 16,
+  kSpecPerturbRandom = 32
+};
+constexpr int kMaxLevels = 16;  // noise_spec.MAX_LEVELS
+struct NoiseSpecArgs {
+  uint32_t flags = 0;
+  int32_t levels = 0;                      // pyramid iterations L
+  int64_t C = 1, H = 1, W = 1;             // channels; the pyramid's spatial dims
+  uint64_t k_xi = 0, k_n = 0, k_s = 0, k_l = 0;  // sub-range starts, relative to the offset
+  uint64_t n = 0;                          // B*D: a pyramid level's counter range
+  const int64_t* rows = nullptr;           // [B] base-noise rows, or nullptr (identity)
+  const float* table = nullptr;            // [3 + L]: offset c, adaptive scale, gamma, level weights
+  const float* mean = nullptr;             // [B, C]: |mean over pixels of x0| (adaptive offset)
+  const float* std = nullptr;              // the pyramid's std (0-d)
+  bool active() const { return flags != 0 || rows != nullptr; }
+};
+
+// Loss shapes (kernels/loss_shape.py): rho(d) per element, psi = rho'/2 in the gradient.
+enum LossKind : int32_t { kL2 = 0, kL1 = 1, kHuber = 2, kSmoothL1 = 3, kPseudoHuber = 4 };
+
 // The noise kernel: x_t = alpha[t_b]*x0 + sigma[t_b]*eps, eps = philox(seed, offset + b*D + i) unless given.
 struct NoiseArgs {
   const void* x0;
@@ -29,6 +55,7 @@ struct NoiseArgs {
   uint64_t seed;
   uint64_t offset;                // CPU: the value; CUDA reads `offset_ptr` on the device instead
   const int64_t* offset_ptr;      // CUDA only: the 0-d int64 offset tensor (no host sync)
+  NoiseSpecArgs spec;             // the noise options (plain by default)
 };
 
 // The loss kernel: target = coef[0,t]*eps + coef[1,t]*x0, d = pred - target,
@@ -52,6 +79,9 @@ struct LossArgs {
   const int64_t* offset_ptr;
   bool needs_eps, needs_x0;
   float grad_scale;  // float32(2 / (B*D)), as the reference rounds it
+  NoiseSpecArgs spec;
+  int32_t loss_kind;     // LossKind (kL2: d^2)
+  const float* huber_c;  // [T] threshold c(t) of the Huber family, or nullptr
 };
 
 // The mixed-prediction loss (kernels/torch_ref_mixed_loss.py; CPU only, cpu/mixed.cpp): H heads of C
@@ -82,6 +112,9 @@ struct MixedArgs {
   uint64_t seed;
   uint64_t offset;
   float grad_scale;  // float32(2 / (B*C*P)), as torch_ref_mixed_loss.loss_and_grad rounds it
+  NoiseSpecArgs spec;
+  int32_t loss_kind;     // LossKind: rho of the mixed x0-space term and of the aux terms
+  const float* huber_c;  // [T] or nullptr
 };
 
 // The timestep gate, or the pixel gate of flat data (P = 1: the sample is one "pixel"): one

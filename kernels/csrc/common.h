@@ -4,6 +4,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <optional>
+
 #include "args.h"
 
 namespace fasttrain {
@@ -84,6 +86,79 @@ inline LossArgs loss_args(const at::Tensor& pred, const at::Tensor& x0, const at
                         ? static_cast<float>(2.0 / static_cast<double>(args.D) / static_cast<double>(args.B))
                         : 0.0f;
   return args;
+}
+
+// The tensors behind a NoiseSpecArgs (contiguous copies where needed), kept alive for the kernel call.
+struct SpecTensors {
+  at::Tensor table, rows, mean, std;
+};
+
+// The noise options as the ops receive them (kernels/noise_spec.py: `spec` is empty for the plain stream,
+// else flags, levels, C, H, W, K_XI, K_N, K_S, K_L) for data x0 [B, ...] on x0's device.
+inline NoiseSpecArgs spec_args(at::IntArrayRef spec, const std::optional<at::Tensor>& table,
+                               const std::optional<at::Tensor>& rows, const std::optional<at::Tensor>& mean,
+                               const std::optional<at::Tensor>& std, const at::Tensor& x0, SpecTensors& keep) {
+  NoiseSpecArgs s{};
+  if (spec.empty()) return s;
+  TORCH_CHECK(spec.size() == 9, "fasttrain native ops: a noise spec holds 9 integers, got ", spec.size());
+  s.flags = static_cast<uint32_t>(spec[0]);
+  s.levels = static_cast<int32_t>(spec[1]);
+  s.C = spec[2];
+  s.H = spec[3];
+  s.W = spec[4];
+  s.k_xi = static_cast<uint64_t>(spec[5]);
+  s.k_n = static_cast<uint64_t>(spec[6]);
+  s.k_s = static_cast<uint64_t>(spec[7]);
+  s.k_l = static_cast<uint64_t>(spec[8]);
+  const int64_t B = x0.dim() == 0 ? 0 : x0.size(0);
+  const int64_t D = per_sample(x0);
+  s.n = static_cast<uint64_t>(B * D);
+  TORCH_CHECK(s.levels >= 0 && s.levels <= kMaxLevels, "fasttrain native ops: pyramid levels must lie in [0, ",
+              kMaxLevels, "], got ", s.levels);
+  TORCH_CHECK(s.C >= 1 && D % s.C == 0, "fasttrain native ops: the noise spec's channels (", s.C,
+              ") do not divide a sample of ", D);
+  TORCH_CHECK(!(s.flags & kSpecPyramid) || (x0.dim() == 4 && x0.size(2) == s.H && x0.size(3) == s.W),
+              "fasttrain native ops: pyramid noise needs [B, C, H, W] data of the spec's H, W");
+  auto on_device = [&](const at::Tensor& x, at::ScalarType type, const char* what) {
+    TORCH_CHECK(x.device() == x0.device(), "fasttrain native ops: noise spec ", what, " is on ", x.device(),
+                ", expected ", x0.device());
+    TORCH_CHECK(x.scalar_type() == type, "fasttrain native ops: noise spec ", what, " must be ", type);
+    return x.contiguous();
+  };
+  if (s.flags != 0) {
+    TORCH_CHECK(table.has_value() && table->numel() >= 3 + s.levels, "fasttrain native ops: the noise spec needs a "
+                "table of ", 3 + s.levels, " values");
+    keep.table = on_device(*table, at::kFloat, "table");
+    s.table = keep.table.const_data_ptr<float>();
+  }
+  if (rows.has_value()) {
+    TORCH_CHECK(rows->dim() == 1 && rows->size(0) == B, "fasttrain native ops: noise rows must be [", B, "]");
+    keep.rows = on_device(*rows, at::kLong, "rows");
+    s.rows = keep.rows.const_data_ptr<int64_t>();
+  }
+  if (s.flags & kSpecAdaptive) {
+    TORCH_CHECK(mean.has_value() && mean->numel() == B * s.C, "fasttrain native ops: an adaptive offset needs "
+                "|mean(x0)| [", B, ", ", s.C, "]");
+    keep.mean = on_device(*mean, at::kFloat, "mean");
+    s.mean = keep.mean.const_data_ptr<float>();
+  }
+  if (std.has_value()) {
+    TORCH_CHECK(std->numel() == 1, "fasttrain native ops: the pyramid's std must be one value");
+    keep.std = on_device(*std, at::kFloat, "std");
+    s.std = keep.std.const_data_ptr<float>();
+  }
+  return s;
+}
+
+// The loss shape's kind and threshold table ([T] float32, for the Huber family).
+inline const float* huber_table(int64_t kind, const std::optional<at::Tensor>& c, int64_t T, const at::Tensor& like,
+                                at::Tensor& keep) {
+  TORCH_CHECK(kind >= kL2 && kind <= kPseudoHuber, "fasttrain native ops: unknown loss shape ", kind);
+  if (kind < kHuber) return nullptr;
+  TORCH_CHECK(c.has_value() && c->numel() == T && c->scalar_type() == at::kFloat && c->device() == like.device(),
+              "fasttrain native ops: the loss shape needs its threshold table c(t), float32 [", T, "]");
+  keep = c->contiguous();
+  return keep.const_data_ptr<float>();
 }
 
 }  // namespace fasttrain

@@ -18,17 +18,27 @@
 #include "ops.h"
 
 TORCH_LIBRARY(fasttrain_C, m) {
+  // Noise options: (spec, table, rows, mean, std), kernels/noise_spec.py (an empty spec: the plain stream);
+  // loss shapes: (loss, huber_c), kernels/loss_shape.py; their defaults are the plain kernels.
   m.def(
       "noise(Tensor x0, Tensor t, Tensor alpha, Tensor sigma, Tensor? eps, int seed, Tensor offset, "
-      "ScalarType out_dtype, bool write_eps) -> (Tensor, Tensor)");
+      "ScalarType out_dtype, bool write_eps, int[] spec=[], Tensor? table=None, Tensor? rows=None, Tensor? mean=None, "
+      "Tensor? std=None) -> (Tensor, Tensor)");
+  // The pyramid noise's unbiased global std (float32 0-d), before the noise op (noise_spec.noise_std).
+  m.def(
+      "noise_std(Tensor x0, int seed, Tensor offset, int[] spec, Tensor? table, Tensor? rows, Tensor? mean) "
+      "-> Tensor");
   m.def(
       "loss(Tensor pred, Tensor x0, Tensor t, Tensor weight, Tensor iw, Tensor coef, Tensor pivots, "
-      "Tensor(a!) bins, Tensor? eps, int seed, Tensor offset, int needs) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor(a!) bins, Tensor? eps, int seed, Tensor offset, int needs, int[] spec=[], Tensor? table=None, "
+      "Tensor? rows=None, Tensor? mean=None, Tensor? std=None, int loss=0, Tensor? huber_c=None) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // (mean, per-sample, raw, weighted, x0_error [B, H], grad of out, grad of gate [B, H] or empty):
   // kernels/torch_ref_mixed_loss.loss_and_grad, with bins of 2 + H values.
   m.def(
       "mixed_loss(Tensor out, Tensor x0, Tensor t, Tensor weight, Tensor iw, Tensor tab, Tensor? gate, "
-      "Tensor pivots, Tensor(a!) bins, Tensor? eps, int seed, Tensor offset) "
+      "Tensor pivots, Tensor(a!) bins, Tensor? eps, int seed, Tensor offset, int[] spec=[], Tensor? table=None, "
+      "Tensor? rows=None, Tensor? mean=None, Tensor? std=None, int loss=0, Tensor? huber_c=None) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("has_cuda() -> bool", []() -> bool {
 #if defined(FT_WITH_CUDA)
@@ -47,6 +57,7 @@ TORCH_LIBRARY(fasttrain_C, m) {
 
 TORCH_LIBRARY_IMPL(fasttrain_C, CPU, m) {
   m.impl("noise", &fasttrain::cpu::noise);
+  m.impl("noise_std", &fasttrain::cpu::noise_std);
   m.impl("loss", &fasttrain::cpu::loss);
   m.impl("mixed_loss", &fasttrain::cpu::mixed_loss);
 }
@@ -54,6 +65,7 @@ TORCH_LIBRARY_IMPL(fasttrain_C, CPU, m) {
 #if defined(FT_WITH_CUDA)
 TORCH_LIBRARY_IMPL(fasttrain_C, CUDA, m) {
   m.impl("noise", &fasttrain::cuda::noise);
+  m.impl("noise_std", &fasttrain::cuda::noise_std);
   m.impl("loss", &fasttrain::cuda::loss);
 }
 #endif
@@ -61,6 +73,6 @@ TORCH_LIBRARY_IMPL(fasttrain_C, CUDA, m) {
 // A Python extension module only so that `import fasttrain._C` loads the library (and with it the
 // registrations above); the operators are reached through torch.ops.fasttrain_C.
 static PyModuleDef fasttrain_c_module = {PyModuleDef_HEAD_INIT, "_C",
-                                         "fasttrain native ops: torch.ops.fasttrain_C.{noise,loss,mixed_loss}", -1, nullptr};
+                                         "fasttrain native ops: torch.ops.fasttrain_C.{noise,noise_std,loss,mixed_loss}", -1, nullptr};
 
 PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&fasttrain_c_module); }

@@ -197,3 +197,25 @@ def test_reference_loss_matches_a_loop(pred, shape):
         mse = ((out[b].double() - tgt) ** 2).mean().item()
         assert raw[b].item() == pytest.approx(mse, rel=1e-5)
         assert per[b].item() == pytest.approx(w[t[b]].item() * iw[b].item() * mse, rel=1e-5)
+
+
+@backends("torch", "triton", "native")
+@pytest.mark.parametrize("pred", ["eps", "v"])
+def test_a_spec_without_options_is_the_plain_loss(backend, pred):
+    """The loss op on the options' path with no option and the identity row map: the plain op's outputs
+    and gradient bit for bit (the same ε regenerated)."""
+    from fasttrain.kernels import noise_spec as ns
+
+    dev = backend.device
+    _, _, w, coef = tables("linear", pred, device=dev)
+    x0, _, t, iw = inputs((3, 2, 7, 7), device=dev)
+    spec, _ = ns.prepare(None, x0, seed=4, offset=77, rows=torch.arange(3, device=dev), backend=backend.name)
+    outs = []
+    for sp in (None, spec):
+        p = torch.randn(3, 2, 7, 7, generator=torch.Generator().manual_seed(1)).to(dev).requires_grad_()
+        out = diffusion_loss(p, x0, t, w, iw, coef, uses=P.get(pred).uses, seed=4, offset=77, spec=sp,
+                             backend=backend.name)
+        out.loss.backward()
+        outs.append((*out, p.grad))
+    for u, v in zip(*outs):
+        assert torch.equal(u, v)

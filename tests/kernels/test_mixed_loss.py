@@ -225,7 +225,15 @@ def test_fake_registration(backend):
     x0, eps, t, iw, out, g = inputs(backend, (3, 2, 4, 4), 3, False)
     args = (out, x0, t, w, iw, tab, g, torch.zeros(5, T, dtype=torch.float64, device=dev),
             torch.zeros(11, T, dtype=torch.float64, device=dev), eps, 0, torch.zeros((), dtype=torch.int64, device=dev),
-            backend.name, 0)
+            [], None, None, None, None, 0, None, backend.name, 0)
+    torch.library.opcheck(mixed_loss_module._mixed_op, args, test_utils=("test_schema", "test_faketensor"))
+    # with noise options and a loss shape (kernels/noise_spec.py, loss_shape.py)
+    from fasttrain.kernels import noise_spec as ns
+
+    spec, _ = ns.prepare(ns.NoiseOptions(offset=0.1, adaptive_scale=0.2, pyramid_iterations=3, perturbation=0.1), x0,
+                         seed=0, offset=0, rows=torch.tensor([2, 0, 1], device=dev), backend=backend.name)
+    c = torch.full((T,), 0.1, device=dev)
+    args = args[:9] + (None,) + args[10:12] + tuple(ns.op_args(spec)) + (2, c, backend.name, 0)
     torch.library.opcheck(mixed_loss_module._mixed_op, args, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -292,3 +300,24 @@ def test_native_on_cuda_runs_the_reference_with_a_warning(monkeypatch):
     with pytest.warns(UserWarning, match="native mixed loss is CPU only"):
         res = mixed_loss(*args, eps=eps, backend="native")
     torch.testing.assert_close(res.per_sample, mixed_loss(*args, eps=eps, backend="torch").per_sample)
+
+
+@backends(*ALL)
+@pytest.mark.parametrize("gate", ["pixel", "timestep"])
+def test_a_spec_without_options_is_the_plain_loss(backend, gate):
+    """The options' path (kernels/noise_spec.py) with no option and the identity row map: the plain op's
+    outputs and gradients bit for bit."""
+    from fasttrain.kernels import noise_spec as ns
+
+    w, tab = setup(("eps", "x0", "v"), be=backend)
+    x0, _, t, iw, out, g = inputs(backend, (3, 2, 5, 7), 3, gate == "pixel")
+    spec, _ = ns.prepare(None, x0, seed=3, offset=9, rows=torch.arange(3, device=backend.device),
+                         backend=backend.name)
+    runs = []
+    for sp in (None, spec):
+        o, gg = leaf(out), leaf(g)
+        res = mixed_loss(o, x0, t, w, iw, tab, gate=gg, seed=3, offset=9, spec=sp, backend=backend.name)
+        res.loss.backward()
+        runs.append((*res, o.grad) + ((gg.grad,) if gg is not None else ()))
+    for u, v in zip(*runs):
+        assert torch.equal(u, v)

@@ -97,3 +97,21 @@ def test_reference_noise_and_dtype():
     assert x_t.dtype == torch.bfloat16
     expect = s.alpha[t, None].float() * x0.float() + s.sigma[t, None].float() * eps
     torch.testing.assert_close(x_t.float(), expect, atol=2e-2, rtol=1e-2)
+
+
+@backends("torch", "triton", "native")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_spec_without_options_is_the_plain_stream(backend, dtype):
+    """The options' path (kernels/noise_spec.py) with no option and the identity row map draws the plain
+    kernel's ε and x_t bit for bit, and advances the counter as the plain step."""
+    from fasttrain.kernels import noise_spec as ns
+
+    a, s, _, _ = tables(device=backend.device)
+    x0, _, t, _ = inputs((3, 4, 9, 9), dtype, device=backend.device)
+    rows = torch.arange(3, device=backend.device)
+    spec, n = ns.prepare(None, x0, seed=9, offset=321, rows=rows, backend=backend.name)
+    assert spec is not None and n == x0.numel()
+    plain = noise(x0, t, a, s, seed=9, offset=321, return_eps=True, backend=backend.name)
+    spec_path = noise(x0, t, a, s, seed=9, offset=321, spec=spec, return_eps=True, backend=backend.name)
+    for u, v in zip(plain, spec_path):
+        assert torch.equal(u, v)

@@ -4,6 +4,7 @@
 // kernel sources, so everything lands in that copy's namespace FT_CAP (CMakeLists.txt).
 #pragma once
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -104,6 +105,35 @@ inline double sum_plain(float* __restrict p, int n) {
   double total = 0.0;
   for (int l = 0; l < kLanes; ++l) total += acc[l];
   return total;
+}
+
+// A loss shape (kernels/loss_shape.py) over a chunk: r[i] = rho(d[i]), d[i] = psi(d[i]) (in place), in the
+// reference's operations; the caller keeps l2 (r = d^2, psi = d) on its own path.
+inline void rho_psi(int32_t kind, float c, float* __restrict d, float* __restrict r, int n) {
+  switch (kind) {
+    case kL1:
+      for (int i = 0; i < n; ++i) {
+        r[i] = std::fabs(d[i]);
+        d[i] = d[i] > 0.0f ? 0.5f : (d[i] < 0.0f ? -0.5f : 0.0f);
+      }
+      break;
+    case kHuber:
+    case kSmoothL1:
+    case kPseudoHuber: {
+      const float k = kind == kHuber ? 2.0f * c : kind == kSmoothL1 ? 2.0f : 1.0f;  // rho = k*(sqrt(d^2+c^2) - c)
+      const float m = kind == kHuber ? c : kind == kSmoothL1 ? 1.0f : 0.5f;         // psi = m*d/sqrt(d^2+c^2)
+      for (int i = 0; i < n; ++i) {
+        const float dd = d[i] * d[i];
+        const float q = std::sqrt(dd + c * c);
+        const float v = dd / (q + c);  // sqrt(d^2 + c^2) - c without cancellation
+        r[i] = kind == kPseudoHuber ? v : k * v;
+        d[i] = (m * d[i]) / q;
+      }
+      break;
+    }
+    default:
+      for (int i = 0; i < n; ++i) r[i] = d[i] * d[i];
+  }
 }
 
 }  // namespace fasttrain::cpu::FT_CAP

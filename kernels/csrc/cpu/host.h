@@ -3,6 +3,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include "../args.h"
+
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -23,6 +25,22 @@ inline uint64_t offset_value(const at::Tensor& offset) {
   TORCH_CHECK(offset.numel() == 1 && offset.scalar_type() == at::kLong,
               "fasttrain native ops: offset must be a 0-d int64 tensor");
   return static_cast<uint64_t>(offset.item<int64_t>());  // a CPU tensor: a plain read
+}
+
+// What the CPU kernels read of a noise spec on the host: rows in [0, (K_XI or the range) / D), and not
+// with an explicit eps (the Python ops refuse the combination too).
+inline void check_spec(const NoiseSpecArgs& s, int64_t B, int64_t D, bool has_eps, bool need_std = true) {
+  if (!s.active()) return;
+  TORCH_CHECK(!has_eps, "fasttrain native ops: give either eps or a noise spec, not both");
+  TORCH_CHECK(!need_std || !(s.flags & kSpecPyramid) || s.std != nullptr,
+              "fasttrain native ops: pyramid noise needs its std (noise_std)");
+  if (s.rows != nullptr && D > 0) {
+    const int64_t R = static_cast<int64_t>(s.k_xi) / D;  // the base range holds R rows of D counters
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(s.rows[b] >= 0 && s.rows[b] < R, "fasttrain native ops: noise row ", s.rows[b], " outside [0, ", R,
+                  ")");
+    }
+  }
 }
 
 // The per-timestep bins of V values (kernels/bins.py): data float64 [1 + 2V, T], pivots [V, T].

@@ -11,6 +11,7 @@
 
 #include "chunk.h"
 #include "kernels.h"
+#include "spec_noise.h"
 
 namespace fasttrain::cpu::FT_CAP {
 namespace {
@@ -32,7 +33,43 @@ TileRange tile_range(int64_t k, int64_t D, int64_t tile) {
   return {b, start, std::min(D, start + tile)};
 }
 
+// The noise kernel with noise options (cpu/spec_noise.h): eps of the options, x_t from eps + gamma*u*xi.
+void noise_tiles_spec(const NoiseArgs& a, int64_t begin, int64_t end, int64_t tile) {
+  alignas(64) float xbuf[kChunk];
+  alignas(64) float ebuf[kChunk];
+  alignas(64) float pbuf[kChunk];
+  alignas(64) float y[kChunk];
+  SpecNoise spec(a.spec, a.seed, a.offset, a.D);
+  const bool perturb = (a.spec.flags & kSpecPerturb) != 0;
+  for (int64_t k = begin; k < end; ++k) {
+    const TileRange r = tile_range(k, a.D, tile);
+    const int64_t tb = a.t[r.b];
+    const float al = a.alpha[tb], sg = a.sigma[tb];
+    spec.begin(r.b);
+    for (int64_t s = r.start; s < r.end; s += kChunk) {
+      const int n = static_cast<int>(std::min<int64_t>(kChunk, r.end - s));
+      const int64_t g = r.b * a.D + s;
+      const float* __restrict x = load(a.x0, a.x0_type, g, n, xbuf);
+      spec.eps(s, n, ebuf);
+      const float* __restrict e = ebuf;
+      if (perturb) {
+        spec.perturbation(s, n, pbuf);
+        for (int i = 0; i < n; ++i) pbuf[i] = ebuf[i] + pbuf[i];  // eps + gamma*u*xi
+        e = pbuf;
+      }
+      float* __restrict out = a.xt_type == DType::kFloat32 ? static_cast<float*>(a.xt) + g : y;
+      for (int i = 0; i < n; ++i) out[i] = al * x[i] + sg * e[i];  // reference.noise
+      if (out == y) store(a.xt, a.xt_type, g, n, y);
+      if (a.eps_out != nullptr) std::memcpy(a.eps_out + g, ebuf, sizeof(float) * n);
+    }
+  }
+}
+
 void noise_tiles(const NoiseArgs& a, int64_t begin, int64_t end, int64_t tile) {
+  if (a.eps == nullptr && (a.spec.flags != 0 || a.spec.rows != nullptr)) {
+    noise_tiles_spec(a, begin, end, tile);
+    return;
+  }
   alignas(64) float xbuf[kChunk];
   alignas(64) float ebuf[kChunk];
   alignas(64) float y[kChunk];
@@ -58,16 +95,40 @@ void noise_tiles(const NoiseArgs& a, int64_t begin, int64_t end, int64_t tile) {
   }
 }
 
+// Sigma eps and Sigma eps^2 (float64) of the pyramid noise before its std division, per tile (noise_std).
+void moments_tiles(const NoiseArgs& a, double* partial, int64_t begin, int64_t end, int64_t tile) {
+  alignas(64) float ebuf[kChunk];
+  SpecNoise spec(a.spec, a.seed, a.offset, a.D);
+  for (int64_t k = begin; k < end; ++k) {
+    const TileRange r = tile_range(k, a.D, tile);
+    spec.begin(r.b);
+    double s1 = 0.0, s2 = 0.0;
+    for (int64_t s = r.start; s < r.end; s += kChunk) {
+      const int n = static_cast<int>(std::min<int64_t>(kChunk, r.end - s));
+      spec.eps(s, n, ebuf, /*norm=*/false);
+      s2 += sum_squares(ebuf, n);
+      s1 += sum_plain(ebuf, n);
+    }
+    partial[2 * k] = s1;
+    partial[2 * k + 1] = s2;
+  }
+}
+
 void loss_tiles(const LossArgs& a, double* partial, int64_t begin, int64_t end, int64_t tile) {
   alignas(64) float pbuf[kChunk];
   alignas(64) float ebuf[kChunk];
   alignas(64) float xbuf[kChunk];
   alignas(64) float p[kChunk];  // d = pred - target, then the gradient
+  alignas(64) float rbuf[kChunk];  // rho(d) of a loss shape
+  const bool with_spec = a.eps == nullptr && (a.spec.flags != 0 || a.spec.rows != nullptr);
+  SpecNoise spec(with_spec ? a.spec : NoiseSpecArgs{}, a.seed, a.offset, a.D);
   for (int64_t k = begin; k < end; ++k) {
     const TileRange r = tile_range(k, a.D, tile);
     const int64_t tb = a.t[r.b];
     const float ce = a.coef[tb], cx = a.coef[a.T + tb];
     const float scale = a.grad_scale * (a.weight[tb] * a.iw[r.b]);  // reference.loss_and_grad
+    const float c = a.huber_c != nullptr ? a.huber_c[tb] : 0.0f;
+    spec.begin(r.b);
     double total = 0.0;
     for (int64_t s = r.start; s < r.end; s += kChunk) {
       const int n = static_cast<int>(std::min<int64_t>(kChunk, r.end - s));
@@ -78,6 +139,8 @@ void loss_tiles(const LossArgs& a, double* partial, int64_t begin, int64_t end, 
       if (a.needs_eps) {
         if (a.eps != nullptr) {
           e = load(a.eps, a.eps_type, g, n, ebuf);
+        } else if (with_spec) {
+          spec.eps(s, n, ebuf);  // the noise kernel's eps of the options again
         } else {
           normals_chunk(a.seed, a.offset + static_cast<uint64_t>(g), n, ebuf);  // the noise kernel's eps again
         }
@@ -94,7 +157,12 @@ void loss_tiles(const LossArgs& a, double* partial, int64_t begin, int64_t end, 
       } else {
         std::memcpy(p, pv, sizeof(float) * n);
       }
-      total += sum_squares(p, n);
+      if (a.loss_kind == kL2) {
+        total += sum_squares(p, n);
+      } else {
+        rho_psi(a.loss_kind, c, p, rbuf, n);  // rbuf = rho(d), p = psi(d)
+        total += sum_plain(rbuf, n);
+      }
       for (int i = 0; i < n; ++i) p[i] = p[i] * scale;  // dL/dpred, written in the forward pass
       store(a.grad, a.pred_type, g, n, p);
     }
@@ -106,6 +174,6 @@ void loss_tiles(const LossArgs& a, double* partial, int64_t begin, int64_t end, 
 
 MixedTasksFn mixed_tasks_fn();  // cpu/mixed.cpp, the same instruction set
 
-KernelSet kernel_set() { return {FT_CAP_NAME, &noise_tiles, &loss_tiles, mixed_tasks_fn(), &words}; }
+KernelSet kernel_set() { return {FT_CAP_NAME, &noise_tiles, &loss_tiles, mixed_tasks_fn(), &words, &moments_tiles}; }
 
 }  // namespace fasttrain::cpu::FT_CAP

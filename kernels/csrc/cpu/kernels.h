@@ -24,12 +24,17 @@ using MixedTasksFn = void (*)(const MixedArgs&, double* partial, int64_t begin, 
 // Philox words 0 and 1 (philox.h) of counters base .. base + n - 1: the tests check them bit for bit.
 using WordsFn = void (*)(uint64_t seed, uint64_t base, int64_t n, uint32_t* w0, uint32_t* w1);
 
+// The pyramid noise's moments on tiles [begin, end): partial[2k], partial[2k + 1] = sum of eps, of eps^2
+// (before the std division) over tile k (cpu/spec_noise.h).
+using MomentsTilesFn = void (*)(const NoiseArgs&, double* partial, int64_t begin, int64_t end, int64_t tile);
+
 struct KernelSet {
   const char* name;
   NoiseTilesFn noise;
   LossTilesFn loss;
   MixedTasksFn mixed;
   WordsFn words;
+  MomentsTilesFn moments;
 };
 
 namespace cap_default { KernelSet kernel_set(); }

@@ -21,6 +21,7 @@
 
 #include "chunk.h"
 #include "kernels.h"
+#include "spec_noise.h"
 
 namespace fasttrain::cpu::FT_CAP {
 namespace {
@@ -65,13 +66,18 @@ struct Task {
   std::vector<float> d, e, pie, pi, gacc;
   std::vector<const float*> pw;
   int64_t b = 0;
-  float sw = 0.0f;  // s*w[t_b]: dL/dE = sw*E
+  float sw = 0.0f;  // s*w[t_b]: dL/dE = sw*psi(E)
+  float c = 0.0f;   // the loss shape's threshold c(t_b)
   double* acc = nullptr;
+  bool with_spec;
+  SpecNoise spec;  // the noise options' eps (cpu/spec_noise.h)
 
   explicit Task(const MixedArgs& args)
       : a(args), H(args.H), C(args.C), P(args.P), D(args.C * args.P), CO(args.H * args.C + (args.gate ? 0 : args.H)),
         sample_gate(mixed_gate_per_sample(args)), row(kRows * args.H), sa(args.H), d(args.H * kChunk),
-        e(args.H * kChunk), pie(args.H * kChunk), pw(args.H) {
+        e(args.H * kChunk), pie(args.H * kChunk), pw(args.H),
+        with_spec(args.eps == nullptr && (args.spec.flags != 0 || args.spec.rows != nullptr)),
+        spec(with_spec ? args.spec : NoiseSpecArgs{}, args.seed, args.offset, args.C * args.P) {
     if (!sample_gate) {
       pi.resize(static_cast<size_t>(H * a.block));
       gacc.resize(static_cast<size_t>(H * a.block));
@@ -89,6 +95,8 @@ struct Task {
     }
     const float s = a.grad_scale * a.iw[b];  // reference: s = (2/(B*D))*iw, then w = weight[t]*s
     sw = a.weight[tb] * s;
+    c = a.huber_c != nullptr ? a.huber_c[tb] : 0.0f;
+    spec.begin(b);
     for (int64_t h = 0; h < H; ++h) sa[h] = r(kAux, h) * s;
     std::fill(acc, acc + mixed_sums(H), 0.0);
   }
@@ -132,11 +140,14 @@ struct Task {
     alignas(64) float E[kChunk];
     alignas(64) float gE[kChunk];
     alignas(64) float g[kChunk];
+    alignas(64) float rbuf[kChunk];
     const int64_t gx = b * D + j;  // x0 element index: the Philox counter (minus offset)
     const float* __restrict x = load(a.x0, a.x0_type, gx, n, xbuf);
     const float* __restrict eps = ebuf;
     if (a.eps != nullptr) {
       eps = load(a.eps, a.eps_type, gx, n, ebuf);
+    } else if (with_spec) {
+      spec.eps(j, n, ebuf);  // the noise kernel's eps of the options again
     } else {
       normals_chunk(a.seed, a.offset + static_cast<uint64_t>(gx), n, ebuf);  // the noise kernel's eps again
     }
@@ -156,12 +167,25 @@ struct Task {
         for (int i = 0; i < n; ++i) E[i] += ph[i] * eh[i];
       }
     }
-    acc[0] += sum_squares(E, n);
-    for (int64_t h = 0; h < H; ++h) {
-      acc[1 + h] += sum_squares(d.data() + h * kChunk, n);
-      acc[1 + H + h] += sum_squares(e.data() + h * kChunk, n);
+    const bool l2 = a.loss_kind == kL2;
+    if (l2) {
+      acc[0] += sum_squares(E, n);
+      for (int i = 0; i < n; ++i) gE[i] = sw * E[i];  // dL/dE
+    } else {  // a loss shape: rho(E) in the sums, psi(E) in the gradient (torch_ref_mixed_loss.py)
+      std::memcpy(gE, E, sizeof(float) * n);
+      rho_psi(a.loss_kind, c, gE, rbuf, n);
+      acc[0] += sum_plain(rbuf, n);
+      for (int i = 0; i < n; ++i) gE[i] = sw * gE[i];
     }
-    for (int i = 0; i < n; ++i) gE[i] = sw * E[i];  // dL/dE
+    for (int64_t h = 0; h < H; ++h) {
+      acc[1 + H + h] += sum_squares(e.data() + h * kChunk, n);  // x0_error: always the x0-space MSE
+      if (l2) {
+        acc[1 + h] += sum_squares(d.data() + h * kChunk, n);
+      } else {
+        rho_psi(a.loss_kind, c, d.data() + h * kChunk, rbuf, n);  // d_h becomes psi(d_h): only the aux term reads it now
+        acc[1 + h] += sum_plain(rbuf, n);
+      }
+    }
     for (int64_t h = 0; h < H; ++h) {
       const float* __restrict ph = pw[h];
       const float* __restrict dh = d.data() + h * kChunk;

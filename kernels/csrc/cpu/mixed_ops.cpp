@@ -62,7 +62,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const at::Tensor& out_in, const at::Tensor& x0_in, const at::Tensor& t, const at::Tensor& weight_in,
     const at::Tensor& iw_in, const at::Tensor& tab_in, const std::optional<at::Tensor>& gate_in,
     const at::Tensor& pivots, at::Tensor& bins, const std::optional<at::Tensor>& eps_in, int64_t seed,
-    const at::Tensor& offset) {
+    const at::Tensor& offset, at::IntArrayRef spec, const OptT& table, const OptT& rows, const OptT& spec_mean,
+    const OptT& spec_std, int64_t loss_kind, const OptT& huber_c) {
   check_mixed(out_in, x0_in, t, tab_in, gate_in, eps_in);
   const at::Tensor out = out_in.contiguous(), x0 = x0_in.contiguous();
   const at::Tensor w = f32(weight_in), iw = f32(iw_in), tab = f32(tab_in);
@@ -102,6 +103,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   args.P = P;
   args.seed = static_cast<uint64_t>(seed);
   args.offset = offset_value(offset);
+  SpecTensors keep;
+  args.spec = spec_args(spec, table, rows, spec_mean, spec_std, x0, keep);
+  check_spec(args.spec, B, D, eps.defined());
+  at::Tensor keep_c;
+  args.loss_kind = static_cast<int32_t>(loss_kind);
+  args.huber_c = huber_table(loss_kind, huber_c, T, out, keep_c);
   // torch_ref_mixed_loss.loss_and_grad: s = (2/(B*D))*iw, the Python float rounded to float32 by torch
   args.grad_scale = B * D > 0 ? static_cast<float>(2.0 / static_cast<double>(B * D)) : 0.0f;
   const bool sample_gate = mixed_gate_per_sample(args);

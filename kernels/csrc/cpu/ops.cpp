@@ -34,7 +34,8 @@ void for_tiles(int64_t B, int64_t D, Fn&& fn) {
 std::tuple<at::Tensor, at::Tensor> noise(const at::Tensor& x0_in, const at::Tensor& t, const at::Tensor& alpha,
                                          const at::Tensor& sigma, const std::optional<at::Tensor>& eps_in,
                                          int64_t seed, const at::Tensor& offset, at::ScalarType out_dtype,
-                                         bool write_eps) {
+                                         bool write_eps, at::IntArrayRef spec, const OptT& table, const OptT& rows,
+                                         const OptT& spec_mean, const OptT& spec_std) {
   const at::Tensor x0 = x0_in.contiguous();
   const at::Tensor a = f32(alpha), s = f32(sigma);
   TORCH_CHECK(a.numel() == s.numel(), "fasttrain native ops: alpha and sigma differ in length");
@@ -50,6 +51,9 @@ std::tuple<at::Tensor, at::Tensor> noise(const at::Tensor& x0_in, const at::Tens
   at::Tensor eps_out = at::empty(write_eps ? x0.sizes() : at::IntArrayRef{0}, x0.options().dtype(at::kFloat));
   NoiseArgs args = noise_args(x0, eps, xt, eps_out, write_eps, t64, a, s, seed);
   args.offset = offset_value(offset);
+  SpecTensors keep;
+  args.spec = spec_args(spec, table, rows, spec_mean, spec_std, x0, keep);
+  check_spec(args.spec, args.B, args.D, eps.defined());
   if (args.B > 0 && args.D > 0) {
     const KernelSet& ks = kernels();
     for_tiles(args.B, args.D, [&](int64_t b, int64_t e, int64_t tile) { ks.noise(args, b, e, tile); });
@@ -57,10 +61,42 @@ std::tuple<at::Tensor, at::Tensor> noise(const at::Tensor& x0_in, const at::Tens
   return {xt, eps_out};
 }
 
+at::Tensor noise_std(const at::Tensor& x0_in, int64_t seed, const at::Tensor& offset, at::IntArrayRef spec,
+                     const OptT& table, const OptT& rows, const OptT& spec_mean) {
+  const at::Tensor x0 = x0_in.contiguous();
+  TORCH_CHECK(x0.dim() >= 1, "fasttrain native ops: inputs need a batch dimension");
+  NoiseArgs args{};
+  args.B = x0.size(0);
+  args.D = per_sample(x0);
+  args.seed = static_cast<uint64_t>(seed);
+  args.offset = offset_value(offset);
+  SpecTensors keep;
+  args.spec = spec_args(spec, table, rows, spec_mean, std::nullopt, x0, keep);
+  TORCH_CHECK(args.spec.flags & kSpecPyramid, "fasttrain native ops: noise_std is the pyramid noise's std");
+  check_spec(args.spec, args.B, args.D, false, /*need_std=*/false);
+  const int64_t tile = tile_for(args.D), per_b = args.D > 0 ? (args.D + tile - 1) / tile : 0;
+  std::vector<double> partial(static_cast<size_t>(2 * args.B * per_b));
+  if (args.B > 0 && args.D > 0) {
+    const KernelSet& ks = kernels();
+    for_tiles(args.B, args.D, [&](int64_t b, int64_t e, int64_t tl) { ks.moments(args, partial.data(), b, e, tl); });
+  }
+  double s1 = 0.0, s2 = 0.0;
+  for (size_t k = 0; k < partial.size(); k += 2) {  // fixed order: independent of the thread count
+    s1 += partial[k];
+    s2 += partial[k + 1];
+  }
+  const double n = static_cast<double>(args.B * args.D);
+  at::Tensor out = at::empty({}, x0.options().dtype(at::kFloat));
+  *out.data_ptr<float>() = static_cast<float>(std::sqrt((s2 - s1 * s1 / n) / (n - 1.0)));  // unbiased, as Tensor.std
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> loss(
     const at::Tensor& pred_in, const at::Tensor& x0_in, const at::Tensor& t, const at::Tensor& weight,
     const at::Tensor& iw_in, const at::Tensor& coef_in, const at::Tensor& pivots_in, at::Tensor& bins,
-    const std::optional<at::Tensor>& eps_in, int64_t seed, const at::Tensor& offset, int64_t needs) {
+    const std::optional<at::Tensor>& eps_in, int64_t seed, const at::Tensor& offset, int64_t needs,
+    at::IntArrayRef spec, const OptT& table, const OptT& rows, const OptT& spec_mean, const OptT& spec_std, int64_t loss_kind,
+    const OptT& huber_c) {
   const at::Tensor pred = pred_in.contiguous(), x0 = x0_in.contiguous();
   check_batch(pred, t, x0, "x0");
   const at::Tensor w = f32(weight), iw = f32(iw_in), coef = f32(coef_in);
@@ -83,6 +119,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> loss(
 
   LossArgs args = loss_args(pred, x0, eps, t64, w, iw, coef, grad, T, seed, needs);
   args.offset = offset_value(offset);
+  SpecTensors keep;
+  args.spec = spec_args(spec, table, rows, spec_mean, spec_std, x0, keep);
+  check_spec(args.spec, B, D, eps.defined());
+  at::Tensor keep_c;
+  args.loss_kind = static_cast<int32_t>(loss_kind);
+  args.huber_c = huber_table(loss_kind, huber_c, T, pred, keep_c);
 
   const int64_t tile = tile_for(D);
   const int64_t per_b = D > 0 ? (D + tile - 1) / tile : 0;

@@ -19,6 +19,10 @@ inline int64_t tiles_per_sample(int64_t D) { return (D + kTile - 1) / kTile; }
 // The noise kernel: one launch.
 void launch_noise(const NoiseArgs& a, cudaStream_t stream);
 
+// The pyramid noise's std (kernels/noise_spec.py): the moments into `sums` (2 float64, zeroed by the
+// caller), then std into `out` (float32), both on the device.
+void launch_noise_std(const NoiseArgs& a, double* sums, float* out, cudaStream_t stream);
+
 // The loss kernel: the elementwise pass writes the gradient and one fp32 partial sum of d^2 per tile
 // (`partial`, B * tiles_per_sample(D) floats, fully overwritten: no zeroing, no state between
 // calls); a one-block pass then reduces each sample's partials in a fixed order, writes raw, wl, per

@@ -4,6 +4,7 @@
 // by pointer and timesteps are not range-checked (as in the Triton path, kernels/triton_noise.py and
 // kernels/triton_diffusion_loss.py).
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -36,12 +37,21 @@ void set_offset(const at::Tensor& offset, const at::Tensor& like, uint64_t& valu
   }
 }
 
+// What can be checked without reading device memory (the rows are not range-checked: as the timesteps).
+void check_spec(const NoiseSpecArgs& s, bool has_eps, bool need_std) {
+  if (s.flags == 0 && s.rows == nullptr) return;
+  TORCH_CHECK(!has_eps, "fasttrain native ops: give either eps or a noise spec, not both");
+  TORCH_CHECK(!need_std || !(s.flags & kSpecPyramid) || s.std != nullptr,
+              "fasttrain native ops: pyramid noise needs its std (noise_std)");
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> noise(const at::Tensor& x0_in, const at::Tensor& t, const at::Tensor& alpha,
                                          const at::Tensor& sigma, const std::optional<at::Tensor>& eps_in,
                                          int64_t seed, const at::Tensor& offset, at::ScalarType out_dtype,
-                                         bool write_eps) {
+                                         bool write_eps, at::IntArrayRef spec, const OptT& table, const OptT& rows,
+                                         const OptT& spec_mean, const OptT& spec_std) {
   const c10::cuda::CUDAGuard guard(x0_in.device());
   const at::Tensor x0 = x0_in.contiguous();
   check_batch(x0, t, x0, "x0");
@@ -58,15 +68,40 @@ std::tuple<at::Tensor, at::Tensor> noise(const at::Tensor& x0_in, const at::Tens
   at::Tensor eps_out = at::empty(write_eps ? x0.sizes() : at::IntArrayRef{0}, x0.options().dtype(at::kFloat));
   NoiseArgs args = noise_args(x0, eps, xt, eps_out, write_eps, t64, a, s, seed);
   set_offset(offset, x0, args.offset, args.offset_ptr);
+  SpecTensors keep;
+  args.spec = spec_args(spec, table, rows, spec_mean, spec_std, x0, keep);
+  check_spec(args.spec, eps.defined(), true);
   launch_noise(args, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {xt, eps_out};
 }
 
+at::Tensor noise_std(const at::Tensor& x0_in, int64_t seed, const at::Tensor& offset, at::IntArrayRef spec,
+                     const OptT& table, const OptT& rows, const OptT& spec_mean) {
+  const c10::cuda::CUDAGuard guard(x0_in.device());
+  const at::Tensor x0 = x0_in.contiguous();
+  TORCH_CHECK(x0.dim() >= 1, "fasttrain native ops: inputs need a batch dimension");
+  NoiseArgs args{};
+  args.B = x0.size(0);
+  args.D = per_sample(x0);
+  args.seed = static_cast<uint64_t>(seed);
+  set_offset(offset, x0, args.offset, args.offset_ptr);
+  SpecTensors keep;
+  args.spec = spec_args(spec, table, rows, spec_mean, std::nullopt, x0, keep);
+  TORCH_CHECK(args.spec.flags & kSpecPyramid, "fasttrain native ops: noise_std is the pyramid noise's std");
+  at::Tensor sums = at::zeros({2}, x0.options().dtype(at::kDouble));
+  at::Tensor out = at::empty({}, x0.options().dtype(at::kFloat));
+  launch_noise_std(args, sums.data_ptr<double>(), out.data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> loss(
     const at::Tensor& pred_in, const at::Tensor& x0_in, const at::Tensor& t, const at::Tensor& weight,
     const at::Tensor& iw_in, const at::Tensor& coef_in, const at::Tensor& pivots_in, at::Tensor& bins,
-    const std::optional<at::Tensor>& eps_in, int64_t seed, const at::Tensor& offset, int64_t needs) {
+    const std::optional<at::Tensor>& eps_in, int64_t seed, const at::Tensor& offset, int64_t needs,
+    at::IntArrayRef spec, const OptT& table, const OptT& rows, const OptT& spec_mean, const OptT& spec_std, int64_t loss_kind,
+    const OptT& huber_c) {
   const c10::cuda::CUDAGuard guard(pred_in.device());
   const at::Tensor pred = pred_in.contiguous(), x0 = x0_in.contiguous();
   check_batch(pred, t, x0, "x0");
@@ -101,6 +136,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> loss(
 
   LossArgs args = loss_args(pred, x0, eps, t64, w, iw, coef, grad, T, seed, needs);
   set_offset(offset, pred, args.offset, args.offset_ptr);
+  SpecTensors keep;
+  args.spec = spec_args(spec, table, rows, spec_mean, spec_std, x0, keep);
+  check_spec(args.spec, eps.defined(), true);
+  at::Tensor keep_c;
+  args.loss_kind = static_cast<int32_t>(loss_kind);
+  args.huber_c = huber_table(loss_kind, huber_c, T, pred, keep_c);
 
   LossOutputs out{partial.data_ptr<float>(), raw.data_ptr<float>(), wl.data_ptr<float>(), per.data_ptr<float>(),
                   mean.data_ptr<float>(), with_bins ? bins.data_ptr<double>() : nullptr,
