@@ -216,6 +216,7 @@ def main(argv=None) -> None:
     ap.add_argument("--arms", default=None, help="comma-separated arm names (baseline is always run)")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default: each domain's)")
     ap.add_argument("--seeds", type=int, default=None, help="seeds per arm (default: 5 digits, 10 checkerboard)")
+    ap.add_argument("--steps", type=int, default=None, help="steps of every run (default: each batch size's)")
     ap.add_argument("--parallel", type=int, default=2, help="runs side by side (one thread each)")
     ap.add_argument("--evals", type=int, default=10, help="evaluations per run")
     ap.add_argument("--no-timing", action="store_true", help="skip the side-by-side step costs")
@@ -241,24 +242,32 @@ def main(argv=None) -> None:
     saved = json.loads(json_path.read_text()) if (args.resume and json_path.is_file()) else {}
     results = saved.get("results", {})
     meta = {"machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
-            "min_updates": MIN_UPDATES, "targets": TARGETS, "domains": {}}
+            "min_updates": MIN_UPDATES, "targets": TARGETS, "domains": saved.get("meta", {}).get("domains", {})}
+    if saved:  # every invocation that wrote into these results
+        meta["commands"] = saved.get("meta", {}).get("commands", [saved.get("meta", {}).get("command", "")])
+        meta["commands"].append(meta["command"])
     for domain in domains:
         d = DOMAINS[domain]
-        batches = {b: n for b, n in d["batches"].items() if not args.batches or str(b) in args.batches.split(",")}
+        batches = {b: args.steps or n for b, n in d["batches"].items()
+                   if not args.batches or str(b) in args.batches.split(",")}
         seeds = list(range(args.seeds or d["seeds"]))
         if args.quick:
             batches, seeds = {16: 300}, [0]
             d = DOMAINS[domain] = {**d, "eval_n": 128}
         arms = dict(arms_all)
-        meta["domains"][domain] = {"batches": batches, "seeds": seeds, "evals": args.evals, "eval_n": d["eval_n"],
-                                   "metric": d["label"], "base": d["base"]}
+        known = meta["domains"].get(domain, {})
+        meta["domains"][domain] = {**known, "batches": {**known.get("batches", {}), **{str(b): n for b, n in batches.items()}},
+                                   "seeds": seeds, "evals": args.evals, "eval_n": d["eval_n"], "metric": d["label"],
+                                   "base": d["base"]}
+        meta["domains"][domain].setdefault("arms", {})
+        meta["domains"][domain]["arms"].update({str(b): list(arms_all) for b in batches})
         results.setdefault(domain, {})
         for i, (batch, steps) in enumerate(batches.items()):
             jobs = [(domain, batch, a, s, overrides(domain, arm, a, batch, s, steps, args.evals))
                     for a, arm in arms.items() for s in seeds]
             run_grid(jobs, args.parallel, args.resume)
             res = analyse(domain, batch, arms, seeds, steps, None)
-            if i == 0 and not args.quick and "combination" not in arms:
+            if i == 0 and not args.quick and not args.arms and "combination" not in arms:
                 combo = combination(res, arms)
                 if combo:
                     arms["combination"] = combo[1]
