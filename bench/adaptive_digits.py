@@ -44,7 +44,8 @@ def main() -> None:
     torch.manual_seed(0)
     x, y = digits(split="train")
     lin = fd.schedule("linear")
-    model = Denoiser(build_model("unet_tiny", in_channels=1, image_size=8, num_classes=10), PredictionOutput("eps", lin),
+    model = Denoiser(build_model("unet_tiny", in_channels=1, image_size=8, num_classes=10), PredictionOutput("eps",
+                                                                                                             lin),
                      lin)
     sampler_args = {"tau_grid": 0, "every": 40} if args.official else {}
     obj = fd.DiffusionObjective(lin, "eps", "min_snr", "adaptive", sampler_args=sampler_args)

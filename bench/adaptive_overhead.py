@@ -113,7 +113,7 @@ def draw_overhead(case: str, batch: int, rounds: int, steps: int = 20) -> dict:
     for _ in range(rounds):
         for k, r in runners.items():
             cpu[k].append(r.steps(steps)[1])
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    med = lambda xs: sorted(xs)[len(xs) // 2]
     return {k: med([a / b for a, b in zip(cpu[k], cpu["uniform"])]) - 1 for k in ("beta", "global")}
 
 
@@ -154,7 +154,8 @@ def parse_extra(specs: list[str]) -> dict:
     for spec in specs:
         name, _, args = spec.partition("=")
         kv = dict(a.split(":") for a in args.split(",") if a)
-        out[name] = {k: (float(v) if "." in v else int(v)) if v.replace(".", "").isdigit() else v for k, v in kv.items()}
+        out[name] = {k: (float(v) if "." in v else int(v)) if v.replace(".", "").isdigit() else v for k,
+                     v in kv.items()}
     return out
 
 
@@ -236,10 +237,12 @@ def main() -> None:
              "look-ahead ms/update | probe forwards/update |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         every = (r["args"] or {}).get("every", DEFAULT_EVERY) if r["args"] is not None else None
-        lines.append(f"| {r['model']} {'×'.join(map(str, r['shape']))} | {r['variant']} | {r['cpu_ms_per_step']:.2f} | "
-                     f"**{100 * r['overhead_decomposed']:+.1f}%** | {100 * r['draw_overhead']:+.1f}% | "
-                     f"{100 * r['lookahead_share']:+.1f}% | {100 * r['overhead_cpu']:+.1f}% | {100 * r['overhead']:+.1f}% | "
-                     f"{(r['lookahead_ms_per_step'] * every if every else 0):.0f} | {r['probe_elements_per_update'] or '-'} |")
+        lines.append(f"| {r['model']} {'×'.join(map(str, r['shape']))} | {r['variant']} | "
+                     f"{r['cpu_ms_per_step']:.2f} | **{100 * r['overhead_decomposed']:+.1f}%** | "
+                     f"{100 * r['draw_overhead']:+.1f}% | {100 * r['lookahead_share']:+.1f}% | "
+                     f"{100 * r['overhead_cpu']:+.1f}% | {100 * r['overhead']:+.1f}% | "
+                     f"{(r['lookahead_ms_per_step'] * every if every else 0):.0f} | "
+                     f"{r['probe_elements_per_update'] or '-'} |")
     lines += ["", f"## Common random numbers ({crn['case']}, {crn['draws']} probe draws, S = {crn['S']})", "",
               "| reward | variance, fresh noise (official) | variance, CRN | reduction |", "|---|---|---|---|",
               f"| per sample | {crn['var_per_sample_fresh']:.3e} | {crn['var_per_sample_crn']:.3e} | "

@@ -31,13 +31,13 @@ import _env  # noqa: F401  (OpenMP's wait policy, before torch loads it)
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cases import machine  # noqa: E402
+from cases import machine
 
-from fasttrain import diffusion as fd  # noqa: E402
-from fasttrain.diffusion import mixed as M  # noqa: E402
-from fasttrain.kernels import TimestepBins, native, torch_ref_mixed_loss  # noqa: E402
-from fasttrain.kernels.backend import has_triton  # noqa: E402
-from fasttrain.kernels.mixed_loss import mixed_loss  # noqa: E402
+from fasttrain import diffusion as fd
+from fasttrain.diffusion import mixed as M
+from fasttrain.kernels import TimestepBins, native, torch_ref_mixed_loss
+from fasttrain.kernels.backend import has_triton
+from fasttrain.kernels.mixed_loss import mixed_loss
 
 SHAPE, HEADS, T, ROUNDS = (256, 4, 32, 32), ("eps", "x0", "v"), 1000, 21
 RESULTS = Path(__file__).parent / "results"

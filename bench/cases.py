@@ -125,7 +125,8 @@ def count_launches(fn) -> int:
 
 
 def machine() -> dict:
-    info = {"torch": torch.__version__, "python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
+    info = {"torch": torch.__version__, "python": platform.python_version(),
+            "cpu": platform.processor() or platform.machine(),
             "threads": torch.get_num_threads(), "cores": os.cpu_count(),
             "loadavg_1min": round(os.getloadavg()[0], 2)}  # other processes on a shared machine
     try:

@@ -25,7 +25,8 @@ def pytest_sessionfinish(session, exitstatus):
             continue
         med = {impl: statistics.median(ts) for impl, ts in info["times_s"].items()}
         for impl, sec in med.items():
-            rows.append({"shape": b.group, "impl": impl, "median_ms": sec * 1e3, "min_ms": min(info["times_s"][impl]) * 1e3,
+            rows.append({"shape": b.group, "impl": impl, "median_ms": sec * 1e3,
+                         "min_ms": min(info["times_s"][impl]) * 1e3,
                          "rounds": len(info["times_s"][impl]), "launches": info["launches"][impl],
                          "floor_GBps": info["floor_bytes"] / sec / 1e9, "device": info["device"],
                          "threads": info["threads"],
@@ -46,7 +47,8 @@ def pytest_sessionfinish(session, exitstatus):
     nan = float("nan")
     for r in rows:
         lines.append(f"| {r['shape']} | {r['impl']} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {r['launches']} | "
-                     f"{r['floor_GBps']:.1f} | {r['speedup_vs_eager'] or nan:.2f} | {r['speedup_vs_compile'] or nan:.2f} |")
+                     f"{r['floor_GBps']:.1f} | {r['speedup_vs_eager'] or nan:.2f} | "
+                     f"{r['speedup_vs_compile'] or nan:.2f} |")
     lines += ["", f"{rows[0]['rounds']} interleaved rounds per batch (every implementation once per round, rotating "
               f"order), {rows[0]['threads']} threads on CPU; ratios are of the medians.",
               "launches: CUDA kernels per call on GPU; on CPU, top-level ops dispatched (aten and fasttrain)."]

@@ -38,8 +38,8 @@ from pathlib import Path
 import _env  # noqa: F401  (OpenMP's wait policy, before torch loads it)
 
 sys.path.insert(0, str(Path(__file__).parent))
-from convergence_arms import ARMS, Arm, available, combination  # noqa: E402
-from convergence_lib import first_crossing, paired_median_ci, value_at  # noqa: E402
+from convergence_arms import ARMS, Arm, available, combination
+from convergence_lib import first_crossing, paired_median_ci, value_at
 
 ROOT = Path(__file__).parent
 RESULTS = ROOT / "results"
@@ -55,7 +55,8 @@ DOMAINS = {
                                   "eval.steps=20"],
                    metric="fid", label="FID (digits features)", batches={16: 2000, 4: 3000}, seeds=5, eval_n=256),
     "checkerboard": dict(base=COMMON + ["data.name=checkerboard", "model.name=mlp", "optim.lr=2e-3", "eval.steps=50"],
-                         metric="sw2", label="sliced W2 to the true density", batches={128: 2000}, seeds=10, eval_n=2000),
+                         metric="sw2", label="sliced W2 to the true density", batches={128: 2000}, seeds=10,
+                         eval_n=2000),
 }
 
 
@@ -112,7 +113,6 @@ def curve(run: Path, metric: str) -> dict | None:
 
 def adaptive_state(run: Path) -> dict | None:
     """Policy updates and the total variation of the final p(t) from uniform, from the run's checkpoint."""
-    import torch
 
     from fasttrain import checkpoint as ckpt
     from fasttrain import diffusion as fd
@@ -143,7 +143,8 @@ def analyse(domain: str, batch: int, arms: dict[str, Arm], seeds: list[int], ste
                 if not (base and c and base["steps"] and c["steps"]):
                     continue
                 target = value_at(frac * steps, base["steps"], base["value"])
-                mine, theirs = first_crossing(c["steps"], c["value"], target), first_crossing(base["steps"], base["value"], target)
+                mine, theirs = first_crossing(c["steps"], c["value"], target), first_crossing(base["steps"],
+                                                                                              base["value"], target)
                 ratios.append((theirs.steps / mine.steps if not mine.censored else math.nan, mine.censored))
                 if ctrl and ctrl["steps"] and arm.control != "baseline":
                     # control steps / arm steps; where the control never got there the value is a lower bound
@@ -220,7 +221,8 @@ def main(argv=None) -> None:
     ap.add_argument("--parallel", type=int, default=2, help="runs side by side (one thread each)")
     ap.add_argument("--evals", type=int, default=10, help="evaluations per run")
     ap.add_argument("--no-timing", action="store_true", help="skip the side-by-side step costs")
-    ap.add_argument("--out", default=None, help="results folder (default bench/results; --quick: bench/.convergence-quick)")
+    ap.add_argument("--out", default=None,
+                    help="results folder (default bench/results; --quick: bench/.convergence-quick)")
     args = ap.parse_args(argv)
     global RUNS
     t0 = time.time()
@@ -256,7 +258,8 @@ def main(argv=None) -> None:
             d = DOMAINS[domain] = {**d, "eval_n": 128}
         arms = dict(arms_all)
         known = meta["domains"].get(domain, {})
-        meta["domains"][domain] = {**known, "batches": {**known.get("batches", {}), **{str(b): n for b, n in batches.items()}},
+        meta["domains"][domain] = {**known, "batches": {**known.get("batches", {}), **{str(b): n for b,
+                                                                                       n in batches.items()}},
                                    "seeds": seeds, "evals": args.evals, "eval_n": d["eval_n"], "metric": d["label"],
                                    "base": d["base"]}
         meta["domains"][domain].setdefault("arms", {})
@@ -273,7 +276,8 @@ def main(argv=None) -> None:
                     arms["combination"] = combo[1]
                     meta["domains"][domain]["combination"] = combo[0]
             if "combination" in arms:
-                jobs = [(domain, batch, "combination", s, overrides(domain, arms["combination"], "combination", batch, s,
+                jobs = [(domain, batch, "combination", s, overrides(domain, arms["combination"], "combination", batch,
+                                                                    s,
                                                                     steps, args.evals)) for s in seeds]
                 run_grid(jobs, args.parallel, True)
             cost = None if args.no_timing else step_costs(domain, arms, batch, steps, timing_steps)

@@ -18,7 +18,8 @@ class Arm:
     source: str               # where the recipe comes from
     control: str = "baseline"
     adaptive: bool = False    # report policy updates and the drift of p(t)
-    needs: tuple[str, ...] = field(default=())  # config keys it needs (an arm whose keys this version lacks is left out)
+    needs: tuple[str,
+                 ...] = field(default=())  # config keys it needs (an arm whose keys this version lacks is left out)
 
 
 BASELINE = Arm((), "base", "uniform t, ε-prediction, unweighted ε-MSE (≡ SNR-weighted x0-MSE)", "Ho et al. 2020 (DDPM)")
@@ -38,7 +39,8 @@ ARMS: dict[str, Arm] = {
     "logit_normal": Arm(("diffusion.sampler=logit_normal",), "sampler", "logit-normal t (0, 1)",
                         "Esser et al. 2024 (SD3)"),
     "edm2": Arm(("diffusion.prediction=v", "diffusion.weighting=edm", "diffusion.weighting_args.sigma_data=0.5",
-                 "diffusion.sampler=lognormal", "diffusion.sampler_args.p_mean=-0.8", "diffusion.sampler_args.p_std=1.6",
+                 "diffusion.sampler=lognormal", "diffusion.sampler_args.p_mean=-0.8",
+                 "diffusion.sampler_args.p_std=1.6",
                  "diffusion.learned_weighting=true", "diffusion.logvar_layer=edm2", "optim.grad_clip=0",
                  "optim.betas=[0.9,0.99]"), "weighting",
                 "log-normal σ (P_mean −0.8, P_std 1.6), EDM weighting λ(σ) (σ_data 0.5), learned log-variance through "
@@ -58,7 +60,8 @@ ARMS: dict[str, Arm] = {
     "mixed_snr": Arm(("diffusion.prediction=mixed", "diffusion.weighting=snr"), "prediction",
                      "mixed prediction (ε, x0, v; pixel gate) under the baseline's weighting (x0-space SNR ≡ ε-MSE)",
                      "Xie & Agam 2025", control="baseline"),
-    "mixed_min_snr": Arm(("diffusion.prediction=mixed", "diffusion.weighting=min_snr", "diffusion.weighting_args.gamma=5"),
+    "mixed_min_snr": Arm(("diffusion.prediction=mixed", "diffusion.weighting=min_snr",
+                          "diffusion.weighting_args.gamma=5"),
                          "prediction", "mixed prediction under Min-SNR-5", "Xie & Agam 2025", control="min_snr_eps"),
     "input_perturbation": Arm(("diffusion.noise.perturbation=0.1",), "noise",
                               "input perturbation γ = 0.1 (x_t from ε + γξ, target ε)",

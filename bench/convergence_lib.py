@@ -26,7 +26,7 @@ class Crossing:
     steps: float          # interpolated step of the first crossing, or the last step if censored
     censored: bool        # never reached: steps is a lower bound
 
-    def ratio_to(self, base: "Crossing") -> tuple[float, str]:
+    def ratio_to(self, base: Crossing) -> tuple[float, str]:
         """base.steps / self.steps (the speed-up over the baseline) and how it is bounded:
         "=" exact, ">" a lower bound (this run did not reach it), "<" an upper bound (the baseline did
         not), "?" both censored."""
@@ -94,6 +94,6 @@ def paired_median_ci(ratios: list[tuple[float, bool]], level: float = 0.9, n_boo
     rng = np.random.default_rng(seed)
     boot = med(vals[rng.integers(0, n, size=(n_boot, n))])
     q = np.quantile(boot, [(1 - level) / 2, 1 - (1 - level) / 2], method="inverted_cdf")
-    fin = lambda v: float(v) if np.isfinite(v) else None  # noqa: E731
+    fin = lambda v: float(v) if np.isfinite(v) else None
     return {"median": fin(med(vals)), "ci": [fin(q[0]), fin(q[1])], "censored": int(sum(c for _, c in ratios)),
             "n": n}

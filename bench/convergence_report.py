@@ -11,7 +11,7 @@ from convergence_lib import value_at
 
 def _ratio(t: dict) -> str:
     med, (lo, hi) = t["ratio_median"], t["ratio_ci90"]
-    f = lambda v: "cens." if v is None else f"{v:.2f}"  # noqa: E731
+    f = lambda v: "cens." if v is None else f"{v:.2f}"
     mark = " **↑**" if lo is not None and lo > 1 else (" ↓" if hi is not None and hi < 1 else "")
     cens = f", {t['censored']} cens." if t["censored"] else ""
     return f"{f(med)} [{f(lo)}, {f(hi)}]{mark}{cens}"
@@ -21,7 +21,8 @@ def write_outputs(results: dict, meta: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "convergence.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
     lines = ["# Convergence study", "", f"machine: {json.dumps(meta['machine'])}  ", f"when: {meta['when']}  ",
-             "commands: " + ", ".join(f"`{c}`" for c in meta.get("commands", [meta["command"]])) + "  ", f"wall: {meta.get('wall_seconds', 0) / 60:.0f} min", "",
+             "commands: " + ", ".join(f"`{c}`" for c in meta.get("commands", [meta["command"]])) + "  ",
+             f"wall: {meta.get('wall_seconds', 0) / 60:.0f} min", "",
              "Each cell: median over paired seeds of (baseline steps / arm steps) to reach the baseline's metric at "
              "25%, 50% and 100% of its run, and the 90% bootstrap interval over seeds. **↑**: the interval lies "
              "entirely above 1 (faster); ↓: entirely below 1. 'cens.': seeds that never reached the target within "

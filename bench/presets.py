@@ -36,7 +36,8 @@ def main(argv=None) -> None:
                               "train.progress=false", "--restart"], capture_output=True, text=True)
         seconds = time.time() - t0
         if out.returncode != 0:
-            raise SystemExit(f"{name} failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
+            why = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode
+            raise SystemExit(f"{name} failed: {why}")
         summary = json.loads((run / "summary.json").read_text())
         ev = summary.get("eval", {})
         rows.append({"preset": name, "seconds": seconds, "steps": summary["steps"], **{k: ev.get(k) for k in (
@@ -44,14 +45,16 @@ def main(argv=None) -> None:
             "digits_label_agreement")}})
         print(rows[-1], flush=True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    info = {"python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "cpu": platform.processor() or platform.machine(),
             "device": dev}
     meta = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": info, "command": " ".join(sys.argv)}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"presets-{dev}.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
     lines = [f"# Preset runs (`fasttrain train PRESET`, end to end), {dev}", "", f"machine: {json.dumps(info)}  ",
              f"when: {meta['when']}  ", f"command: `{meta['command']}`", "",
-             "| preset | steps | wall time | FID | precision / recall | bits/dim | classifier confidence | classes | agrees with label |",
+             "| preset | steps | wall time | FID | precision / recall | bits/dim | classifier confidence | classes "
+             "| agrees with label |",
              "|---|---|---|---|---|---|---|---|---|"]
     def f(v, spec=".2f"):  # toy presets have no digits metrics
         return "—" if v is None else format(v, spec)

@@ -23,11 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from cases import machine  # noqa: E402
+from cases import machine
 
-from fasttrain import diffusion as fd  # noqa: E402
-from fasttrain.data.builtin import digits  # noqa: E402
-from fasttrain.models import build_model  # noqa: E402
+from fasttrain import diffusion as fd
+from fasttrain.data.builtin import digits
+from fasttrain.models import build_model
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -74,7 +74,8 @@ def measure(kind: str, variant: dict, steps: int) -> dict:
         t0 = time.perf_counter()
         if variant["threads"]:
             env["OMP_NUM_THREADS"] = str(variant["threads"])
-        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/diffusion/test_objective.py"],
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "tests/diffusion/test_objective.py"],
                        cwd=ROOT, env=env, check=True, capture_output=True)
         return {"ms": 1000 * (time.perf_counter() - t0), "load": load}
     out = subprocess.run([sys.executable, "-c", WORKER, kind, str(variant["threads"]), str(steps)], cwd=ROOT, env=env,
@@ -115,14 +116,16 @@ def main() -> None:
 def write(cells: dict, kinds: list, args) -> None:
     med = {k: statistics.median(m["ms"] for m in v) for k, v in cells.items()}
     unit = {"train": "ms/step", "kernels": "ms/step", "tests": "ms (test module wall time)"}
-    rows = ["| workload | variant | free | one core busy | busy ÷ free | free ÷ before's free |", "|---|---|---|---|---|---|"]
+    rows = ["| workload | variant | free | one core busy | busy ÷ free | free ÷ before's free |",
+            "|---|---|---|---|---|---|"]
     for kind in kinds:
         base = med[(kind, next(iter(VARIANTS)), "free")]
         for name in VARIANTS:
             free, busy = med[(kind, name, "free")], med[(kind, name, "one core busy")]
             rows.append(f"| {kind} ({unit[kind]}) | {name} | {free:.1f} | {busy:.1f} | {busy / free:.2f} | "
                         f"{free / base:.2f} |")
-    machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "python": sys.version.split()[0],
+    machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+               "python": sys.version.split()[0],
                "load_avg_at_end": os.getloadavg()[0]}
     try:
         import torch
@@ -132,7 +135,8 @@ def write(cells: dict, kinds: list, args) -> None:
         pass
     RESULTS.mkdir(exist_ok=True)
     data = {"machine": machine, "rounds": args.rounds, "steps": args.steps,
-            "cells": {" | ".join(k): v for k, v in cells.items()}, "median_ms": {" | ".join(k): v for k, v in med.items()}}
+            "cells": {" | ".join(k): v for k, v in cells.items()}, "median_ms": {" | ".join(k): v for k,
+                                                                                 v in med.items()}}
     (RESULTS / "threads-cpu.json").write_text(json.dumps(data, indent=1))
     text = "\n".join(["# CPU threads on a shared machine (`python bench/threads.py`)", "",
                       f"{args.rounds} interleaved rounds; medians. train: the default preset's training step; kernels: "

@@ -13,7 +13,8 @@ Small batch (CUDA): the tiny UNet on digits and DiT-S/2, DiT-B/2 on 4×32×32 la
 256, each eager, compiled, and compiled + the whole step in one CUDA graph, in images/s and MFU.
 
 Variants are interleaved in short rounds and the mean over rounds taken (a cost paid every K steps
-counts), so that load changes on a shared machine hit all of them alike. Writes bench/results/throughput-<device>.{json,md}.
+counts), so that load changes on a shared machine hit all of them alike. Writes
+bench/results/throughput-<device>.{json,md}.
 """
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ MACHINERY = {
                                                                    "diffusion.stats_every=1"],
     "speed sampling + speed weighting": ["diffusion.sampler=speed", "diffusion.weighting=speed"],
     "adaptive, fasttrain defaults (tau_grid 16, every 100)": ["diffusion.sampler=adaptive"],
-    "adaptive, official setting (all T τ, every 40)": ["diffusion.sampler=adaptive", "diffusion.sampler_args.tau_grid=0",
+    "adaptive, official setting (all T τ, every 40)": ["diffusion.sampler=adaptive",
+                                                       "diffusion.sampler_args.tau_grid=0",
                                                        "diffusion.sampler_args.every=40"],
     "mixed prediction (eps, x0, v; pixel gate)": ["diffusion.prediction=mixed"],
     "interference diagnostic every 50 steps": ["diffusion.weighting=simple", "diffusion.sampler=uniform",
@@ -110,7 +112,8 @@ def machinery(args, tmp: Path) -> list[dict]:
     from fasttrain.diffusion import SAMPLERS
 
     base = [f"model.name={args.model}", f"data.batch_size={args.batch}", f"train.threads={args.threads}",
-            "data.name=digits", "diagnostics.interference_every=0"] + (["model.args.ch=16"] if args.model == "unet_tiny" else [])
+            "data.name=digits", "diagnostics.interference_every=0"]
+    base += ["model.args.ch=16"] if args.model == "unet_tiny" else []
     variants = {k: v for k, v in MACHINERY.items() if "adaptive" not in " ".join(v) or "adaptive" in SAMPLERS}
     variants.update({k: PLAIN + v for k, v in OPTIONS.items()} if args.options else {})
     trainers = {k: trainer(base + v, tmp) for k, v in variants.items()}
@@ -215,7 +218,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="unet_tiny")
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (one is fastest for tiny models on 2 shared cores)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (one is fastest for tiny models on 2 shared cores)")
     ap.add_argument("--steps", type=int, default=400, help="steps per variant, in interleaved rounds")
     ap.add_argument("--round", type=int, default=20, help="steps per round")
     ap.add_argument("--warmup", type=int, default=10, help="steps before timing")
@@ -281,11 +285,13 @@ def main() -> None:
                       f"{direct['ms_diag']:.2f} ms/step, **{100 * direct['overhead']:+.1f}%** ({direct['steps']} steps "
                       f"each in interleaved rounds of {direct['round']}, {direct['measurements']} measurements)."]
     if small:
-        lines += ["", "## Small batch, one GPU (bf16)", "", "| model | batch | mode | ms/step | images/s | MFU | × eager |",
+        lines += ["", "## Small batch, one GPU (bf16)", "",
+                  "| model | batch | mode | ms/step | images/s | MFU | × eager |",
                   "|---|---|---|---|---|---|---|"]
         for r in small:
             mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a"
-            lines.append(f"| {r['model']} | {r['batch']} | {r['mode']} | {r['ms_per_step']:.2f} | {r['images_per_s']:.0f} | "
+            lines.append(f"| {r['model']} | {r['batch']} | {r['mode']} | {r['ms_per_step']:.2f} | "
+                         f"{r['images_per_s']:.0f} | "
                          f"{mfu} | {r['speedup_vs_eager']:.2f} |")
     (RESULTS / f"throughput-{dev}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -98,7 +98,7 @@ class ModelBundle:
 
     # -- construction --------------------------------------------------------------------------------
     @classmethod
-    def build(cls, cfg: DictConfig, spec: DataSpec, device, net: Denoiser | None = None) -> "ModelBundle":
+    def build(cls, cfg: DictConfig, spec: DataSpec, device, net: Denoiser | None = None) -> ModelBundle:
         """A fresh network (seeded: the same initial weights on every rank) and its EMA."""
         if net is None:
             with torch.random.fork_rng(devices=[]):
@@ -108,7 +108,7 @@ class ModelBundle:
         return cls(cfg, spec, net, EMA(net, o.ema_decay, o.ema_warmup), device)
 
     @classmethod
-    def load(cls, path, device=None, vae: str | None = None) -> "ModelBundle":
+    def load(cls, path, device=None, vae: str | None = None) -> ModelBundle:
         """From a checkpoint alone (RUN, RUN/last.pt or RUN/dcp): no data, optimizer, process group,
         objective, sampler or statistics. Refuses weights that are not finite. `vae`: the VAE folder
         that decodes a latent run's samples, instead of the one recorded in the checkpoint."""
@@ -119,8 +119,9 @@ class ModelBundle:
         def cfg_of(state):
             try:
                 return OmegaConf.merge(OmegaConf.structured(Config), state["config"])
-            except Exception as e:  # noqa: BLE001 - a config from another version or hand-edited
-                raise ckpt.CheckpointError(f"{path}: its config does not fit this version ({type(e).__name__})") from None
+            except Exception as e:  # a config from another version or hand-edited
+                raise ckpt.CheckpointError(f"{path}: its config does not fit this version "
+                                           f"({type(e).__name__})") from None
 
         def spec_of(state):
             try:
@@ -136,7 +137,8 @@ class ModelBundle:
         net = net.to(device)
         ema = EMA(net, cfg.optim.ema_decay, cfg.optim.ema_warmup)
         ema.load_state_dict(ema_sd)
-        bad = [n for n, p in list(net.named_parameters()) + list(zip(ema.names, ema.shadow)) if not torch.isfinite(p).all()]
+        named = list(net.named_parameters()) + list(zip(ema.names, ema.shadow))
+        bad = [n for n, p in named if not torch.isfinite(p).all()]
         if bad:
             raise ckpt.CheckpointError(f"{path} holds non-finite weights ({bad[0]}); it cannot generate")
         train = ckpt.train_state(state)

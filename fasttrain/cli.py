@@ -105,7 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--steps", type=_positive("--steps"), default=None, help="solver steps")
     ev.add_argument("--extractor", choices=EXTRACTORS, default=None, help="FID feature extractor")
     ev.add_argument("--weights", default=None, help="local Inception weights (offline machines)")
-    ev.add_argument("--ref", default=None, help="reference folder (images or .npy latents) for runs trained on a folder")
+    ev.add_argument("--ref", default=None,
+                    help="reference folder (images or .npy latents) for runs trained on a folder")
     ev.add_argument("--no-bpd", action="store_true", help="skip the bits/dim estimate")
     ev.add_argument("--out", default=None, help="JSON file (default: RUN/eval.json)")
     ev.add_argument("--vae", default=None, help="latent runs: decode with this VAE folder (default: the recorded one)")
@@ -123,7 +124,8 @@ def _parser() -> argparse.ArgumentParser:
 
     da = sub.add_parser("data", help="data-set tools")
     dsub = da.add_subparsers(dest="data_command", parser_class=_Parser)
-    pr = dsub.add_parser("prepare", help="check a folder, list corrupt files, write its manifest (optionally encode to .npy latents)")
+    pr = dsub.add_parser("prepare", help="check a folder, list corrupt files, write its manifest "
+                                         "(optionally encode to .npy latents)")
     pr.add_argument("root", help="image folder (class subfolders give labels) or .npy latent folder")
     pr.add_argument("--out", default=None, help="manifest path (default ROOT/fasttrain-manifest.json)")
     pr.add_argument("--encoder", default=None, help="module:function mapping images [N,3,S,S] in [-1,1] to latents")
@@ -241,7 +243,8 @@ def _print_eval(ev: dict) -> None:
     if "digits_confidence" in ev:
         print(f"digit classifier on samples: confidence {ev['digits_confidence']:.3f}, "
               f"{100 * ev['digits_confident_frac']:.0f}% confident, classes {ev['digits_classes_present']}/10"
-              + (f", label agreement {100 * ev['digits_label_agreement']:.0f}%" if "digits_label_agreement" in ev else ""))
+              + (f", label agreement {100 * ev['digits_label_agreement']:.0f}%"
+                 if "digits_label_agreement" in ev else ""))
 
 
 def _sample(args) -> int:

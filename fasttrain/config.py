@@ -31,7 +31,8 @@ def _f(default, help: str, *, min=None, above=None, below=None, finite: bool = F
 
 @dataclass
 class DataConfig:
-    name: str = _f("digits", "the data set: built in (digits, 2-D toys, synthetic Gaussian latents for benchmarks) or a folder")
+    name: str = _f("digits",
+                   "the data set: built in (digits, 2-D toys, synthetic Gaussian latents for benchmarks) or a folder")
     root: Optional[str] = _f(None, "image folder or .npy latent folder (class subfolders give labels)")
     backend: str = _f("auto", "loader for folders: auto (DALI where installed) | dali | torch")
     manifest: Optional[str] = _f(None, "manifest from `fasttrain data prepare` (default ROOT/fasttrain-manifest.json)")
@@ -59,11 +60,14 @@ class ModelConfig:
 
 @dataclass
 class MixedConfig:
-    heads: List[str] = _f(["eps", "x0", "v"], "prediction heads mixed by the gate (two or more of eps, x0, v; flow on the flow schedule)")
-    gate: str = _f("pixel", "pixel (gate channels from the network) | timestep (a learned table of logits per timestep)",
+    heads: List[str] = _f(["eps", "x0", "v"],
+                          "prediction heads mixed by the gate (two or more of eps, x0, v; flow on the flow schedule)")
+    gate: str = _f("pixel",
+                   "pixel (gate channels from the network) | timestep (a learned table of logits per timestep)",
                    choices=("pixel", "timestep"))
     aux_weight: float = _f(0.1, "weight of each head's own loss in its own space", min=0)
-    mode: str = _f("gate", "generate from the gated mix (gate) or the head with the lowest running x0 error per timestep (argmin)",
+    mode: str = _f("gate", "generate from the gated mix (gate) or the head with the lowest running x0 error per "
+                   "timestep (argmin)",
                    choices=("gate", "argmin"))
     prior: bool = _f(True, "bias the gate by each head's conditioning (ill-conditioned heads start near weight 0)")
     argmin_buckets: int = _f(20, "timestep buckets for mode=argmin", min=1)
@@ -146,7 +150,8 @@ class TrainConfig:
     device: str = _f("auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
     threads: int = _f(0, "torch CPU threads (0 = torch's default)", min=0)
     progress: bool = _f(True, "show a progress bar")
-    cuda_graph: bool = _f(False, "capture the whole step in one CUDA graph and replay it (one GPU; falls back with a reason)")
+    cuda_graph: bool = _f(False,
+                          "capture the whole step in one CUDA graph and replay it (one GPU; falls back with a reason)")
     max_nonfinite: int = _f(20, "stop after this many non-finite (skipped) steps in a row (0 = never)", min=0)
     max_nonfinite_frac: float = _f(0.5, "... or when at least this fraction of the last max(100, max_nonfinite) "
                                    "steps were skipped (above 1 = only the run counts)", min=0)
@@ -167,13 +172,15 @@ class ParallelConfig:
     ac: str = _f("none", "activation checkpointing per block")
     compile: str = _f("none", "torch.compile scope: each repeated block with fullgraph=True, or the whole forward")
     compile_mode: str = _f("default", "torch.compile mode")
-    precision: str = _f("auto", "compute precision of the model (auto: bf16 on CUDA, fp32 on CPU); weights, optimizer, EMA and statistics stay fp32")
+    precision: str = _f("auto", "compute precision of the model (auto: bf16 on CUDA, fp32 on CPU); weights, optimizer, "
+                        "EMA and statistics stay fp32")
     channels_last: bool = _f(False, "channels-last memory format for convolutional models (CUDA UNets)")
 
 
 @dataclass
 class DiagnosticsConfig:
-    interference_every: int = _f(500, "steps between cross-timestep interference measurements on a probe batch (0 = off)",
+    interference_every: int = _f(500,
+                                 "steps between cross-timestep interference measurements on a probe batch (0 = off)",
                                  min=0)
     buckets: int = _f(4, "timestep buckets of the interference matrix", min=2)
     probe_size: int = _f(16, "images of the interference probe batch (per rank)", min=1)

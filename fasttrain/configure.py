@@ -113,7 +113,8 @@ def validate(cfg: DictConfig) -> None:
     with _Key("diffusion.prediction", cfg):
         objective_class(d.prediction).check_config(d, sched, args)
     with _Key("diffusion.weighting_args"):  # a single prediction's own space; other kinds weight x0-space errors
-        loss_weight(d.weighting, sched, d.prediction if d.prediction in PREDICTIONS else "x0", **plain(d.weighting_args))
+        loss_weight(d.weighting, sched, d.prediction if d.prediction in PREDICTIONS else "x0",
+                    **plain(d.weighting_args))
     with _Key("diffusion.sampler_args"):
         timestep_sampler(d.sampler, sched, **plain(d.sampler_args))
     s = cfg.sample

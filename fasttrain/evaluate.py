@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from .errors import InvalidInput, UserError
 from .diffusion.nelbo import nelbo_bits_per_dim
+from .errors import InvalidInput, UserError
 
 EXTRACTORS = ("auto", "fasttrain-digits", "inception-v3-compat", "none")
 
@@ -43,7 +43,7 @@ class EvalSettings:
             raise InvalidInput(f"unknown extractor {self.extractor!r}; choose from {', '.join(EXTRACTORS)}")
 
     @classmethod
-    def from_config(cls, cfg) -> "EvalSettings":
+    def from_config(cls, cfg) -> EvalSettings:
         e = cfg.eval
         return cls(e.num_samples, e.steps, cfg.sample.solver, e.extractor, e.weights_path, e.bpd, e.bpd_samples,
                    e.bpd_timesteps)
@@ -189,7 +189,7 @@ def run_evaluation(bundle, settings: EvalSettings, reference: Reference) -> dict
                 x = None
             try:
                 out.update(fidelity(x, reference.train, extractor, settings.weights_path) if x is not None else {})
-            except Exception as e:  # noqa: BLE001 - e.g. Inception weights that cannot be downloaded
+            except Exception as e:  # e.g. Inception weights that cannot be downloaded
                 out["fidelity_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             if extractor == "fasttrain-digits" and x is not None:
                 from .features import judge

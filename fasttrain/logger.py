@@ -35,7 +35,8 @@ class MetricLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 # TensorBoard purges events at steps >= purge_step; the checkpoint's own step stays
-                self.tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=None if purge_step is None else purge_step + 1)
+                self.tb = SummaryWriter(str(self.run_dir / "tb"),
+                                        purge_step=None if purge_step is None else purge_step + 1)
             except ImportError:  # tensorboard is a dependency, but a broken install must not stop training
                 self.tb = None
 

@@ -19,8 +19,6 @@ from torch import nn
 
 from .errors import DeviceError, InvalidInput
 
-
-
 STRATEGIES = ("none", "ddp", "fsdp")
 AC_MODES = ("none", "full", "selective")
 COMPILE = ("none", "blocks", "model")
@@ -40,7 +38,7 @@ def model_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def _replace(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
-    for name, parent in root.named_modules():
+    for parent in root.modules():
         for key, child in parent.named_children():
             if child is old:
                 parent.register_module(key, new)  # ModuleList keys are "0", "1", ...: setattr works for both
@@ -114,7 +112,8 @@ def parallelize(model: nn.Module, strategy: str = "none", ac: str = "none", comp
     same object wrapped in place. `precision` is the resolved name (precision.py): FSDP takes it as
     its parameter dtype, the other strategies autocast in the trainer."""
     for value, allowed, key in ((strategy, STRATEGIES, "parallel.strategy"), (ac, AC_MODES, "parallel.ac"),
-                                (compile, COMPILE, "parallel.compile"), (compile_mode, COMPILE_MODES, "parallel.compile_mode")):
+                                (compile, COMPILE, "parallel.compile"), (compile_mode, COMPILE_MODES,
+                                                                         "parallel.compile_mode")):
         if value not in allowed:
             raise InvalidInput(f"bad value for '{key}': {value!r} (choose from {', '.join(allowed)})")
     device = torch.device(device)

@@ -27,7 +27,9 @@ tr:nth-child(even) { background: #f6f6f6; } pre { background: #f6f6f6; padding: 
 <p>{{ summary }}</p>
 {% for title, img in figures %}<h2>{{ title }}</h2><img src="data:image/png;base64,{{ img }}">
 {% endfor %}
-{% if metrics %}<h2>Final evaluation</h2><table>{% for k, v in metrics %}<tr><th>{{ k }}</th><td>{{ v }}</td></tr>{% endfor %}</table>{% endif %}
+{% if metrics %}<h2>Final evaluation</h2><table>
+{% for k, v in metrics %}<tr><th>{{ k }}</th><td>{{ v }}</td></tr>{% endfor %}
+</table>{% endif %}
 <h2>Config</h2><pre>{{ config }}</pre>
 </body></html>
 """, autoescape=True)

@@ -30,7 +30,7 @@ class GracefulStop:
         if world_size > 1 and dist.is_available() and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")  # a CPU flag: no device sync
 
-    def __enter__(self) -> "GracefulStop":
+    def __enter__(self) -> GracefulStop:
         for s in SIGNALS:
             try:
                 self._old[s] = signal.signal(s, self._handle)

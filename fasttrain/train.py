@@ -40,6 +40,7 @@ from .precision import resolve as resolve_precision
 from .stopping import GracefulStop
 from .train_state import RankRNG, TrainState
 
+
 class Trainer:
     # -- set-up ------------------------------------------------------------------------------------
     def __init__(self, cfg: DictConfig, *, resume: bool = False, restart: bool = False):
@@ -412,5 +413,5 @@ def _report_failure(what: str, fn) -> None:
     it does not replace the error the user needs to see."""
     try:
         fn()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         print(f"fasttrain: {what} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr)

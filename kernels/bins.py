@@ -30,11 +30,11 @@ class TimestepBins:
     def device(self) -> torch.device:
         return self.data.device
 
-    def to(self, device) -> "TimestepBins":
+    def to(self, device) -> TimestepBins:
         self.data, self.pivots = self.data.to(device), self.pivots.to(device)
         return self
 
-    def zero_(self) -> "TimestepBins":
+    def zero_(self) -> TimestepBins:
         self.data.zero_()
         return self
 
@@ -43,7 +43,7 @@ class TimestepBins:
         captured in a CUDA graph keep reading the same memory."""
         self.pivots.copy_(pivots.to(self.data.device, torch.float64).reshape(self.n_values, self.T))
 
-    def scatter_(self, t: torch.Tensor, values: torch.Tensor) -> "TimestepBins":
+    def scatter_(self, t: torch.Tensor, values: torch.Tensor) -> TimestepBins:
         """Add per-sample values [V, B] at timesteps t [B] (the reference of the kernels' scatter)."""
         scatter_into(self.data, self.pivots, t, values)
         return self

@@ -12,7 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 # Tile of the kernels when pyramid noise is on (noise_spec.PYRAMID): each element draws 4 normals per
 # level (bilinear upsampling of the level's field), and at 2048-element tiles ptxas spilled about 1 KB
 # per thread in every kernel that regenerates it (kernels/aot.py).

@@ -11,7 +11,7 @@ from fasttrain.bundle import ModelBundle
 from fasttrain.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent / "data"))
-from folder_fixtures import write_images  # noqa: E402
+from folder_fixtures import write_images
 
 TINY = ["train.progress=false", "sample.num=0", "eval.num_samples=0", "eval.bpd=false", "train.threads=1"]
 

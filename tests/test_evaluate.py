@@ -36,7 +36,8 @@ def test_sample_eval_report_commands(tmp_path, capsys):
                  "train.progress=false", "eval.every=2", "eval.num_samples=50", "eval.steps=5",
                  "eval.bpd_samples=20", "eval.bpd_timesteps=5"]) == 0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "eval/fid" in r] == [2, 4] and all("eval/bpd" in r for r in rows if "eval/fid" in r)
+    assert [r["step"] for r in rows if "eval/fid" in r] == [2,
+                                                            4] and all("eval/bpd" in r for r in rows if "eval/fid" in r)
     assert main(["sample", "--ckpt", str(run), "--n", "12", "--steps", "5", "--out", str(tmp_path / "s"),
                  "--solver", "heun", "--label", "3"]) == 0
     assert (tmp_path / "s" / "grid.png").is_file() and (tmp_path / "s" / "00011.png").is_file()

@@ -33,7 +33,8 @@ def test_bf16_autocast_runs_the_matmuls_in_bf16_and_keeps_fp32_state(tmp_path):
 def test_bf16_losses_stay_close_to_fp32(tmp_path):
     runs = {}
     for prec in ("fp32", "bf16"):
-        train(load_config("default", [f"run_dir={tmp_path / prec}", "train.steps=12", f"parallel.precision={prec}"] + TINY))
+        train(load_config("default", [f"run_dir={tmp_path / prec}", "train.steps=12",
+                                      f"parallel.precision={prec}"] + TINY))
         runs[prec] = [r["loss"] for r in __import__("fasttrain.logger", fromlist=["read_jsonl"]).read_jsonl(
             tmp_path / prec / "metrics.jsonl") if "loss" in r]
         sd = torch.load(tmp_path / prec / "last.pt", weights_only=True)

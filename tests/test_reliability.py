@@ -17,7 +17,7 @@ from fasttrain.logger import read_jsonl
 from fasttrain.train import Trainer, train
 
 sys.path.insert(0, str(Path(__file__).parent / "data"))
-from folder_fixtures import write_images, write_latents  # noqa: E402
+from folder_fixtures import write_images, write_latents
 
 TINY = ["train.progress=false", "sample.num=0", "eval.num_samples=0", "eval.bpd=false", "train.threads=1",
         "model.args.ch=8", "diagnostics.interference_every=0"]

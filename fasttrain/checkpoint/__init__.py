@@ -1,9 +1,23 @@
 """Checkpoints: the formats and reading them safely (formats.py), the run directory and its lock
 (run_dir.py), and the manager that saves and restores a trainer's named components (manager.py)."""
 from ..errors import CheckpointError
-from .formats import (FORMAT, from_tensor, latest, load_dcp, load_file, load_weights, read_bundle_state,
-                      read_dcp_extra, read_dcp_metadata, read_plain, resolve, save_dcp, save_file, to_tensor,
-                      train_state)
+from .formats import (
+                      FORMAT,
+                      from_tensor,
+                      latest,
+                      load_dcp,
+                      load_file,
+                      load_weights,
+                      read_bundle_state,
+                      read_dcp_extra,
+                      read_dcp_metadata,
+                      read_plain,
+                      resolve,
+                      save_dcp,
+                      save_file,
+                      to_tensor,
+                      train_state,
+)
 from .manager import CheckpointManager, config_diff
 from .run_dir import RunLock, archive_previous_run, claim, no_checkpoint
 

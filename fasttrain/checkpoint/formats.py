@@ -55,7 +55,7 @@ def load_file(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"no checkpoint at {path}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any file that is not a checkpoint (text gives KeyError) is one line
+    except Exception as e:  # any file that is not a checkpoint (text gives KeyError) is one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "weights_only" in str(e) or "Unsupported global" in str(e):
             first = "it holds objects other than tensors and plain data (refused: loading it could run code)"
@@ -83,7 +83,7 @@ def to_tensor(obj) -> torch.Tensor:
 def from_tensor(t: torch.Tensor, where) -> dict:
     try:
         return torch.load(io.BytesIO(t.numpy().tobytes()), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any failure here means a malformed checkpoint
+    except Exception as e:  # any failure here means a malformed checkpoint
         raise CheckpointError(f"cannot read the state in {where}: {type(e).__name__}") from None
 
 
@@ -160,7 +160,7 @@ def read_dcp_metadata(folder: str | os.PathLike):
             return _MetadataUnpickler(f).load()
     except CheckpointError as e:
         raise CheckpointError(f"refusing to read {path}: {e}") from None
-    except Exception as e:  # noqa: BLE001 - truncated or foreign pickles raise many types
+    except Exception as e:  # truncated or foreign pickles raise many types
         raise CheckpointError(f"cannot read {path}: {type(e).__name__}") from None
 
 
@@ -188,7 +188,7 @@ def _planner():
         def load_bytes(self, read_item, value):
             try:
                 obj = torch.load(value, weights_only=True)
-            except Exception:  # noqa: BLE001 - anything but plain data is refused
+            except Exception:  # anything but plain data is refused
                 raise CheckpointError(f"refusing the entry {read_item.dest_index.fqn!r}: it holds objects other "
                                       f"than tensors and plain data") from None
             value = io.BytesIO()
@@ -235,7 +235,6 @@ def _recover_swap(final: Path) -> None:
 def load_dcp(folder: str | os.PathLike, state: dict) -> dict:
     """Fill `state` (tensors of the right shapes, sharded or not) from a DCP folder, in place."""
     import torch.distributed.checkpoint as dcp
-
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     read_dcp_metadata(folder)  # a clear error before DCP's own, more cryptic ones
@@ -243,7 +242,7 @@ def load_dcp(folder: str | os.PathLike, state: dict) -> dict:
         dcp.load(state, storage_reader=_reader(folder), planner=_planner())
     except CheckpointError:
         raise
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - missing, mismatched or refused shards
+    except (Exception, CheckpointException) as e:  # missing, mismatched or refused shards
         text = str(e)
         ours = [line.split("CheckpointError: ", 1)[1] for line in text.splitlines() if "CheckpointError: " in line]
         first = ours[0] if ours else (text.strip().splitlines()[0] if text.strip() else type(e).__name__)

@@ -84,9 +84,13 @@ class CheckpointManager:
 
     def restore(self, path) -> dict:
         """Load a checkpoint into the components; returns its config (for what may change on resume)."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         path = Path(path)
         if path.is_dir():
@@ -126,7 +130,7 @@ class CheckpointManager:
         mine = self.meta["config"]
         try:  # keys added since the checkpoint was written take their defaults
             theirs = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(Config), plain["config"]))
-        except Exception as e:  # noqa: BLE001 - a config from another version or hand-edited
+        except Exception as e:  # a config from another version or hand-edited
             raise CheckpointError(f"cannot resume {path}: its config does not fit this version "
                                   f"({type(e).__name__})") from None
         for section in RESUME_MUST_MATCH:

@@ -56,7 +56,8 @@ def resolve_backend(backend: str, name: str) -> str:
         raise InvalidInput(f"unknown data backend {backend!r}; choose from {', '.join(BACKENDS)}")
     if name not in ("folder", "latents"):
         if backend == "dali":
-            raise InvalidInput(f"data.backend=dali reads image or latent folders; {name!r} is built in (use auto or torch)")
+            raise InvalidInput(f"data.backend=dali reads image or latent folders; {name!r} is built "
+                               "in (use auto or torch)")
         return "memory"
     if backend == "auto":
         return "dali" if dali.available() else "torch"

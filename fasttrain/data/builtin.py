@@ -58,4 +58,5 @@ def toy(name: str, n: int = 20000, seed: int = 0) -> torch.Tensor:
 def synthetic(channels: int, image_size: int, n: int = 4096, num_classes: int = 10, seed: int = 0):
     """[n, C, S, S] float32 N(0, 1) tensors with random labels: the shape of real latents, no content."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, channels, image_size, image_size, generator=g), torch.randint(0, num_classes, (n,), generator=g)
+    return torch.randn(n, channels, image_size, image_size, generator=g), torch.randint(0, num_classes, (n,),
+                                                                                        generator=g)

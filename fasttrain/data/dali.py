@@ -2,12 +2,12 @@
 
 Decoding runs in DALI's worker threads: on a GPU machine images are decoded by nvJPEG (DALI's 'mixed' device) and
 batches arrive on the GPU; without one the pipeline is CPU-only (`device_id=None`: DALI 2.4 treats
-its old CPU_ONLY_DEVICE_ID as a GPU request). Order and sharding are explicit, so that they are exact and resumable: each epoch
-is a permutation of the file list drawn from (seed, epoch); rank r of W takes every W-th file of it
-(all ranks get the same count, the remainder is dropped); pipelines read this rank's files in that
-order from the saved position, with `random_shuffle=False`; flips and random crop positions are
-drawn per sample from (seed, epoch) too and fed through fn.external_source, so a resumed run repeats
-them. The last batch of an epoch follows
+its old CPU_ONLY_DEVICE_ID as a GPU request). Order and sharding are explicit, so that they are exact
+and resumable: each epoch is a permutation of the file list drawn from (seed, epoch); rank r of W
+takes every W-th file of it (all ranks get the same count, the remainder is dropped); pipelines read
+this rank's files in that order from the saved position, with `random_shuffle=False`; flips and
+random crop positions are drawn per sample from (seed, epoch) too and fed through fn.external_source,
+so a resumed run repeats them. The last batch of an epoch follows
 `last_batch`: drop (training default), partial, or pad (repeat the last sample).
 
 Images: fn.readers.file → fn.decoders.image → fn.resize (shorter side) → fn.crop_mirror_normalize
@@ -29,7 +29,7 @@ LAST_BATCH = ("drop", "partial", "pad")
 
 def available() -> bool:
     try:
-        import nvidia.dali  # noqa: F401
+        import nvidia.dali
         import nvidia.dali.plugin.pytorch  # noqa: F401
     except ImportError:
         return False
@@ -116,7 +116,8 @@ class DaliStream(Position):
         self.epoch, self.pos, self._it = 0, 0, None
 
     def epoch_files(self, epoch: int) -> list[tuple[str, int]]:
-        return [self.files[i] for i in epoch_order(len(self.files), self.seed, epoch, self.rank, self.world_size).tolist()]
+        return [self.files[i] for i in epoch_order(len(self.files), self.seed, epoch, self.rank,
+                                                   self.world_size).tolist()]
 
     def _augment(self, epoch: int) -> np.ndarray:
         return augment_table(self.per_rank, self.seed, epoch, self.rank, self.flip, self.crop == "random").numpy()

@@ -114,7 +114,8 @@ def load_manifest(root: str | Path, path: str | Path | None = None) -> dict | No
         if not isinstance(m["classes"], list) or not isinstance(m["bad"], list):
             raise TypeError
     except (ValueError, KeyError, TypeError):
-        raise DataError(f"data.manifest: {p} is not a fasttrain manifest (run `fasttrain data prepare` again)") from None
+        raise DataError(f"data.manifest: {p} is not a fasttrain manifest (run "
+                        "`fasttrain data prepare` again)") from None
     m["files"] = [list(f) for f in files]
     return m
 

@@ -11,12 +11,12 @@ sampler is one module in this package that registers itself; every module here i
 """
 from ..registry import discover as _discover
 from . import prediction
-from .prediction import PREDICTIONS_REGISTRY
-from .schedule import SCHEDULES, NoiseSchedule, schedule
-from .weighting import WEIGHTINGS, LearnedLogVar, effective_x0_weight, loss_weight, speed_caw
-from .samplers import SAMPLERS, TimestepSampler, timestep_sampler
-from .stats import TimestepStats
 from .objective import DiffusionObjective
+from .prediction import PREDICTIONS_REGISTRY
+from .samplers import SAMPLERS, TimestepSampler, timestep_sampler
+from .schedule import SCHEDULES, NoiseSchedule, schedule
+from .stats import TimestepStats
+from .weighting import WEIGHTINGS, LearnedLogVar, effective_x0_weight, loss_weight, speed_caw
 
 _discover(__name__)  # extensions in their own modules (adaptive.py, ...) register themselves
 

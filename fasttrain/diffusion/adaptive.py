@@ -159,7 +159,8 @@ class Adaptive(TimestepSampler, LookAhead):
         if self.policy_kind == "global":
             return self.net(None, n)
         if x0 is None:
-            raise ValueError("the adaptive sampler with policy='beta' is conditioned on x0: pass sample(n, generator, x0)")
+            raise ValueError("the adaptive sampler with policy='beta' is conditioned on x0: pass sample(n, generator, "
+                             "x0)")
         if self.net is None:
             self._build(x0.shape[1:])
         if torch.is_autocast_enabled(x0.device.type):
@@ -170,7 +171,7 @@ class Adaptive(TimestepSampler, LookAhead):
     def set_partition(self, rank=0, world_size=1, accum_steps=1):
         self.rank, self.world_size, self.accum_steps = int(rank), int(world_size), int(accum_steps)
 
-    def lookahead(self) -> "Adaptive":
+    def lookahead(self) -> Adaptive:
         return self  # the policy learns from the look-ahead around the optimizer step
 
     def sample(self, n, generator=None, x0=None):
@@ -349,12 +350,13 @@ class Adaptive(TimestepSampler, LookAhead):
         p = [pol.timestep_probs(ab[:, 0], ab[:, 1], self.T, bins=bins).cpu().numpy() for ab in self.hist_ab]
         return {"steps": np.asarray(self.hist_steps, dtype=np.int64),
                 "p": np.stack(p) if p else np.zeros((0, bins)),
-                "S": (torch.stack(self.hist_S).cpu().numpy() if self.hist_S else np.zeros((0, self.n_select), np.int64)),
+                "S": (torch.stack(self.hist_S).cpu().numpy() if self.hist_S else np.zeros((0, self.n_select),
+                                                                                          np.int64)),
                 "T": self.T}
 
     # -- persistence -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        cpu = lambda v: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)  # noqa: E731
+        cpu = lambda v: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
         opt = None
         if self.opt is not None:
             sd = self.opt.state_dict()
@@ -384,7 +386,7 @@ class Adaptive(TimestepSampler, LookAhead):
         self.hist_ab = [v.to(dev) for v in state["hist_ab"]]
         self.hist_S = [v.to(dev) for v in state["hist_S"]]
 
-    def to(self, device) -> "Adaptive":
+    def to(self, device) -> Adaptive:
         super().to(device)  # the tensors held as attributes
         self.schedule = self.schedule.to(device)
         if self.net is not None:

@@ -117,7 +117,7 @@ class Probe:
 
     @classmethod
     def draw(cls, objective, x0: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None = None, *,
-             seed: int, offset: int) -> "Probe":
+             seed: int, offset: int) -> Probe:
         """x_t = a[t]·x0 + s[t]·ε with ε of element i, dimension d at counter offset + i·D + d of the
         Philox stream `seed` (the noise op: the training step's own noise path and backend)."""
         backend = resolve_backend(objective.backend, x0.device)
@@ -128,7 +128,7 @@ class Probe:
         return self.t.shape[0]
 
     @staticmethod
-    def cat(*probes: "Probe") -> "Probe":
+    def cat(*probes: Probe) -> Probe:
         labels = [p.labels for p in probes]
         if any(lb is None for lb in labels) and not all(lb is None for lb in labels):
             raise ValueError("probes to concatenate must all have labels or all have none")
@@ -136,7 +136,7 @@ class Probe:
                      torch.cat([p.x_t for p in probes]), None if labels[0] is None else torch.cat(labels))
 
 
-_HAS_DROPOUT: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+_HAS_DROPOUT: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
 def _has_dropout(model) -> bool:

@@ -65,7 +65,7 @@ def nelbo_bits_per_dim(x0_hat, schedule: NoiseSchedule, x0: torch.Tensor, *, lab
         flat = xb.flatten(1)
         col = (-1,) + (1,) * (xb.ndim - 1)
 
-        def err_at(t):
+        def err_at(t, xb=xb, yb=yb, col=col):  # this batch's (called within the iteration)
             eps = torch.randn(xb.shape, generator=generator, device=dev, dtype=torch.float64)
             xt = alpha[t].view(col) * xb + sigma[t].view(col) * eps
             return xb - x0_hat(xt.float(), t, yb).double()

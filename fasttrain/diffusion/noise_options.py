@@ -39,10 +39,9 @@ from fasttrain.kernels.noise import randn
 from fasttrain.kernels.noise_spec import MAX_LEVELS, NoiseOptions
 
 from ..errors import ConfigError, InvalidInput
+from .immiscible import assignment, exact_assignment, knn_choice
 
 IMMISCIBLE = ("none", "assignment", "knn")
-
-from .immiscible import assignment, exact_assignment, knn_choice
 
 
 def options(cfg) -> NoiseOptions:

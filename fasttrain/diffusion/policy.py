@@ -64,9 +64,11 @@ class ConditionalBeta(nn.Module):
             self.trunk = nn.Identity()
             feat = self.in_shape[0]
         else:
-            raise InvalidInput(f"the adaptive policy takes [B, C, H, W] or [B, D] data, got per-sample shape {in_shape}")
+            raise InvalidInput(f"the adaptive policy takes [B, C, H, W] or [B, D] data, got per-sample "
+                               f"shape {in_shape}")
         # official `mlp(input, hidden, hidden_depth=2, 2)`: Linear-ReLU-Linear-ReLU-Linear
-        self.mlp = nn.Sequential(nn.Linear(feat, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), _head(hidden))
+        self.mlp = nn.Sequential(nn.Linear(feat, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                                 _head(hidden))
 
     def forward(self, x0: torch.Tensor) -> torch.Tensor:
         x = x0.float()

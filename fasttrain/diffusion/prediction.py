@@ -111,7 +111,8 @@ def target(name: str, x0, eps, a, s):
 
 
 def to_x0_eps(name: str, pred, x_t, a, s):
-    a, s = torch.as_tensor(a, dtype=x_t.dtype, device=x_t.device), torch.as_tensor(s, dtype=x_t.dtype, device=x_t.device)
+    a, s = torch.as_tensor(a, dtype=x_t.dtype, device=x_t.device), torch.as_tensor(s, dtype=x_t.dtype,
+                                                                                   device=x_t.device)
     return get(name).to_x0_eps(pred, x_t, a, s)
 
 

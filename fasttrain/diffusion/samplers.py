@@ -85,7 +85,7 @@ class TimestepSampler:
     def load_state_dict(self, state: dict) -> None:
         pass
 
-    def to(self, device) -> "TimestepSampler":
+    def to(self, device) -> TimestepSampler:
         self.device = torch.device(device)
         for k, v in list(vars(self).items()):
             if isinstance(v, torch.Tensor):

@@ -45,7 +45,7 @@ class NoiseSchedule:
     def device(self) -> torch.device:
         return self.alpha.device
 
-    def to(self, device) -> "NoiseSchedule":
+    def to(self, device) -> NoiseSchedule:
         return NoiseSchedule(self.name, self.alpha.to(device), self.sigma.to(device))
 
     def edm_sigma(self) -> torch.Tensor:

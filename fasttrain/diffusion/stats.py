@@ -41,7 +41,7 @@ class TimestepStats:
             raise InvalidInput(f"ema_decay must lie in [0, 1), got {ema_decay!r}")
         self.T, self.ema_decay, self.history, self.kinds = T, ema_decay, history, tuple(kinds)
         self.window = TimestepBins(T, len(self.kinds), device)
-        z = lambda: torch.zeros(T, dtype=torch.float64, device=self.device)  # noqa: E731
+        z = lambda: torch.zeros(T, dtype=torch.float64, device=self.device)
         self.count = z()
         self.mean = {k: z() for k in self.kinds}
         self.m2 = {k: z() for k in self.kinds}
@@ -55,7 +55,7 @@ class TimestepStats:
     def device(self) -> torch.device:
         return self.window.device
 
-    def to(self, device) -> "TimestepStats":
+    def to(self, device) -> TimestepStats:
         if torch.device(device) != self.device:
             state, window = self.state_dict(), self.window_state()
             self.window.to(device)

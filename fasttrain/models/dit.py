@@ -24,7 +24,8 @@ def sincos_pos_embed(dim: int, grid: int) -> torch.Tensor:
         out = pos.reshape(-1)[:, None] * omega[None]
         return torch.cat([torch.sin(out), torch.cos(out)], dim=1)
 
-    gy, gx = torch.meshgrid(torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64), indexing="ij")
+    gy, gx = torch.meshgrid(torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64),
+                            indexing="ij")
     return torch.cat([one_d(dim // 2, gy), one_d(dim // 2, gx)], dim=1).float()
 
 
@@ -58,7 +59,8 @@ class DiTBlock(nn.Module):
     def forward(self, x, c):
         s1, sc1, g1, s2, sc2, g2 = self.ada(c).chunk(6, dim=1)
         B, N, D = x.shape
-        q, k, v = self.qkv(_modulate(self.norm1(x), s1, sc1)).view(B, N, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = self.qkv(_modulate(self.norm1(x), s1, sc1)).view(B, N, 3, self.heads,
+                                                                   D // self.heads).permute(2, 0, 3, 1, 4)
         h = attention(q, k, v).transpose(1, 2).reshape(B, N, D)
         x = x + g1[:, None] * self.proj(h)
         return x + g2[:, None] * self.mlp(_modulate(self.norm2(x), s2, sc2))

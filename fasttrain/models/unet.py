@@ -25,7 +25,8 @@ class ResBlock(nn.Module):
         self.in_layers = nn.Sequential(_norm(cin), nn.SiLU(), nn.Conv2d(cin, cout, 3, padding=1))
         self.emb = nn.Sequential(nn.SiLU(), nn.Linear(emb_dim, 2 * cout))
         self.out_norm = _norm(cout)
-        self.out_layers = nn.Sequential(nn.SiLU(), nn.Dropout(dropout), zero_module(nn.Conv2d(cout, cout, 3, padding=1)))
+        self.out_layers = nn.Sequential(nn.SiLU(), nn.Dropout(dropout), zero_module(nn.Conv2d(cout, cout, 3,
+                                                                                              padding=1)))
         self.skip = nn.Identity() if cin == cout else nn.Conv2d(cin, cout, 1)
 
     def forward(self, x, emb):
@@ -107,7 +108,8 @@ class UNet(nn.Module):
                 self.down.append(EmbSequential([nn.Conv2d(cur, cur, 3, stride=2, padding=1)]))
                 skips.append(cur)
                 res //= 2
-        self.mid = EmbSequential([ResBlock(cur, cur, emb_dim, dropout), attn(cur), ResBlock(cur, cur, emb_dim, dropout)])
+        self.mid = EmbSequential([ResBlock(cur, cur, emb_dim, dropout), attn(cur), ResBlock(cur, cur, emb_dim,
+                                                                                            dropout)])
         self.up = nn.ModuleList()
         for level, mult in reversed(list(enumerate(ch_mult))):
             for i in range(num_res_blocks + 1):
@@ -120,7 +122,8 @@ class UNet(nn.Module):
                     blocks.append(nn.Conv2d(cur, cur, 3, padding=1))
                     res *= 2
                 self.up.append(EmbSequential(blocks))
-        self.out = nn.Sequential(_norm(cur), nn.SiLU(), zero_module(nn.Conv2d(cur, out_channels or in_channels, 3, padding=1)))
+        self.out = nn.Sequential(_norm(cur), nn.SiLU(), zero_module(nn.Conv2d(cur, out_channels or in_channels, 3,
+                                                                              padding=1)))
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
         emb = self.embed(t, y)
@@ -140,12 +143,17 @@ class UNet(nn.Module):
 
 
 # CPU presets: the 8×8 digits recipe and friends
-register("unet_tiny", check=check_sizes)(partial(UNet, ch=32, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=(4,), heads=4))
-register("unet_small", check=check_sizes)(partial(UNet, ch=64, ch_mult=(1, 2, 2), num_res_blocks=2, attn_resolutions=(8,), heads=4))
+register("unet_tiny", check=check_sizes)(partial(UNet, ch=32, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=(4,),
+                                                 heads=4))
+register("unet_small", check=check_sizes)(partial(UNet, ch=64, ch_mult=(1, 2, 2), num_res_blocks=2,
+                                                  attn_resolutions=(8,), heads=4))
 # ADM (Dhariwal & Nichol 2021, Table 14 / iDDPM): CIFAR-10 32², ImageNet 64², 256² (64 channels per head)
-register("adm_32", check=check_sizes)(partial(UNet, ch=128, ch_mult=(1, 2, 2, 2), num_res_blocks=3, attn_resolutions=(16, 8),
+register("adm_32", check=check_sizes)(partial(UNet, ch=128, ch_mult=(1, 2, 2, 2), num_res_blocks=3,
+                                              attn_resolutions=(16, 8),
                            head_channels=64, dropout=0.1))
-register("adm_64", check=check_sizes)(partial(UNet, ch=192, ch_mult=(1, 2, 3, 4), num_res_blocks=3, attn_resolutions=(32, 16, 8),
+register("adm_64", check=check_sizes)(partial(UNet, ch=192, ch_mult=(1, 2, 3, 4), num_res_blocks=3,
+                                              attn_resolutions=(32, 16, 8),
                            head_channels=64, dropout=0.1))
-register("adm_256", check=check_sizes)(partial(UNet, ch=256, ch_mult=(1, 1, 2, 2, 4, 4), num_res_blocks=2, attn_resolutions=(32, 16, 8),
+register("adm_256", check=check_sizes)(partial(UNet, ch=256, ch_mult=(1, 1, 2, 2, 4, 4), num_res_blocks=2,
+                                               attn_resolutions=(32, 16, 8),
                             head_channels=64))

@@ -6,9 +6,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only; no display on training machines (before pyplot is imported)
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
 
 __all__ = ["finish", "plt", "to_numpy"]
 

@@ -36,10 +36,12 @@ def plot_timesteps(path, stats, probs, eff_weight, title: str = "", buckets: int
         mean = to_numpy(stats.means(kind))
         ok = np.isfinite(mean) & (mean > 0)
         ax[0, 0].plot(t[ok], mean[ok], color=color, lw=0.5, alpha=0.3)
-        ax[0, 0].plot(centers, to_numpy(b["mean"]), color=color, lw=1.8, label=f"{kind} (pred-space MSE)" if kind == "raw" else "weighted (w·MSE)")
+        ax[0, 0].plot(centers, to_numpy(b["mean"]), color=color, lw=1.8,
+                      label=f"{kind} (pred-space MSE)" if kind == "raw" else "weighted (w·MSE)")
         ax[0, 1].plot(centers, np.sqrt(to_numpy(b["var"])), color=color, lw=1.8, label=kind)
     ax[0, 0].set(yscale="log", xlabel="timestep t", ylabel="mean per-sample loss", title="loss per timestep")
-    ax[0, 1].set(yscale="log", xlabel="timestep t", ylabel="std of per-sample loss", title=f"loss spread ({buckets} buckets)")
+    ax[0, 1].set(yscale="log", xlabel="timestep t", ylabel="std of per-sample loss",
+                 title=f"loss spread ({buckets} buckets)")
     ax[0, 0].legend(fontsize=8)
     ax[0, 1].legend(fontsize=8)
     ax[1, 0].plot(t, to_numpy(probs), color="C2")
@@ -59,7 +61,8 @@ def plot_loss_curve(path, rows: list[dict]) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     if pts:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1)
-    ax.set(xlabel="training images seen", ylabel="loss (mean over the log interval)", yscale="log", title="training loss")
+    ax.set(xlabel="training images seen", ylabel="loss (mean over the log interval)", yscale="log",
+           title="training loss")
     return finish(fig, path)
 
 
@@ -133,7 +136,8 @@ def plot_interference(path, history: list[dict], title: str = "") -> Path | None
     steps = [h["step"] for h in history]
     eye = np.eye(B, dtype=bool)
     ax[1].plot(steps, [to_numpy(h["matrix"])[eye].mean() for h in history], marker="o", label="own bucket (diagonal)")
-    ax[1].plot(steps, [to_numpy(h["matrix"])[~eye].mean() for h in history], marker="o", label="other buckets (off-diagonal)")
+    ax[1].plot(steps, [to_numpy(h["matrix"])[~eye].mean() for h in history], marker="o",
+               label="other buckets (off-diagonal)")
     ax[1].axhline(0, color="grey", lw=0.8, ls=":")
     ax[1].set(xlabel="training step", ylabel="mean first-order change of loss", title="interference over training")
     ax[1].legend(fontsize=8)

@@ -6,7 +6,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 
-from cases import Case, count_launches, impls, machine  # noqa: E402
+from cases import Case, count_launches, impls, machine
 
 
 def test_bench_cases_run_on_tiny_shapes():
@@ -39,7 +39,7 @@ def test_mixed_loss_bench_cases_run_on_tiny_shapes():
     assert names[:2] == ["eager", "torch"] and "triton" in skipped
     for gate in ("pixel", "timestep"):
         case = bm.Case(gate, "cpu", shape=(3, 4, 3, 3))
-        runs = [getattr(case, impl) for impl in names] + [lambda: case.fused("interpret", seed=1, offset=0)]
+        runs = [getattr(case, impl) for impl in names] + [lambda case=case: case.fused("interpret", seed=1, offset=0)]
         for fn in runs:
             loss = fn()
             assert torch.isfinite(loss) and case.out.grad is not None and case.out.grad.dtype == torch.bfloat16

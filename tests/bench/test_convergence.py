@@ -22,7 +22,8 @@ def test_crossing_takes_the_first_of_several_and_censors_a_curve_that_never_gets
     assert first_crossing([1, 2, 3, 4], [5.0, 1.0, 6.0, 0.5], 2.0).steps == pytest.approx(1 + 3 / 4)
     never = first_crossing([100, 200, 300], [9.0, 8.0, 7.5], 5.0)
     assert never.censored and never.steps == 300
-    assert first_crossing([1, 2], [float("nan"), 1.0], 2.0) == Crossing(2.0, False)  # a NaN evaluation is not a crossing
+    assert first_crossing([1, 2], [float("nan"), 1.0], 2.0) == Crossing(2.0,
+                                                                        False)  # a NaN evaluation is not a crossing
 
 
 def test_ratios_and_bounds():

@@ -1,6 +1,5 @@
 """Fixtures: small generated image and latent folders."""
 import pytest
-
 from folder_fixtures import write_images, write_latents
 
 

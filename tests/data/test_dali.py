@@ -4,12 +4,11 @@ import json
 import numpy as np
 import pytest
 import torch
+from folder_fixtures import write_images
 from PIL import Image
 
 from fasttrain.data import build_data, dali
 from fasttrain.data.manifest import MANIFEST, prepare
-
-from folder_fixtures import write_images
 
 pytestmark = pytest.mark.skipif(not dali.available(), reason="NVIDIA DALI is part of the dev extra")
 

@@ -4,18 +4,18 @@ import sys
 from pathlib import Path
 
 import pytest
+from folder_fixtures import write_images, write_latents
 
 from fasttrain.cli import main
 from fasttrain.data import dali
-
-from folder_fixtures import write_images, write_latents
 
 BASE = ["train.steps=3", "train.progress=false", "sample.num=4", "sample.steps=3", "eval.num_samples=0",
         "eval.bpd_samples=4", "eval.bpd_timesteps=2", "data.batch_size=4", "model.name=dit_tiny",
         "model.args.hidden=32", "model.args.depth=1", "model.args.heads=2"]
 
 
-@pytest.mark.parametrize("backend", [pytest.param("dali", marks=pytest.mark.skipif(not dali.available(), reason="dev extra")),
+@pytest.mark.parametrize("backend", [pytest.param("dali", marks=pytest.mark.skipif(not dali.available(),
+                                                                                   reason="dev extra")),
                                      "torch"])
 @pytest.mark.parametrize("kind", ["folder", "latents"])
 def test_train_from_folder(tmp_path, capsys, backend, kind):

@@ -198,7 +198,7 @@ def test_updates_fill_the_fifo_select_s_and_record_history():
 
 
 def test_state_round_trip_and_exact_resume():
-    shape, args = (1, 8, 8), dict(every=2, tau_grid=8, capacity=4)
+    args = dict(every=2, tau_grid=8, capacity=4)
     net, obj, opt = make(**args)
     gen = run(net, obj, opt, 5)  # steps 0-4: updates at 0, 2, 4
     saved = dict(net=copy.deepcopy(net.state_dict()), opt=copy.deepcopy(opt.state_dict()),
@@ -268,7 +268,8 @@ def test_toy_vectors_with_an_mlp(policy):
 def test_every_prediction_type_and_weighting(pred, schedule, weighting):
     net, obj, opt = make(pred=pred, schedule=schedule, weighting=weighting, every=1, tau_grid=0, n_select=3,
                          chunk=512)
-    obj.sampler.S = torch.tensor([0, 500, 999])  # include the decoder term and the last step (undefined for eps at SNR 0)
+    obj.sampler.S = torch.tensor([0, 500,
+                                  999])  # include the decoder term and the last step (undefined for eps at SNR 0)
     run(net, obj, opt, 2, B=4)
     smp = obj.sampler
     assert torch.isfinite(smp.fifo_X).all() and np.isfinite(float(smp.metrics()["adaptive/reward"]))

@@ -12,7 +12,7 @@ import torch
 from fasttrain.diffusion.immiscible import assignment, exact_assignment, knn_choice
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
-from immiscible import images  # noqa: E402  (the benchmark's image batches: digits, latent-like fields)
+from immiscible import images  # the benchmark's image batches: digits, latent-like fields
 
 
 def official_dist(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 from fasttrain import diffusion as fd
 from fasttrain.diffusion import prediction as PR
 from fasttrain.diffusion.denoiser import Denoiser, PredictionOutput
-from fasttrain.diffusion.lookahead import (LookAhead, Probe, RankSplit, probe_mode, reference_step, x0_mse)
+from fasttrain.diffusion.lookahead import LookAhead, Probe, RankSplit, probe_mode, reference_step, x0_mse
 from fasttrain.kernels import philox
 
 

@@ -1,6 +1,7 @@
 """Mixed prediction on the diffusion side: head conversions, the one-hot limit, argmin, numerical safety
 at α → 0 / σ → 0, the Gaussian-mixture oracle through x0_hat, the timestep gate as a network
 parameter, the objective end to end, resume, and the loss-variation helpers."""
+import gmm_oracle as gmm
 import numpy as np
 import pytest
 import torch
@@ -10,11 +11,11 @@ from fasttrain.diffusion import mixed as M
 from fasttrain.diffusion import prediction as P
 from fasttrain.diffusion import variation as V
 from fasttrain.diffusion.denoiser import Denoiser
-from fasttrain.kernels import philox, torch_ref_mixed_loss as mixed_ref
+from fasttrain.kernels import philox
+from fasttrain.kernels import torch_ref_mixed_loss as mixed_ref
 from fasttrain.kernels.diffusion_loss import diffusion_loss
 from fasttrain.kernels.mixed_loss import mixed_loss
 from fasttrain.kernels.noise import noise
-import gmm_oracle as gmm
 
 # CPU tensors throughout: the interpreter where it is set (conftest.py), the reference on a GPU machine
 # (tests/kernels/test_mixed_loss.py runs the compiled kernel there).
@@ -54,7 +55,8 @@ def test_each_head_x0_conversion_is_exact(sched, heads):
     x0, eps = torch.randn(B, C, 4, generator=g), torch.randn(B, C, 4, generator=g)
     a, sg = col(s.alpha[t], 3), col(s.sigma[t], 3)
     x_t = (a * x0.double() + sg * eps.double()).float()
-    preds = [P.target(h, x0.double(), eps.double(), a, sg) + 0.3 * torch.randn(B, C, 4, generator=g, dtype=torch.float64)
+    preds = [P.target(h, x0.double(), eps.double(), a, sg) + 0.3 * torch.randn(B, C, 4, generator=g,
+                                                                               dtype=torch.float64)
              for h in heads]
     out = torch.cat([p.float() for p in preds] + [torch.randn(B, H, 4, generator=g)], 1)
     xs = head.head_x0(out, x_t, t)
@@ -137,7 +139,8 @@ def test_argmin_picks_the_head_with_the_lowest_x0_error():
     got = head.to_x0(out, x_t, t)
     for b in range(T):
         c = int(head.choice[t[b]])
-        expect_b = x0[b] + c + 1 if c >= 0 else (head.gate_weights(out, x_t, t)[b] * head.head_x0(out, x_t, t)[b]).sum(0)
+        expect_b = x0[b] + c + 1 if c >= 0 else (head.gate_weights(out, x_t, t)[b] * head.head_x0(out, x_t,
+                                                                                                  t)[b]).sum(0)
         torch.testing.assert_close(got[b], expect_b, rtol=1e-4, atol=1e-4)
 
 
@@ -319,7 +322,8 @@ def test_head_set_and_option_validation():
     lin = fd.schedule("linear", T=100)
     assert M.check_heads(["v", "eps"], lin) == ("v", "eps")
     assert M.check_heads(("eps", "flow"), fd.schedule("flow", T=10)) == ("eps", "flow")
-    for bad, msg in [(("eps",), "two or more"), (("eps", "eps"), "two or more"), (("eps", "noise"), "unknown mixed head"),
+    for bad, msg in [(("eps",), "two or more"), (("eps", "eps"), "two or more"), (("eps", "noise"),
+                                                                                  "unknown mixed head"),
                      (("eps", "flow"), "needs the flow schedule")]:
         with pytest.raises(ValueError, match=msg):
             M.check_heads(bad, lin)
@@ -329,7 +333,8 @@ def test_head_set_and_option_validation():
         M.MixedObjective(lin, mode="best")
     with pytest.raises(ValueError, match="mixed.aux_weight must be >= 0"):
         M.head_table(("eps", "x0"), lin, aux_weight=-1)
-    assert M.output_channels(("eps", "x0", "v"), 3, "pixel") == 12 and M.output_channels(("eps", "x0"), 4, "timestep") == 8
+    assert M.output_channels(("eps", "x0", "v"), 3, "pixel") == 12 and M.output_channels(("eps", "x0"), 4,
+                                                                                         "timestep") == 8
     with pytest.raises(ValueError, match="no timestep gate"):
         Denoiser(Net(torch.nn.Identity()), M.MixedOutput(("eps", "x0"), lin), lin)(
             torch.zeros(1, 2), torch.zeros(1, dtype=torch.long), return_gate=True)
@@ -355,7 +360,7 @@ def test_grad_norm_cv_on_a_probe_batch():
     s = fd.schedule("linear", T=1000)
     obj = fd.DiffusionObjective(s, "eps", "min_snr", backend="torch")
     lin = torch.nn.Linear(3, 3)
-    model = lambda x, t, y=None: lin(x)  # noqa: E731
+    model = lambda x, t, y=None: lin(x)
     x0 = torch.rand(4, 3) * 2 - 1
     cv, norms = V.grad_norm_cv(obj, model, x0, n_buckets=3, params=list(lin.parameters()))
     eps = V.probe_noise(x0)

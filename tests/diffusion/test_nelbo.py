@@ -4,12 +4,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from gmm_oracle import log_density, x0_posterior_mean
+from gmm_oracle import sample as gmm_sample
 
 from fasttrain import diffusion as fd
 from fasttrain.diffusion.nelbo import decoder_variance, log_discretized_gaussian, nelbo_bits_per_dim
 from fasttrain.diffusion.schedule import NoiseSchedule
-
-from gmm_oracle import log_density, sample as gmm_sample, x0_posterior_mean
 
 
 def logsnr_schedule(T, hi=10.0, lo=-10.0):
@@ -90,7 +90,8 @@ def _iddpm_decoder_bits(x0, x0_hat_0, betas):
 def test_decoder_follows_improved_diffusion():
     s = fd.schedule("linear", T=1000)
     betas = np.linspace(1e-4, 0.02, 1000)
-    assert decoder_variance(s).item() == pytest.approx(betas[1] * (1 - (1 - betas[0])) / (1 - (1 - betas[0]) * (1 - betas[1])), rel=1e-9)
+    want = betas[1] * (1 - (1 - betas[0])) / (1 - (1 - betas[0]) * (1 - betas[1]))
+    assert decoder_variance(s).item() == pytest.approx(want, rel=1e-9)
     g = torch.Generator().manual_seed(3)
     x0 = torch.round((torch.rand(64, 1, 8, 8, generator=g, dtype=torch.float64) * 2 - 1) * 127.5) / 127.5
     bias = 0.003 * torch.randn(64, 1, 8, 8, generator=g, dtype=torch.float64)

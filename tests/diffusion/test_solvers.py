@@ -1,12 +1,11 @@
 """Generation solvers driven by the exact denoiser of a 2-D Gaussian mixture reproduce the mixture."""
 import pytest
 import torch
+from gmm_oracle import OracleModel, moments
 
 from fasttrain import diffusion as fd
 from fasttrain.diffusion import prediction as P
 from fasttrain.diffusion.solvers import SOLVERS, edm_timesteps, generate, respaced
-
-from gmm_oracle import OracleModel, moments
 
 CASES = [("ddpm", "linear", "eps", 200), ("ddim", "linear", "v", 50), ("ddim", "cosine", "x0", 50),
          ("heun", "linear", "eps", 30), ("heun", "cosine", "v", 30), ("flow_euler", "flow", "flow", 100),
@@ -72,7 +71,7 @@ def test_eps_prediction_is_refused_where_alpha_is_zero():
 def test_ddim_eta0_is_deterministic_and_ddpm_is_not():
     s = fd.schedule("linear", T=1000)
     d = denoiser(OracleModel(s, "eps"), s, "eps")
-    run = lambda solver, seed: generate(d, s, (64, 2), solver=solver, steps=20,  # noqa: E731
+    run = lambda solver, seed: generate(d, s, (64, 2), solver=solver, steps=20,
                                         generator=torch.Generator().manual_seed(seed))
     assert torch.equal(run("ddim", 3), run("ddim", 3))
     assert not torch.equal(run("ddim", 3), run("ddim", 4))

@@ -92,7 +92,8 @@ def test_flow_weightings():
     w = fd.loss_weight("sd3_sigma_sqrt", f, prediction="x0")
     torch.testing.assert_close(w[:-1], sig[:-1] ** -2)
     # on the flow target, sigma^-2 in x0 space is exactly the plain flow-matching MSE
-    torch.testing.assert_close(fd.loss_weight("sd3_sigma_sqrt", f, prediction="flow"), torch.ones(1000, dtype=torch.float64))
+    torch.testing.assert_close(fd.loss_weight("sd3_sigma_sqrt", f, prediction="flow"), torch.ones(1000,
+                                                                                                  dtype=torch.float64))
     w = fd.loss_weight("cosmap", f, prediction="x0")
     torch.testing.assert_close(w[:-1], 2 / (math.pi * (1 - 2 * sig[:-1] + 2 * sig[:-1] ** 2)))
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from fasttrain import diffusion as fd
-from fasttrain.diffusion.lookahead import reference_step
 from fasttrain.diffusion.denoiser import Denoiser, PredictionOutput
+from fasttrain.diffusion.lookahead import reference_step
 from fasttrain.models import build_model
 from fasttrain.parallel import parallelize
 

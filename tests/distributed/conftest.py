@@ -12,7 +12,8 @@ import pytest
 HERE = Path(__file__).parent
 
 
-def torchrun(args: list[str], nproc: int = 2, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+def torchrun(args: list[str], nproc: int = 2, timeout: int = 600,
+             env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `python -m torch.distributed.run --standalone --nproc_per_node=N ARGS`; fails the test with
     the output on a non-zero exit."""
     e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import cli
+
 from fasttrain import checkpoint as ckpt
 from fasttrain.bundle import ModelBundle
 from fasttrain.cli import main
@@ -83,4 +83,5 @@ def test_ddp_with_bf16_autocast_trains_and_saves_fp32(tmp_path):
     cli(["train", f"run_dir={run}", "train.steps=4", "parallel.strategy=ddp", "parallel.precision=bf16"] + BASE + DIT)
     assert all(l == l for l in _losses(run)) and len(_losses(run)) == 4
     b = ModelBundle.load(run)
-    assert all(p.dtype == torch.float32 for p in b.net.parameters()) and all(s.dtype == torch.float32 for s in b.ema.shadow)
+    assert all(p.dtype == torch.float32 for p in b.net.parameters())
+    assert all(s.dtype == torch.float32 for s in b.ema.shadow)

@@ -119,7 +119,7 @@ if __name__ == "__main__":
                   "diffusers_parity": lambda out: parity(out, kinds=("hf_dit", "hf_unet"))}
         checks[sys.argv[1]](sys.argv[2])
         dist.barrier()
-    except Exception:  # noqa: BLE001 - reported through the exit code and the traceback
+    except Exception:  # reported through the exit code and the traceback
         traceback.print_exc()
         code = 1
     finally:

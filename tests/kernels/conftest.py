@@ -4,7 +4,6 @@ argument and the device its tensors live on), running native ones on the CPU ker
 names, if any."""
 import pytest
 import torch
-
 from harness import Backend, device_of
 
 

@@ -2,13 +2,13 @@
 the PyTorch reference math (torch_ref_mixed_loss.py) and autograd of it, on the same inputs, head sets,
 weightings and bins."""
 import torch
+from harness import TOL
 
 from fasttrain import diffusion as fd
 from fasttrain.diffusion import mixed as M
-from fasttrain.kernels import TimestepBins, philox, torch_ref_mixed_loss as mixed_ref
+from fasttrain.kernels import TimestepBins, philox
+from fasttrain.kernels import torch_ref_mixed_loss as mixed_ref
 from fasttrain.kernels.mixed_loss import mixed_loss
-
-from harness import TOL
 
 T = 1000
 VP_SETS = [("eps", "x0"), ("eps", "v"), ("x0", "v"), ("eps", "x0", "v")]

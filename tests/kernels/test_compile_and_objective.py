@@ -58,7 +58,7 @@ def test_objective_on_fused_kernels_matches_reference(pred, backend):
     obj = fd.DiffusionObjective(s, pred, "min_snr", "speed", sampler_args={"dual": pred != "flow"},
                                 backend=backend, seed=4).to(DEVICE)
     lin = torch.nn.Linear(6, 6).to(DEVICE)
-    model = lambda x, t: lin(x)  # noqa: E731
+    model = lambda x, t: lin(x)
     x0 = torch.rand(5, 6, device=DEVICE) * 2 - 1
     offset = int(obj.offset)
     loss, info = obj(model, x0, generator=torch.Generator(DEVICE).manual_seed(0))

@@ -7,14 +7,13 @@ itself against the prediction types and a loop written out. Inside torch.compile
 DiffusionObjective: test_compile_and_objective.py; on CUDA: test_gpu.py."""
 import pytest
 import torch
+from harness import DTYPES, TOL, assert_same, backends, filled_bins, inputs, tables
 
 from fasttrain import diffusion as fd
 from fasttrain.diffusion import prediction as P
 from fasttrain.kernels import TimestepBins, philox, torch_ref
 from fasttrain.kernels.diffusion_loss import diffusion_loss
 from fasttrain.kernels.noise import noise
-
-from harness import DTYPES, TOL, assert_same, backends, filled_bins, inputs, tables
 
 # 2-D toys, odd images, samples over more than one GPU tile and over several 16384-element tiles
 SHAPES = [(1, 5), (3, 2), (7, 3, 5, 7), (3, 4, 9, 9), (2, 3000), (2, 40000)]

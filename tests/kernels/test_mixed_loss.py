@@ -6,16 +6,16 @@ tasks), eps given and drawn in the op, pre-filled bins with non-zero pivots, mas
 zero-terminal SNR; the gradients written in the forward pass against autograd; outputs independent of
 history and (native) of the thread count; every CPU kernel set; one-line errors; register_fake and
 torch.compile(fullgraph=True)."""
+import mixed_harness as mh
 import pytest
 import torch
-
-from fasttrain.kernels import TimestepBins, native, torch_ref_mixed_loss as mixed_ref
-from fasttrain.kernels import mixed_loss as mixed_loss_module
-from fasttrain.kernels.mixed_loss import mixed_loss
-
-import mixed_harness as mh
 from harness import TOL, backends
-from mixed_harness import CASES, T, WEIGHTINGS, close, leaf
+from mixed_harness import CASES, WEIGHTINGS, T, close, leaf
+
+from fasttrain.kernels import TimestepBins, native
+from fasttrain.kernels import mixed_loss as mixed_loss_module
+from fasttrain.kernels import torch_ref_mixed_loss as mixed_ref
+from fasttrain.kernels.mixed_loss import mixed_loss
 
 # images; flat toys; 1 channel; 3 spatial dims (the first four: the cycle of the Triton kernel's former
 # tests); P = 323: chunks that cross channels; flat over two tasks per sample; 2 x 9000 pixels: several

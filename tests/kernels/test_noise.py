@@ -4,12 +4,11 @@ given and drawn from the Philox stream (philox.py), every CPU kernel set of the 
 statistics and its independence from tiles and offsets; the native op's one-line errors."""
 import pytest
 import torch
+from harness import DTYPES, TRITON, assert_same, backends, device_of, inputs, tables
 
 from fasttrain import diffusion as fd
 from fasttrain.kernels import philox, torch_ref
 from fasttrain.kernels.noise import noise
-
-from harness import DTYPES, TRITON, assert_same, backends, device_of, inputs, tables
 
 # (1, 5), (3, 2): 2-D toys; odd images; 2 x 3000: more than one GPU tile; 2 x 40000: several
 # 16384-element tiles (interpreter, native) and a chunk tail

@@ -3,10 +3,9 @@ full 64-bit seed and offset, and the native op's words against it on every CPU k
 of every backend against it: test_noise.py."""
 import pytest
 import torch
+from harness import backends
 
 from fasttrain.kernels import philox
-
-from harness import backends
 
 
 def _philox_scalar(seed, counter):
