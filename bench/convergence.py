@@ -83,7 +83,12 @@ def launch(args: list[str], log: Path) -> int:
 
 def run_grid(jobs: list[tuple], parallel: int, resume: bool) -> None:
     """jobs: (domain, batch, arm name, seed, overrides)."""
-    todo = [j for j in jobs if not (resume and (run_dir(*j[:4]) / "summary.json").is_file())]
+    def done(j) -> bool:  # finished, with the same overrides (a run written before they were kept counts)
+        d = run_dir(*j[:4])
+        kept = d.parent / f"seed{j[3]}.args.json"
+        return (d / "summary.json").is_file() and (not kept.is_file() or json.loads(kept.read_text()) == list(j[4]))
+
+    todo = [j for j in jobs if not (resume and done(j))]
     print(f"{len(jobs) - len(todo)} runs done, {len(todo)} to go ({parallel} at a time)", flush=True)
 
     def one(job):
@@ -92,6 +97,7 @@ def run_grid(jobs: list[tuple], parallel: int, resume: bool) -> None:
         if d.exists():  # an interrupted run starts over: its partial files would be refused
             shutil.rmtree(d)
         d.parent.mkdir(parents=True, exist_ok=True)
+        (d.parent / f"seed{seed}.args.json").write_text(json.dumps(list(args)))
         t0 = time.time()
         rc = launch(args, d.parent / f"seed{seed}.log")
         print(f"  {domain} b{batch} {arm} seed{seed}: {'ok' if rc == 0 else f'FAILED ({rc})'} in "
@@ -274,6 +280,8 @@ def main(argv=None) -> None:
                 combo = combination(res, arms)
                 if combo:
                     arms["combination"] = combo[1]
+                    if known.get("combination") not in (None, combo[0]):  # another choice: its runs are stale
+                        shutil.rmtree(RUNS / domain / f"b{batch}" / "combination", ignore_errors=True)
                     meta["domains"][domain]["combination"] = combo[0]
             if "combination" in arms:
                 jobs = [(domain, batch, "combination", s, overrides(domain, arms["combination"], "combination", batch,
