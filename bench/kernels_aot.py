@@ -25,10 +25,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
-if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # before anything imports triton
+# As a script only (an import, e.g. by the test that imports every bench script, must not re-execute
+# its importer): compiled Triton needs TRITON_INTERPRET unset before anything imports triton.
+if __name__ == "__main__" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
-if "--fresh" in sys.argv:  # time the compiles, not Triton's cache: an empty cache for this run
+if __name__ == "__main__" and "--fresh" in sys.argv:  # time the compiles, not Triton's cache: an empty cache for this run
     import tempfile
 
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="fasttrain-aot-")
