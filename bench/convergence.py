@@ -7,7 +7,8 @@ seeds and 90% bootstrap intervals, on two domains:
   checkerboard  the built-in 2-D checkerboard, an MLP; the sliced Wasserstein-2 distance of generated
                 points to fresh samples of the true density (an exact metric of the distribution)
 
-    python bench/convergence.py                       # everything (≤ 100 min on 2 cores), then the tables
+    python bench/convergence.py                       # everything at the defaults: about 4 hours on 2 cores
+    python bench/convergence.py --domain digits --batches 16 --seeds 4 --steps 1200   # README's run, part 1
     python bench/convergence.py --resume              # continue (finished runs are kept)
     python bench/convergence.py --domain digits --batches 4 --arms baseline,mixed_snr   # a subset
     python bench/convergence.py --quick               # two arms, one seed, a few hundred steps (CI)
