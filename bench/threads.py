@@ -27,7 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
 VARIANTS = {"before (spin, default threads)": {"policy": None, "threads": 0},
-            "now (passive, default threads)": {"policy": "PASSIVE", "threads": 0},
+            "passive, default threads": {"policy": "PASSIVE", "threads": 0},
+            "short spin (GOMP_SPINCOUNT=10000)": {"policy": None, "spin": "10000", "threads": 0},
+            "short spin (GOMP_SPINCOUNT=1000)": {"policy": None, "spin": "1000", "threads": 0},
             "1 thread (passive)": {"policy": "PASSIVE", "threads": 1}}
 
 WORKER = r'''
@@ -59,16 +61,18 @@ print(json.dumps({"ms": 1000 * sorted(ts)[len(ts) // 2], "threads": torch.get_nu
 '''
 
 
-def _env(policy):
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if policy:
-        env["OMP_WAIT_POLICY"] = policy
+def _env(variant: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    if variant["policy"]:
+        env["OMP_WAIT_POLICY"] = variant["policy"]
+    if variant.get("spin"):
+        env["GOMP_SPINCOUNT"] = variant["spin"]
     return env
 
 
 def measure(kind: str, variant: dict, steps: int) -> dict:
     """One fresh process: median ms per step (train, kernels), or wall seconds of a test module (tests)."""
-    env = _env(variant["policy"])
+    env = _env(variant)
     load = os.getloadavg()[0]
     if kind == "tests":
         t0 = time.perf_counter()
