@@ -30,7 +30,7 @@ RESULTS = ROOT / "bench" / "results"
 if __name__ == "__main__" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
-if __name__ == "__main__" and "--fresh" in sys.argv:  # time the compiles, not Triton's cache: an empty cache for this run
+if __name__ == "__main__" and "--fresh" in sys.argv:  # time the compiles, not Triton's cache: an empty one
     import tempfile
 
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="fasttrain-aot-")

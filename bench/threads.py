@@ -5,10 +5,11 @@ free machine and with one core taken by a competing process that this benchmark 
     python bench/threads.py --rounds 1     # a quick look
 
 Variants (each workload runs in a fresh process, since OpenMP's wait policy is read when torch loads
-libgomp): "before" = what fasttrain did until now (OMP_WAIT_POLICY unset: idle threads spin; torch's
-default threads, one per core), "now" = fasttrain's default (PASSIVE, torch's default threads), and
-"1 thread" for reference. Rounds interleave every variant, free and busy, so that other load on the
-machine hits them alike; each cell is the median over rounds. The competing process is a Python
+libgomp): "before" = what fasttrain did first (OMP_WAIT_POLICY unset: idle threads spin; one thread
+per core), the PASSIVE policy and a short spin (GOMP_SPINCOUNT) at one thread per core, "now" =
+fasttrain's default (PASSIVE; train.threads=0 runs a CPU training run on one thread), and one
+thread. Rounds interleave every variant, free and busy, so that other load on the machine hits them
+alike; each cell is the median over rounds. The competing process is a Python
 busy loop (one core). The load average before each measurement is recorded: a free-machine
 measurement is only as free as the machine was.
 """
@@ -26,10 +27,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
-VARIANTS = {"before (spin, default threads)": {"policy": None, "threads": 0},
-            "passive, default threads": {"policy": "PASSIVE", "threads": 0},
-            "short spin (GOMP_SPINCOUNT=10000)": {"policy": None, "spin": "10000", "threads": 0},
-            "short spin (GOMP_SPINCOUNT=1000)": {"policy": None, "spin": "1000", "threads": 0},
+CORES = os.cpu_count() or 1
+# threads: 0 = this version's default (train.threads=0: one thread for a CPU run; torch's default for the
+# kernel benchmark), else forced
+VARIANTS = {"before (spin, one thread per core)": {"policy": None, "threads": CORES},
+            "passive, one thread per core": {"policy": "PASSIVE", "threads": CORES},
+            "short spin (GOMP_SPINCOUNT=1000), one per core": {"policy": None, "spin": "1000", "threads": CORES},
+            "now: fasttrain's default (passive; train: 1 thread)": {"policy": "PASSIVE", "threads": 0},
             "1 thread (passive)": {"policy": "PASSIVE", "threads": 1}}
 
 WORKER = r'''

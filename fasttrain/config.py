@@ -148,7 +148,7 @@ class TrainConfig:
     ckpt_every: int = _f(1000, "steps between checkpoints (0 = only at the end)", min=0)
     seed: int = _f(0, "seed of weights, data order, timesteps and noise")
     device: str = _f("auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
-    threads: int = _f(0, "torch CPU threads (0 = torch's default)", min=0)
+    threads: int = _f(0, "torch CPU threads (0 = auto: 1 for a CPU run, torch's default for a GPU run)", min=0)
     progress: bool = _f(True, "show a progress bar")
     cuda_graph: bool = _f(False,
                           "capture the whole step in one CUDA graph and replay it (one GPU; falls back with a reason)")

@@ -11,7 +11,8 @@ The policy is read once, when torch loads libgomp, so it must be in the environm
 torch`: the command line (cli.py), the tests (tests/conftest.py) and the benchmarks set it first
 (`prepare_openmp`); a user's own setting always wins. A Python program that imports fasttrain after
 torch keeps whatever policy torch started with (call `prepare_openmp()` before importing torch).
-`train.threads=N` still forces N threads; 0 keeps torch's default (one per core).
+`train.threads=N` still forces N threads; 0 (the default) means one thread for a CPU training run
+(set_threads) and torch's default (one per core) for a GPU run.
 """
 from __future__ import annotations
 
@@ -28,9 +29,13 @@ def prepare_openmp() -> bool:
     return "torch" not in sys.modules
 
 
-def set_threads(n: int) -> None:
-    """`train.threads`: N > 0 forces N intra-op threads; 0 keeps torch's default."""
-    if n > 0:
-        import torch
+def set_threads(n: int, cpu_run: bool = False) -> None:
+    """`train.threads`: N > 0 forces N intra-op threads; 0 (auto) means one thread for a CPU run and
+    torch's default otherwise. One, because the models a CPU trains are small: a second thread bought
+    the default run nothing measurable on a free 2-core machine (58-81 ms per step with two spinning
+    threads, 58-74 with one) and cost it 1.3-4x when another process held a core, passive or not
+    (bench/results/threads-cpu.md)."""
+    import torch
 
-        torch.set_num_threads(n)
+    if n > 0 or cpu_run:
+        torch.set_num_threads(n if n > 0 else 1)

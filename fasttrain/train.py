@@ -46,8 +46,8 @@ class Trainer:
     def __init__(self, cfg: DictConfig, *, resume: bool = False, restart: bool = False):
         self.cfg = cfg
         tc = cfg.train
-        set_threads(tc.threads)
         want_cuda = tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())
+        set_threads(tc.threads, cpu_run=not want_cuda)
         if want_cuda and not torch.cuda.is_available():
             raise DeviceError("train.device=cuda but no CUDA device is available")
         self.dist = dist_utils.init(tc.device)

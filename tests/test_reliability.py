@@ -221,3 +221,14 @@ def test_openmp_threads_yield_on_a_busy_machine_unless_the_user_chose():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**env, "OMP_WAIT_POLICY": "ACTIVE"})
     assert out.stdout.strip() == "ACTIVE"
+
+
+def test_a_cpu_run_uses_one_thread_unless_told_otherwise():
+    """train.threads=0 (the default) means one thread for a CPU run (bench/results/threads-cpu.md: a
+    second thread bought the tiny default model nothing on a free machine and cost it when a core was
+    busy); N > 0 forces N; a GPU run keeps torch's default."""
+    code = ("import sys, torch; from fasttrain.cpu import set_threads; torch.set_num_threads(2); "
+            "set_threads(int(sys.argv[1]), cpu_run=sys.argv[2] == '1'); print(torch.get_num_threads())")
+    got = [subprocess.run([sys.executable, "-c", code, n, cpu], capture_output=True, text=True, check=True
+                          ).stdout.strip() for n, cpu in (("0", "1"), ("2", "1"), ("0", "0"))]
+    assert got == ["1", "2", "2"]
