@@ -30,7 +30,7 @@ from .backend import workspace
 from .loss_shape import LOSSES
 from .noise_spec import PYRAMID
 from .triton_noise_spec import launch_args, spec_eps
-from .triton_shared import block_size, div_of, launch_options, rho_psi, scatter_value
+from .triton_shared import block_size, div_of, rho_psi, scatter_value
 
 
 # Only D is value-specialised (its alignment decides the vector width); B, T, NCH and the seed are not,
@@ -116,7 +116,7 @@ def loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs_e
                           2.0 / (B * D), *args, c_table if c_table is not None else weight,
                           NEEDS_EPS=needs_eps, NEEDS_X0=needs_x0, HAS_EPS=eps is not None,
                           BINS=bins.numel() > 0, SPEC=flags, LOSS=kind, BLOCK=BLOCK, DIV=div_of(D),
-                          **(shared.pyramid_options() if pyramid else launch_options(BLOCK)))
+                          **shared.kernel_options(BLOCK, flags))
     return mean, per, raw, wl, grad
 
 

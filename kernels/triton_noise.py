@@ -19,7 +19,7 @@ import triton.language as tl
 from . import triton_shared as shared
 from .noise_spec import PYRAMID
 from .triton_noise_spec import launch_args, spec_eps, spec_perturbation
-from .triton_shared import block_size, div_of, launch_options
+from .triton_shared import block_size, div_of
 
 
 # The seed is not value-specialised (a seed of 1 would otherwise compile a kernel of its own).
@@ -66,7 +66,7 @@ def noise(x0, t, alpha, sigma, eps, seed, offset, out_dtype, write_eps, spec, in
     noise_kernel[(B, triton.cdiv(D, BLOCK))](x0c, t, alpha, sigma, eps.contiguous() if eps is not None else x0c,
                                              xt, eps_out, D, seed, offset, *args, HAS_EPS=eps is not None,
                                              WRITE_EPS=write_eps, SPEC=flags, BLOCK=BLOCK, DIV=div_of(D),
-                                             **(shared.pyramid_options() if pyramid else launch_options(BLOCK)))
+                                             **shared.kernel_options(BLOCK, flags))
     return xt, eps_out
 
 

@@ -37,6 +37,18 @@ def launch_options(block: int) -> dict:
     return dict(num_warps=8 if block >= 2048 else 4, maxnreg=64)
 
 
+def kernel_options(block: int, spec_flags: int) -> dict:
+    """num_warps and register budget of a noise or loss kernel with the noise options `spec_flags`
+    (noise_spec.py): launch_options without options; the pyramid's (pyramid_options) with pyramid noise;
+    else a 96-register budget (the loss kernel with the adaptive offset spilled 8 bytes on sm_90 under
+    64: kernels/aot.py, full set)."""
+    from .noise_spec import PYRAMID
+
+    if spec_flags & PYRAMID:
+        return pyramid_options()
+    return {**launch_options(block), "maxnreg": 96} if spec_flags else launch_options(block)
+
+
 def pyramid_options() -> dict:
     """num_warps and register budget of a kernel regenerating pyramid noise (PYRAMID_BLOCK tiles)."""
     return dict(num_warps=4, maxnreg=PYRAMID_REGS)
