@@ -20,7 +20,7 @@ period of 40 steps would need 12,000 steps), and their updates and final p(t)'s 
 uniform are reported. The combination arm is chosen by the script at the first batch size: the
 strongest non-sampler arm with the best sampler arm's sampler. Results: bench/results/convergence
 .{json,md}, convergence-digits.png, convergence-checkerboard.png, with the machine and versions; the
-runs under bench/.convergence/.
+runs under runs/convergence/ (outside the source tree).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from convergence_lib import first_crossing, paired_median_ci, value_at
 
 ROOT = Path(__file__).parent
 RESULTS = ROOT / "results"
-RUNS = ROOT / ".convergence"
+RUNS = ROOT.parent / "runs" / "convergence"  # training runs: outside the source tree
 TARGETS = (0.25, 0.5, 1.0)
 MIN_UPDATES = 300
 
@@ -229,7 +229,7 @@ def main(argv=None) -> None:
     ap.add_argument("--evals", type=int, default=10, help="evaluations per run")
     ap.add_argument("--no-timing", action="store_true", help="skip the side-by-side step costs")
     ap.add_argument("--out", default=None,
-                    help="results folder (default bench/results; --quick: bench/.convergence-quick)")
+                    help="results folder (default bench/results; --quick: runs/convergence-quick)")
     args = ap.parse_args(argv)
     global RUNS
     t0 = time.time()
@@ -243,7 +243,7 @@ def main(argv=None) -> None:
     domains = args.domain.split(",")
     timing_steps = 200
     if args.quick:
-        RUNS = ROOT / ".convergence-quick"
+        RUNS = ROOT.parent / "runs" / "convergence-quick"
         arms_all = {"baseline": ARMS["baseline"], "min_snr_eps": ARMS["min_snr_eps"]}
         domains, args.evals, timing_steps = ["digits"], 3, 50
     out_dir = Path(args.out or (RUNS if args.quick else RESULTS))

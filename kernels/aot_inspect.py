@@ -140,20 +140,26 @@ def demangle(names: list[str]) -> dict:
         return {n: n for n in names}
 
 
+def _cuobjdump_lines(text: str, function: str):
+    """(architecture of the current section, the function a line names or None, the line) per line of
+    cuobjdump's output."""
+    arch = None
+    for line in text.splitlines():
+        m = re.search(r"arch = (sm_\d+)", line)
+        arch = m.group(1) if m else arch
+        m = re.search(function, line)
+        yield arch, m.group(1) if m else None, line
+
+
 def native_resources(path: str) -> list[dict]:
     """Per (architecture, kernel) of the fatbin in `path` (an object or shared library): registers,
     stack, local, shared bytes (cuobjdump --dump-resource-usage) and the widths of its global loads
     and stores (SASS: LDG.E = 32-bit, .64, .128, .U16 = 16-bit). STACK and LOCAL 0 mean no spills."""
     res = subprocess.run([tool("cuobjdump"), "--dump-resource-usage", path], capture_output=True, text=True,
                          check=True).stdout
-    rows, arch, fn = [], None, None
-    for line in res.splitlines():
-        m = re.search(r"arch = (sm_\d+)", line)
-        if m:
-            arch = m.group(1)
-        m = re.search(r"Function (\S+):", line)
-        if m:
-            fn = m.group(1)
+    rows, fn = [], None
+    for arch, new_fn, line in _cuobjdump_lines(res, r"Function (\S+):"):
+        fn = new_fn or fn
         m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", line)
         if m and fn:
             rows.append(dict(arch=arch, function=fn, registers=int(m.group(1)), stack=int(m.group(2)),
@@ -161,14 +167,9 @@ def native_resources(path: str) -> list[dict]:
             fn = None
     sass = subprocess.run([tool("cuobjdump"), "-sass", path], capture_output=True, text=True, check=True).stdout
     widths: dict = defaultdict(lambda: defaultdict(int))
-    arch, fn = None, None
-    for line in sass.splitlines():
-        m = re.search(r"arch = (sm_\d+)", line)
-        if m:
-            arch = m.group(1)
-        m = re.search(r"Function : (\S+)", line)
-        if m:
-            fn = m.group(1)
+    fn = None
+    for arch, new_fn, line in _cuobjdump_lines(sass, r"Function : (\S+)"):
+        fn = new_fn or fn
         m = re.search(r"\b(LDG|STG)((?:\.[A-Z0-9_]+)*)", line)
         if m and fn:
             mods = m.group(2).split(".")
