@@ -7,20 +7,23 @@ seeds and 90% bootstrap intervals, on two domains:
   checkerboard  the built-in 2-D checkerboard, an MLP; the sliced Wasserstein-2 distance of generated
                 points to fresh samples of the true density (an exact metric of the distribution)
 
-    python bench/convergence.py                       # everything at the defaults: about 4 hours on 2 cores
-    python bench/convergence.py --domain digits --batches 16 --seeds 4 --steps 1200   # README's run, part 1
+    python bench/convergence.py                       # the study: about 90 minutes on 2 cores
+    python bench/convergence.py --resume --domain digits --batches 16 \
+        --arms input_perturbation,pseudo_huber_snr,immiscible                   # + the noise/loss options, ~10 min
     python bench/convergence.py --resume              # continue (finished runs are kept)
     python bench/convergence.py --domain digits --batches 4 --arms baseline,mixed_snr   # a subset
     python bench/convergence.py --quick               # two arms, one seed, a few hundred steps (CI)
 
 Every run is `fasttrain train` in its own process with one thread (two side by side fill the two
-cores). Seeds are paired: a seed's initial weights, data order and noise are the same in every arm.
-Adaptive arms get a look-ahead period short enough for ≥ 300 policy updates in the run (the official
-period of 40 steps would need 12,000 steps), and their updates and final p(t)'s total variation from
-uniform are reported. The combination arm is chosen by the script at the first batch size: the
-strongest non-sampler arm with the best sampler arm's sampler. Results: bench/results/convergence
-.{json,md}, convergence-digits.png, convergence-checkerboard.png, with the machine and versions; the
-runs under runs/convergence/ (outside the source tree).
+cores; the longest runs start first). Seeds are paired: a seed's initial weights, data order and
+noise are the same in every arm. Adaptive arms get a look-ahead period short enough for ≥ 300 policy
+updates in the run (the official period of 40 steps would need 12,000 steps), and their updates and
+final p(t)'s total variation from uniform are reported. The combination arm is chosen by the script
+at each domain's first batch size and run there: the strongest non-sampler arm with the best sampler
+arm's sampler. Seconds per step are the runs' own logged step times (median over logging windows and
+seeds). Results: bench/results/convergence.{json,md}, convergence-digits.png,
+convergence-checkerboard.png, with the machine and versions; the runs under runs/convergence/
+(outside the source tree).
 """
 from __future__ import annotations
 
@@ -50,14 +53,22 @@ MIN_UPDATES = 300
 
 COMMON = ["diffusion.prediction=eps", "diffusion.weighting=simple", "diffusion.sampler=uniform", "train.threads=1",
           "train.progress=false", "train.ckpt_every=0", "sample.num=0", "eval.bpd=false", "train.log_every=100",
-          "diagnostics.interference_every=0", "optim.warmup_steps=200"]
+          "diagnostics.interference_every=0", "optim.warmup_steps=200", "train.plots=false"]
+# The arms each domain and batch runs by default (--arms replaces them). Digits batch 16: every arm but the
+# noise/loss options (EXTRAS: `--arms` runs them, ~10 min more); batch 4, the small-batch regime: the mixed
+# arms and their controls; checkerboard: the seed papers' arms. Within 100 min on 2 cores in all.
+EXTRAS = ("input_perturbation", "pseudo_huber_snr", "immiscible")
+SMALL_BATCH = ("baseline", "min_snr_eps", "mixed_snr", "mixed_min_snr")
+TWO_D = ("baseline", "min_snr_eps", "min_snr_v", "speed", "edm2", "adaptive", "adaptive_official", "mixed_snr",
+         "mixed_min_snr")
 DOMAINS = {
     "digits": dict(base=COMMON + ["data.name=digits", "model.name=unet_tiny", "model.args.ch=16", "optim.lr=1e-3",
                                   "eval.steps=20"],
-                   metric="fid", label="FID (digits features)", batches={16: 2000, 4: 3000}, seeds=5, eval_n=256),
+                   metric="fid", label="FID (digits features)", batches={16: 960, 4: 960}, seeds=5, eval_n=256,
+                   arms={16: tuple(a for a in ARMS if a not in EXTRAS), 4: SMALL_BATCH}),
     "checkerboard": dict(base=COMMON + ["data.name=checkerboard", "model.name=mlp", "optim.lr=2e-3", "eval.steps=50"],
-                         metric="sw2", label="sliced W2 to the true density", batches={128: 2000}, seeds=10,
-                         eval_n=2000),
+                         metric="sw2", label="sliced W2 to the true density", batches={128: 600}, seeds=10,
+                         eval_n=2000, arms={128: TWO_D}),
 }
 
 
@@ -71,8 +82,17 @@ def overrides(domain: str, arm: Arm, name: str, batch: int, seed: int, steps: in
         f"data.batch_size={batch}", f"train.seed={seed}", f"train.steps={steps}", f"eval.every={steps // evals}",
         f"eval.num_samples={d['eval_n']}", f"run_dir={run_dir(domain, batch, name, seed)}"]
     if arm.adaptive:  # enough policy updates to learn something: ≥ MIN_UPDATES in the run
-        over.append(f"diffusion.sampler_args.every={max(1, steps // MIN_UPDATES)}")
+        # (chunk: probe elements per no-grad forward; 256 is ~25% faster than 4 micro-batches on one CPU thread)
+        over += [f"diffusion.sampler_args.every={max(1, steps // MIN_UPDATES)}", "diffusion.sampler_args.chunk=256"]
     return over
+
+
+def expected_cost(job: tuple) -> float:
+    """A rough relative cost of a run, to start the longest first (two workers finish together)."""
+    domain, batch, _, _, args = job
+    steps = next(int(a.split("=")[1]) for a in args if a.startswith("train.steps="))
+    look = 10.0 if "diffusion.sampler_args.tau_grid=0" in args else 3.0 if "diffusion.sampler=adaptive" in args else 1.0
+    return steps * look * (0.3 if domain == "checkerboard" else 0.5 + batch / 32)
 
 
 def launch(args: list[str], log: Path) -> int:
@@ -89,7 +109,7 @@ def run_grid(jobs: list[tuple], parallel: int, resume: bool) -> None:
         kept = d.parent / f"seed{j[3]}.args.json"
         return (d / "summary.json").is_file() and (not kept.is_file() or json.loads(kept.read_text()) == list(j[4]))
 
-    todo = [j for j in jobs if not (resume and done(j))]
+    todo = sorted((j for j in jobs if not (resume and done(j))), key=expected_cost, reverse=True)
     print(f"{len(jobs) - len(todo)} runs done, {len(todo)} to go ({parallel} at a time)", flush=True)
 
     def one(job):
@@ -184,20 +204,24 @@ def analyse(domain: str, batch: int, arms: dict[str, Arm], seeds: list[int], ste
     return out
 
 
-def step_costs(domain: str, arms: dict[str, Arm], batch: int, steps: int, timing_steps: int = 200) -> dict:
-    """Seconds per training step of every arm measured side by side (the trainer's own step, one thread,
-    interleaved rounds: bench/throughput.py), so seconds compare the arms and not the machine's load."""
-    import tempfile
+def run_costs(domain: str, batch: int, arms: dict[str, Arm], seeds: list[int]) -> dict:
+    """Seconds per training step of every arm: the median over its seeds of the median of the run's own
+    logged step times (look-aheads included). Every run had the same conditions (two side by side, one
+    thread each), so the ratios compare the arms."""
+    import statistics
 
-    from throughput import interleaved, trainer
+    from fasttrain.logger import read_jsonl
 
-    with tempfile.TemporaryDirectory() as d:
-        trs = {a: trainer(DOMAINS[domain]["base"] + list(arm.overrides) + [f"data.batch_size={batch}", "train.seed=0"]
-                          + ([f"diffusion.sampler_args.every={max(1, steps // MIN_UPDATES)}"] if arm.adaptive else []),
-                          Path(d)) for a, arm in arms.items()}
-        cost = interleaved(trs, timing_steps, warmup=10, round_steps=25)
-        for tr in trs.values():
-            tr.close()
+    cost = {}
+    for a in arms:
+        per_seed = []
+        for s in seeds:
+            m = run_dir(domain, batch, a, s) / "metrics.jsonl"
+            times = [r["sec_per_step"] for r in read_jsonl(m) if r.get("sec_per_step")] if m.is_file() else []
+            if times:
+                per_seed.append(statistics.median(times))
+        if per_seed:
+            cost[a] = statistics.median(per_seed)
     return cost
 
 
@@ -226,35 +250,38 @@ def main(argv=None) -> None:
     ap.add_argument("--seeds", type=int, default=None, help="seeds per arm (default: 5 digits, 10 checkerboard)")
     ap.add_argument("--steps", type=int, default=None, help="steps of every run (default: each batch size's)")
     ap.add_argument("--parallel", type=int, default=2, help="runs side by side (one thread each)")
-    ap.add_argument("--evals", type=int, default=10, help="evaluations per run")
-    ap.add_argument("--no-timing", action="store_true", help="skip the side-by-side step costs")
+    ap.add_argument("--evals", type=int, default=8, help="evaluations per run (8: the 25%% and 50%% targets fall "
+                    "on evaluations)")
     ap.add_argument("--out", default=None,
                     help="results folder (default bench/results; --quick: runs/convergence-quick)")
     args = ap.parse_args(argv)
     global RUNS
     t0 = time.time()
-    arms_all = available(ARMS, has_key)
+    usable = available(ARMS, has_key)
+    wanted = None
     if args.arms:
         wanted = ["baseline"] + [a for a in args.arms.split(",") if a != "baseline"]
-        missing = [a for a in wanted if a not in arms_all]
+        missing = [a for a in wanted if a not in usable]
         if missing:
-            sys.exit(f"convergence: unknown or unavailable arm {missing[0]!r}; choose from {', '.join(arms_all)}")
-        arms_all = {a: arms_all[a] for a in wanted}
+            sys.exit(f"convergence: unknown or unavailable arm {missing[0]!r}; choose from {', '.join(usable)}")
     domains = args.domain.split(",")
-    timing_steps = 200
     if args.quick:
         RUNS = ROOT.parent / "runs" / "convergence-quick"
-        arms_all = {"baseline": ARMS["baseline"], "min_snr_eps": ARMS["min_snr_eps"]}
-        domains, args.evals, timing_steps = ["digits"], 3, 50
+        wanted = ["baseline", "min_snr_eps"]
+        domains, args.evals = ["digits"], 3
     out_dir = Path(args.out or (RUNS if args.quick else RESULTS))
     json_path = out_dir / "convergence.json"
     saved = json.loads(json_path.read_text()) if (args.resume and json_path.is_file()) else {}
     results = saved.get("results", {})
     meta = {"machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
             "min_updates": MIN_UPDATES, "targets": TARGETS, "domains": saved.get("meta", {}).get("domains", {})}
-    if saved:  # every invocation that wrote into these results
-        meta["commands"] = saved.get("meta", {}).get("commands", [saved.get("meta", {}).get("command", "")])
-        meta["commands"].append(meta["command"])
+    if saved:  # every invocation that wrote into these results, with its wall time
+        old = saved.get("meta", {})
+        meta["commands"] = old.get("commands", [old.get("command", "")]) + [meta["command"]]
+        meta["walls"] = old.get("walls", [old.get("wall_seconds", 0)])
+
+    # 1. every (domain, batch, arm, seed) run in one pool, the longest first
+    plan, jobs = {}, []
     for domain in domains:
         d = DOMAINS[domain]
         batches = {b: args.steps or n for b, n in d["batches"].items()
@@ -263,38 +290,50 @@ def main(argv=None) -> None:
         if args.quick:
             batches, seeds = {16: 300}, [0]
             d = DOMAINS[domain] = {**d, "eval_n": 128}
-        arms = dict(arms_all)
+        arms = {b: {a: usable[a] for a in (wanted or d["arms"][b]) if a in usable} for b in batches}
+        plan[domain] = (batches, seeds, arms)
         known = meta["domains"].get(domain, {})
         meta["domains"][domain] = {**known, "batches": {**known.get("batches", {}), **{str(b): n for b,
                                                                                        n in batches.items()}},
                                    "seeds": seeds, "evals": args.evals, "eval_n": d["eval_n"], "metric": d["label"],
                                    "base": d["base"]}
-        meta["domains"][domain].setdefault("arms", {})
-        meta["domains"][domain]["arms"].update({str(b): list(arms_all) for b in batches})
-        results.setdefault(domain, {})
-        for i, (batch, steps) in enumerate(batches.items()):
-            jobs = [(domain, batch, a, s, overrides(domain, arm, a, batch, s, steps, args.evals))
-                    for a, arm in arms.items() for s in seeds]
-            run_grid(jobs, args.parallel, args.resume)
-            res = analyse(domain, batch, arms, seeds, steps, None)
-            if i == 0 and not args.quick and not args.arms and "combination" not in arms:
-                combo = combination(res, arms)
-                if combo:
-                    arms["combination"] = combo[1]
-                    if known.get("combination") not in (None, combo[0]):  # another choice: its runs are stale
-                        shutil.rmtree(RUNS / domain / f"b{batch}" / "combination", ignore_errors=True)
-                    meta["domains"][domain]["combination"] = combo[0]
-            if "combination" in arms:
-                jobs = [(domain, batch, "combination", s, overrides(domain, arms["combination"], "combination", batch,
-                                                                    s,
-                                                                    steps, args.evals)) for s in seeds]
-                run_grid(jobs, args.parallel, True)
-            cost = None if args.no_timing else step_costs(domain, arms, batch, steps, timing_steps)
-            results[domain][str(batch)] = analyse(domain, batch, arms, seeds, steps, cost)
-            meta["wall_seconds"] = time.time() - t0
-            from convergence_report import write_outputs
+        listed = meta["domains"][domain].setdefault("arms", {})
+        for b in batches:  # the arms of every invocation, in order
+            listed[str(b)] = list(dict.fromkeys(listed.get(str(b), []) + list(arms[b])))
+        jobs += [(domain, b, a, s, overrides(domain, arm, a, b, s, n, args.evals))
+                 for b, n in batches.items() for a, arm in arms[b].items() for s in seeds]
+    run_grid(jobs, args.parallel, args.resume)
 
-            write_outputs(results, {**saved.get("meta", {}), **meta}, out_dir)  # after every batch: nothing lost
+    # 2. the combination arm of each domain, chosen from its first batch's arms and run at that batch
+    jobs = []
+    for domain, (batches, seeds, arms) in plan.items():
+        if wanted or not batches:
+            continue
+        first, n = next(iter(batches.items()))
+        combo = combination(analyse(domain, first, arms[first], seeds, n, None), arms[first])
+        if not combo:
+            continue
+        arms[first]["combination"] = combo[1]
+        if meta["domains"][domain].get("combination") not in (None, combo[0]):  # another choice: stale runs
+            shutil.rmtree(RUNS / domain / f"b{first}" / "combination", ignore_errors=True)
+        meta["domains"][domain]["combination"] = combo[0]
+        listed = meta["domains"][domain]["arms"][str(first)]
+        if "combination" not in listed:
+            listed.append("combination")
+        jobs += [(domain, first, "combination", s, overrides(domain, combo[1], "combination", first, s, n,
+                                                             args.evals)) for s in seeds]
+    run_grid(jobs, args.parallel, True)
+
+    # 3. analysis and outputs (an invocation with other arms adds to a batch's table)
+    from convergence_report import write_outputs
+
+    for domain, (batches, seeds, arms) in plan.items():
+        for b, n in batches.items():
+            table = results.setdefault(domain, {}).setdefault(str(b), {})
+            table.update(analyse(domain, b, arms[b], seeds, n, run_costs(domain, b, arms[b], seeds)))
+    meta["wall_seconds"] = time.time() - t0
+    meta["walls"] = meta.get("walls", []) + [meta["wall_seconds"]]
+    write_outputs(results, {**saved.get("meta", {}), **meta}, out_dir)
     print((out_dir / "convergence.md").read_text())
 
 

