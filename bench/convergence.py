@@ -11,7 +11,7 @@ seeds and 90% bootstrap intervals, on two domains:
     python bench/convergence.py --resume --domain digits --batches 16 \
         --arms input_perturbation,pseudo_huber_snr,immiscible                   # + the noise/loss options, ~10 min
     python bench/convergence.py --resume              # continue (finished runs are kept)
-    python bench/convergence.py --domain digits --batches 4 --arms baseline,mixed_snr   # a subset
+    python bench/convergence.py --resume --domain digits --batches 4 --arms mixed_snr   # a subset, added
     python bench/convergence.py --quick               # two arms, one seed, a few hundred steps (CI)
 
 Every run is `fasttrain train` in its own process with one thread (two side by side fill the two
@@ -20,10 +20,11 @@ noise are the same in every arm. Adaptive arms get a look-ahead period short eno
 updates in the run (the official period of 40 steps would need 12,000 steps), and their updates and
 final p(t)'s total variation from uniform are reported. The combination arm is chosen by the script
 at each domain's first batch size and run there: the strongest non-sampler arm with the best sampler
-arm's sampler. Seconds per step are the runs' own logged step times (median over logging windows and
-seeds). Results: bench/results/convergence.{json,md}, convergence-digits.png,
-convergence-checkerboard.png, with the machine and versions; the runs under runs/convergence/
-(outside the source tree).
+arm's sampler, among the arms of that invocation (an invocation with --arms chooses none, so the
+noise/loss options that `--arms` adds are not candidates). Seconds per step are the runs' own logged
+step times (median over logging windows and seeds). Results: bench/results/convergence.{json,md},
+convergence-digits.png, convergence-checkerboard.png, with the machine and versions; the runs under
+runs/convergence/ (outside the source tree).
 """
 from __future__ import annotations
 
@@ -159,7 +160,8 @@ def adaptive_state(run: Path) -> dict | None:
 
 def analyse(domain: str, batch: int, arms: dict[str, Arm], seeds: list[int], steps: int, cost: dict | None) -> dict:
     metric = DOMAINS[domain]["metric"]
-    curves = {a: {s: curve(run_dir(domain, batch, a, s), metric) for s in seeds} for a in arms}
+    names = list(arms) + [a.control for a in arms.values() if a.control not in arms]  # controls: for vs_control
+    curves = {a: {s: curve(run_dir(domain, batch, a, s), metric) for s in seeds} for a in names}
     out = {}
     for name, arm in arms.items():
         per_target, per_seed = {}, []
@@ -223,6 +225,21 @@ def run_costs(domain: str, batch: int, arms: dict[str, Arm], seeds: list[int]) -
         if per_seed:
             cost[a] = statistics.median(per_seed)
     return cost
+
+
+def report(plan: dict, results: dict, meta: dict, out_dir: Path, t0: float) -> None:
+    """Analyse every planned table (an invocation with other arms adds to a batch's table) and write the
+    outputs, with this invocation's wall time so far."""
+    from convergence_report import write_outputs
+
+    for domain, (batches, seeds, arms) in plan.items():
+        for b, n in batches.items():
+            table = results.setdefault(domain, {}).setdefault(str(b), {})
+            table.update(analyse(domain, b, arms[b], seeds, n, run_costs(domain, b, arms[b], seeds)))
+    walls = meta.get("walls", [])
+    meta = {**meta, "wall_seconds": time.time() - t0}
+    meta["walls"] = walls + [meta["wall_seconds"]]
+    write_outputs(results, meta, out_dir)
 
 
 def machine() -> dict:
@@ -293,6 +310,13 @@ def main(argv=None) -> None:
         arms = {b: {a: usable[a] for a in (wanted or d["arms"][b]) if a in usable} for b in batches}
         plan[domain] = (batches, seeds, arms)
         known = meta["domains"].get(domain, {})
+        design = {"seeds": seeds, "evals": args.evals, "eval_n": d["eval_n"], "base": d["base"]}
+        if any(known.get(k) != v for k, v in design.items()):  # saved tables of another design do not compare
+            known, results[domain] = {}, {}
+        for b, n in batches.items():  # nor those of a batch run for another number of steps
+            if known.get("batches", {}).get(str(b)) not in (None, n):
+                results.get(domain, {}).pop(str(b), None)
+                known.get("arms", {}).pop(str(b), None)
         meta["domains"][domain] = {**known, "batches": {**known.get("batches", {}), **{str(b): n for b,
                                                                                        n in batches.items()}},
                                    "seeds": seeds, "evals": args.evals, "eval_n": d["eval_n"], "metric": d["label"],
@@ -303,6 +327,7 @@ def main(argv=None) -> None:
         jobs += [(domain, b, a, s, overrides(domain, arm, a, b, s, n, args.evals))
                  for b, n in batches.items() for a, arm in arms[b].items() for s in seeds]
     run_grid(jobs, args.parallel, args.resume)
+    report(plan, results, {**saved.get("meta", {}), **meta}, out_dir, t0)  # nothing lost if stage 2 is cut short
 
     # 2. the combination arm of each domain, chosen from its first batch's arms and run at that batch
     jobs = []
@@ -311,7 +336,9 @@ def main(argv=None) -> None:
             continue
         first, n = next(iter(batches.items()))
         combo = combination(analyse(domain, first, arms[first], seeds, n, None), arms[first])
-        if not combo:
+        if not combo:  # nothing to combine this time: no stale combination either
+            meta["domains"][domain].pop("combination", None)
+            results.get(domain, {}).get(str(first), {}).pop("combination", None)
             continue
         arms[first]["combination"] = combo[1]
         if meta["domains"][domain].get("combination") not in (None, combo[0]):  # another choice: stale runs
@@ -324,16 +351,8 @@ def main(argv=None) -> None:
                                                              args.evals)) for s in seeds]
     run_grid(jobs, args.parallel, True)
 
-    # 3. analysis and outputs (an invocation with other arms adds to a batch's table)
-    from convergence_report import write_outputs
-
-    for domain, (batches, seeds, arms) in plan.items():
-        for b, n in batches.items():
-            table = results.setdefault(domain, {}).setdefault(str(b), {})
-            table.update(analyse(domain, b, arms[b], seeds, n, run_costs(domain, b, arms[b], seeds)))
-    meta["wall_seconds"] = time.time() - t0
-    meta["walls"] = meta.get("walls", []) + [meta["wall_seconds"]]
-    write_outputs(results, {**saved.get("meta", {}), **meta}, out_dir)
+    # 3. analysis and outputs
+    report(plan, results, {**saved.get("meta", {}), **meta}, out_dir, t0)
     print((out_dir / "convergence.md").read_text())
 
 

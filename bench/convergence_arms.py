@@ -77,7 +77,8 @@ ARMS: dict[str, Arm] = {
 }
 
 # Which arms are candidates for the two halves of the combination (the strongest arm of any knob but the
-# sampler, mixed included; the best sampler arm), chosen by the script at the first batch size.
+# sampler, mixed included; the best sampler arm), chosen by the script at the first batch size from the
+# arms of the invocation that chooses it (bench/convergence.py: the default arms).
 COMBINABLE = ("weighting", "both", "prediction", "noise", "loss")
 
 

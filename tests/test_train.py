@@ -49,6 +49,12 @@ def test_short_run_loss_falls_and_writes_artifacts(tmp_path):
     assert 0 <= summary["eval"]["digits_confidence"] <= 1 and summary["eval"]["fid"] > 0
 
 
+def test_plots_false_skips_the_figures_and_keeps_the_summary(tmp_path):
+    train(_cfg(tmp_path, "train.steps=3", "train.log_every=1", "train.plots=false"))
+    assert (tmp_path / "summary.json").is_file() and (tmp_path / "last.pt").is_file()
+    assert not list(tmp_path.glob("*.png"))
+
+
 @pytest.mark.parametrize("over", [
     ["diffusion.sampler=stratified", "train.grad_accum=2", "diffusion.stats_every=3"],
     ["diffusion.sampler=loss_second_moment", "diffusion.sampler_args.history=2", "diffusion.schedule=cosine",

@@ -88,3 +88,40 @@ def test_quick_mode_writes_the_table_and_the_plot(tmp_path):
         assert (tmp_path / f).is_file(), f
     table = (tmp_path / "convergence.md").read_text()
     assert "| baseline |" in table and "1.00 [1.00, 1.00]" in table and "| min_snr_eps |" in table
+
+
+def _fake_analyse(domain, batch, arms, seeds, steps, cost):
+    t = {"ratio_median": 1.0, "ratio_ci90": [1.0, 1.0], "censored": 0, "seeds": len(seeds), "per_seed": [],
+         "vs_control": None}
+    return {a: {"recipe": arm.recipe, "source": arm.source, "control": arm.control, "seeds": len(seeds),
+                "targets": {"0.25": t, "0.5": t, "1.0": t}, "per_seed": [], "curves": {}, "steps": steps}
+            for a, arm in arms.items()}
+
+
+def test_invocations_add_arms_to_a_table_of_the_same_design_and_drop_tables_of_another(tmp_path, monkeypatch):
+    """--arms with --resume adds to a batch's table; other steps, seeds or evaluations start it over."""
+    import json
+
+    import convergence
+
+    monkeypatch.setattr(convergence, "run_grid", lambda *a, **k: None)  # no training: the bookkeeping only
+    monkeypatch.setattr(convergence, "analyse", _fake_analyse)
+    monkeypatch.setattr(convergence, "run_costs", lambda *a, **k: {})
+
+    def run(*extra):
+        convergence.main(["--domain", "checkerboard", "--seeds", "2", "--out", str(tmp_path), *extra])
+        saved = json.loads((tmp_path / "convergence.json").read_text())
+        return saved["results"]["checkerboard"], saved["meta"]
+
+    tables, _ = run("--arms", "min_snr_eps")
+    assert list(tables) == ["128"] and list(tables["128"]) == ["baseline", "min_snr_eps"]
+    tables, meta = run("--arms", "speed", "--resume")
+    assert list(tables["128"]) == ["baseline", "min_snr_eps", "speed"]
+    assert meta["domains"]["checkerboard"]["arms"]["128"] == ["baseline", "min_snr_eps", "speed"]
+    assert len(meta["commands"]) == 2 and len(meta["walls"]) == 2
+    tables, _ = run("--arms", "logit_normal", "--resume", "--steps", "300")  # another horizon
+    assert list(tables["128"]) == ["baseline", "logit_normal"] and tables["128"]["baseline"]["steps"] == 300
+    tables, meta = run("--arms", "speed", "--resume", "--steps", "300", "--evals", "4")  # another design
+    assert list(tables["128"]) == ["baseline", "speed"] and meta["domains"]["checkerboard"]["evals"] == 4
+    tables, _ = run("--arms", "min_snr_v", "--steps", "300", "--evals", "4")  # without --resume: a new table
+    assert list(tables["128"]) == ["baseline", "min_snr_v"]
