@@ -21,8 +21,9 @@ updates in the run (the official period of 40 steps would need 12,000 steps), an
 final p(t)'s total variation from uniform are reported. The combination arm is chosen by the script
 at each domain's first batch size and run there: the strongest non-sampler arm with the best sampler
 arm's sampler, among the arms of that invocation (an invocation with --arms chooses none, so the
-noise/loss options that `--arms` adds are not candidates). Seconds per step are the runs' own logged
-step times (median over logging windows and seeds). Results: bench/results/convergence.{json,md},
+noise/loss options that `--arms` adds are not candidates). Seconds per step are measured after the
+grid, every arm of a table side by side in one process (interleaved rounds), because a run's own step
+time depends on what ran beside it. Results: bench/results/convergence.{json,md},
 convergence-digits.png, convergence-checkerboard.png, with the machine and versions; the runs under
 runs/convergence/ (outside the source tree).
 """
@@ -206,6 +207,23 @@ def analyse(domain: str, batch: int, arms: dict[str, Arm], seeds: list[int], ste
     return out
 
 
+def step_costs(domain: str, batch: int, arms: dict[str, Arm], steps: int, evals: int, timed: int = 60) -> dict:
+    """Seconds per training step of every arm measured side by side in this process (the trainer's own
+    step with the run's overrides, one thread, interleaved rounds of 15 steps: bench/throughput.py), so
+    seconds compare the arms and not what ran beside each run."""
+    import tempfile
+
+    from throughput import interleaved, trainer
+
+    with tempfile.TemporaryDirectory() as d:
+        trs = {a: trainer([o for o in overrides(domain, arm, a, batch, 0, steps, evals) if not o.startswith(
+            ("run_dir=", "eval."))] + ["eval.num_samples=0", "eval.every=0"], Path(d)) for a, arm in arms.items()}
+        cost = interleaved(trs, timed, warmup=6, round_steps=15)
+        for tr in trs.values():
+            tr.close()
+    return cost
+
+
 def run_costs(domain: str, batch: int, arms: dict[str, Arm], seeds: list[int]) -> dict:
     """Seconds per training step of every arm: the median over its seeds of the median of the run's own
     logged step times (look-aheads included). Every run had the same conditions (two side by side, one
@@ -227,15 +245,17 @@ def run_costs(domain: str, batch: int, arms: dict[str, Arm], seeds: list[int]) -
     return cost
 
 
-def report(plan: dict, results: dict, meta: dict, out_dir: Path, t0: float) -> None:
+def report(plan: dict, results: dict, meta: dict, out_dir: Path, t0: float, costs=None) -> None:
     """Analyse every planned table (an invocation with other arms adds to a batch's table) and write the
-    outputs, with this invocation's wall time so far."""
+    outputs, with this invocation's wall time so far; `costs(domain, batch, arms, steps, seeds)` gives the
+    seconds per step of a table's arms (None: no seconds)."""
     from convergence_report import write_outputs
 
     for domain, (batches, seeds, arms) in plan.items():
         for b, n in batches.items():
             table = results.setdefault(domain, {}).setdefault(str(b), {})
-            table.update(analyse(domain, b, arms[b], seeds, n, run_costs(domain, b, arms[b], seeds)))
+            cost = costs(domain, b, arms[b], n, seeds) if costs else None
+            table.update(analyse(domain, b, arms[b], seeds, n, cost))
     walls = meta.get("walls", [])
     meta = {**meta, "wall_seconds": time.time() - t0}
     meta["walls"] = walls + [meta["wall_seconds"]]
@@ -269,6 +289,8 @@ def main(argv=None) -> None:
     ap.add_argument("--parallel", type=int, default=2, help="runs side by side (one thread each)")
     ap.add_argument("--evals", type=int, default=8, help="evaluations per run (8: the 25%% and 50%% targets fall "
                     "on evaluations)")
+    ap.add_argument("--no-timing", action="store_true", help="seconds from the runs' own logged step times "
+                    "instead of a side-by-side measurement (about 3 min for the whole study)")
     ap.add_argument("--out", default=None,
                     help="results folder (default bench/results; --quick: runs/convergence-quick)")
     args = ap.parse_args(argv)
@@ -351,8 +373,13 @@ def main(argv=None) -> None:
                                                              args.evals)) for s in seeds]
     run_grid(jobs, args.parallel, True)
 
-    # 3. analysis and outputs
-    report(plan, results, {**saved.get("meta", {}), **meta}, out_dir, t0)
+    # 3. step costs side by side, analysis and outputs
+    def costs(domain, b, arms, n, seeds):
+        if args.no_timing:
+            return run_costs(domain, b, arms, seeds)
+        return step_costs(domain, b, arms, n, args.evals, timed=15 if args.quick else 60)
+
+    report(plan, results, {**saved.get("meta", {}), **meta}, out_dir, t0, costs)
     print((out_dir / "convergence.md").read_text())
 
 

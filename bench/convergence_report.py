@@ -28,8 +28,8 @@ def write_outputs(results: dict, meta: dict, out: Path) -> None:
              "25%, 50% and 100% of its run, and the 90% bootstrap interval over seeds. **↑**: the interval lies "
              "entirely above 1 (faster); ↓: entirely below 1. 'cens.': seeds that never reached the target within "
              "the run (ranked below every reached seed, never counted as their bound); a median or interval end on "
-             "censored seeds is 'cens.'. Seconds: the 100% median × the baseline's step time / the arm's (the runs' "
-             "own logged step times, median over seeds; runs two side by side, one thread each).", ""]
+             "censored seeds is 'cens.'. Seconds: the 100% median × the baseline's step time / the arm's, the arms' "
+             "step times measured side by side after the grid (interleaved rounds, one thread).", ""]
     for domain, batches in results.items():
         dm = meta.get("domains", {}).get(domain, {})
         lines += [f"## {domain}: {dm.get('metric', '')}", "",

@@ -109,7 +109,7 @@ def test_invocations_add_arms_to_a_table_of_the_same_design_and_drop_tables_of_a
     monkeypatch.setattr(convergence, "run_costs", lambda *a, **k: {})
 
     def run(*extra):
-        convergence.main(["--domain", "checkerboard", "--seeds", "2", "--out", str(tmp_path), *extra])
+        convergence.main(["--domain", "checkerboard", "--seeds", "2", "--no-timing", "--out", str(tmp_path), *extra])
         saved = json.loads((tmp_path / "convergence.json").read_text())
         return saved["results"]["checkerboard"], saved["meta"]
 
