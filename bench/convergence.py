@@ -226,8 +226,8 @@ def step_costs(domain: str, batch: int, arms: dict[str, Arm], steps: int, evals:
 
 def run_costs(domain: str, batch: int, arms: dict[str, Arm], seeds: list[int]) -> dict:
     """Seconds per training step of every arm: the median over its seeds of the median of the run's own
-    logged step times (look-aheads included). Every run had the same conditions (two side by side, one
-    thread each), so the ratios compare the arms."""
+    logged step times (look-aheads included). Cheaper than step_costs but noisier: a run's step time
+    depends on what ran beside it (--no-timing)."""
     import statistics
 
     from fasttrain.logger import read_jsonl
@@ -290,7 +290,7 @@ def main(argv=None) -> None:
     ap.add_argument("--evals", type=int, default=8, help="evaluations per run (8: the 25%% and 50%% targets fall "
                     "on evaluations)")
     ap.add_argument("--no-timing", action="store_true", help="seconds from the runs' own logged step times "
-                    "instead of a side-by-side measurement (about 3 min for the whole study)")
+                    "instead of measuring the arms side by side after the grid (about 2 min for the whole study)")
     ap.add_argument("--out", default=None,
                     help="results folder (default bench/results; --quick: runs/convergence-quick)")
     args = ap.parse_args(argv)
