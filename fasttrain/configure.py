@@ -149,18 +149,22 @@ def check_ranges(cfg: DictConfig) -> None:
     most diffusion.T where they are used, the digits held out, AdamW's decay factor."""
     from .data.builtin import DIGITS_SIZE
 
-    d, T = cfg.diffusion, cfg.diffusion.T
+    dc, T = cfg.diffusion, cfg.diffusion.T
     per_t = {"sample.steps": cfg.sample.num > 0, "eval.steps": cfg.eval.num_samples > 0,
              "eval.bpd_timesteps": cfg.eval.bpd, "diagnostics.buckets": cfg.diagnostics.interference_every > 0,
              "diagnostics.loss_cv_buckets": True,
-             "diffusion.mixed.argmin_buckets": d.prediction == "mixed" and d.mixed.mode == "argmin"}
+             "diffusion.mixed.argmin_buckets": dc.prediction == "mixed" and dc.mixed.mode == "argmin"}
     for key, used in per_t.items():
         value = OmegaConf.select(cfg, key)
         if used and value > T:
             raise ConfigError(f"bad value for '{key}': {value!r} (at most diffusion.T = {T})")
-    if cfg.data.name == "digits" and cfg.data.holdout > DIGITS_SIZE - cfg.data.batch_size:
-        raise ConfigError(f"bad value for 'data.holdout': {cfg.data.holdout!r} (digits has {DIGITS_SIZE} images and "
-                          f"one batch of data.batch_size={cfg.data.batch_size} must stay for training)")
+    d = cfg.data
+    if d.name == "digits" and d.batch_size >= DIGITS_SIZE:
+        raise ConfigError(f"bad value for 'data.batch_size': {d.batch_size!r} (digits has {DIGITS_SIZE} images, "
+                          f"data.holdout={d.holdout} of them held out)")
+    if d.name == "digits" and d.holdout > DIGITS_SIZE - d.batch_size:
+        raise ConfigError(f"bad value for 'data.holdout': {d.holdout!r} (digits has {DIGITS_SIZE} images and "
+                          f"one batch of data.batch_size={d.batch_size} must stay for training)")
     o = cfg.optim
     if o.lr * o.weight_decay >= 1:  # AdamW scales the weights by 1 - lr·wd each step (Loshchilov & Hutter, Alg. 2)
         raise ConfigError(f"bad value for 'optim.weight_decay': {o.weight_decay!r} (AdamW multiplies the "

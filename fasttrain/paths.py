@@ -54,8 +54,10 @@ def check_output_file(out, what: str, inputs: dict[str, str | None], earlier_res
     """Refuse an output file inside one of the input folders, or over an existing file that
     `earlier_result(path)` does not recognise as this command's own earlier output."""
     for name, path in inputs.items():
-        if path and relation(out, path) in ("is", "inside"):
-            raise InvalidInput(f"{what} {out} lies inside {name} {path}: choose a file outside it")
+        rel = relation(out, path) if path else None
+        if rel in ("is", "inside"):
+            raise InvalidInput(f"{what} {out} {'is' if rel == 'is' else 'lies inside'} {name} {path}: choose a "
+                               f"file outside it")
     p = Path(out)
     if p.is_file() and not (earlier_result is not None and earlier_result(p)):
         raise InvalidInput(f"{what} {out} exists and is not an earlier result of this command (it would be "
