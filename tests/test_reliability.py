@@ -396,36 +396,25 @@ def test_outputs_that_overlap_the_inputs_are_refused_before_anything_is_written(
 
 
 def _numeric_keys():
-    import dataclasses
+    """(key, its range metadata, is an integer) for every int and float key of the schema (lists too)."""
+    from fasttrain.config import _leaves, keys
 
-    from fasttrain.config import Config, _leaves
-
-    types = {}
-
-    def walk(cls, prefix=""):
-        for f in dataclasses.fields(cls):
-            t = f.type if not isinstance(f.type, str) else eval(f.type, vars(__import__("fasttrain.config",
-                                                                                      fromlist=["x"])))
-            if dataclasses.is_dataclass(t):
-                walk(t, prefix + f.name + ".")
-            else:
-                types[prefix + f.name] = str(t)
-
-    walk(Config)
-    return [(k, m, types[k]) for k, m in _leaves() if any(n in types[k] for n in ("int", "float"))
-            and "bool" not in types[k]]
+    types = {k: t for k, t, _, _ in keys()}
+    return [(k, m, "int" in types[k]) for k, m in _leaves() if ("int" in types[k] or "float" in types[k])]
 
 
 def test_every_numeric_key_has_a_range_checked_at_configuration():
     """Each numeric key declares the values it accepts; one just outside them is refused naming the key.
     (A new numeric key without a range fails here.)"""
+    from omegaconf import OmegaConf
+
+    from fasttrain.config import check_schema, read_config
     from fasttrain.errors import ConfigError
 
-    checked = 0
-    for key, meta, typ in _numeric_keys():
-        assert meta.get("finite") and any(meta.get(b) is not None for b in ("min", "max", "above", "below")) or \
-            key in ("diffusion.noise.adaptive_offset",), f"{key} declares no range"
-        is_int = "int" in typ
+    base, checked = read_config("default"), 0
+    for key, meta, is_int in _numeric_keys():
+        assert meta.get("finite") and any(meta.get(b) is not None for b in ("min", "max", "above", "below")), \
+            f"{key} declares no range"
         bad = []
         if meta.get("min") is not None:
             bad.append(meta["min"] - 1 if is_int else meta["min"] - 0.5)
@@ -435,11 +424,13 @@ def test_every_numeric_key_has_a_range_checked_at_configuration():
             bad.append(meta["above"])
         if meta.get("below") is not None:
             bad.append(meta["below"])
-        bad += [] if is_int else ["nan", "inf"]
+        bad += [] if is_int else [float("nan"), float("inf")]
         for v in bad:
-            value = f"[{v}, 0.99]" if key == "optim.betas" else v
+            value = [v, 0.99] if key == "optim.betas" else v
+            cfg = base.copy()  # the schema's own check (read_config runs it on every override)
+            OmegaConf.update(cfg, key, value)
             with pytest.raises(ConfigError, match=f"'{key}'"):
-                load_config("default", [f"{key}={value}"])
+                check_schema(cfg)
             checked += 1
     assert checked > 80
 
@@ -483,21 +474,28 @@ def test_errors_name_the_key_the_user_got_wrong(tmp_path, capsys, args, needles)
     _one_line(capsys, "'diffusion.loss' is a section", "p.yaml")
 
 
-def test_thread_counts_above_the_cores_are_capped_or_warned_once():
+def test_thread_counts_above_the_cores_are_capped_or_warned_once(monkeypatch, capsys):
     """train.threads above the cores this process may use is capped there (one warning, however many
     trainers); data.num_workers above them is kept with one warning (docs/reliability.md says why)."""
-    from fasttrain.cpu import cores
+    from fasttrain import cpu
 
-    code = ("import sys, torch; from fasttrain.cpu import check_workers, set_threads; n = int(sys.argv[1]); "
-            "set_threads(n, cpu_run=True); set_threads(n, cpu_run=True); check_workers(n); check_workers(n); "
-            "print(torch.get_num_threads())")
-    out = subprocess.run([sys.executable, "-c", code, str(cores() + 62)], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == str(cores())
-    warnings = out.stderr.strip().splitlines()
-    assert len(warnings) == 2 and f"train.threads={cores() + 62} is more than the {cores()} cores" in warnings[0]
-    assert f"using {cores()}" in warnings[0] and "data.num_workers" in warnings[1] and "kept" in warnings[1]
-    out = subprocess.run([sys.executable, "-c", code, str(cores())], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == str(cores()) and not out.stderr.strip()
+    monkeypatch.setattr(cpu, "_warned", set())
+    before = torch.get_num_threads()
+    try:
+        n = cpu.cores() + 62
+        for _ in range(2):
+            cpu.set_threads(n, cpu_run=True)
+            cpu.check_workers(n)
+        assert torch.get_num_threads() == cpu.cores()
+        warnings = capsys.readouterr().err.strip().splitlines()
+        assert len(warnings) == 2 and f"train.threads={n} is more than the {cpu.cores()} cores" in warnings[0]
+        assert f"using {cpu.cores()}" in warnings[0] and "data.num_workers" in warnings[1] and "kept" in warnings[1]
+        monkeypatch.setattr(cpu, "_warned", set())
+        cpu.set_threads(cpu.cores(), cpu_run=True)
+        cpu.check_workers(cpu.cores())
+        assert torch.get_num_threads() == cpu.cores() and not capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_latent_folders_of_mixed_shapes_and_dtypes_keep_the_majority_and_say_so(tmp_path, capsys):
@@ -536,18 +534,24 @@ BENCH = Path(__file__).parents[1] / "bench"
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["threads.py", "--workloads", "train,trian"], "unknown workload 'trian'"),
-    (["threads.py", "--rounds", "0"], "--rounds: must be >= 1, got 0"),
-    (["throughput.py", "--model", "nosuch"], "invalid choice: 'nosuch'"),
-    (["throughput.py", "--steps", "-3"], "--steps: must be >= 1"),
-    (["immiscible.py", "--sizes", "16,x"], "must be an integer, got 'x'"),
-    (["adaptive_digits.py", "--out", "../elsewhere"], "plain file-name stem"),
-    (["kernels_aot.py", "--out", "bench/results"], "give a stem in an existing folder")])
-def test_benchmark_arguments_that_would_measure_nothing_are_one_line(argv, needle):
-    out = subprocess.run([sys.executable, str(BENCH / argv[0]), *argv[1:]], capture_output=True, text=True,
-                         cwd=BENCH.parent, timeout=300)
-    assert out.returncode == 2 and out.stderr.strip() == out.stderr.strip().splitlines()[0], out.stderr
-    assert out.stderr.startswith(f"{argv[0]}: error:") and needle in out.stderr, out.stderr
+    (["threads", "--workloads", "train,trian"], "unknown workload 'trian'"),
+    (["threads", "--rounds", "0"], "--rounds: must be >= 1, got 0"),
+    (["throughput", "--model", "nosuch"], "invalid choice: 'nosuch'"),
+    (["throughput", "--steps", "-3"], "--steps: must be >= 1"),
+    (["immiscible", "--sizes", "16,x"], "must be an integer, got 'x'"),
+    (["adaptive_overhead", "--cases", "unet8,unet9"], "unknown case 'unet9'"),
+    (["adaptive_digits", "--out", "../elsewhere"], "plain file-name stem"),
+    (["kernels_aot", "--out", str(BENCH / "results")], "give a stem in an existing folder")])
+def test_benchmark_arguments_that_would_measure_nothing_are_one_line(monkeypatch, capsys, argv, needle):
+    import importlib
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.setattr(sys, "argv", [f"{argv[0]}.py", *argv[1:]])
+    with pytest.raises(SystemExit) as stop:  # before anything is measured or written
+        importlib.import_module(argv[0]).main()
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"{argv[0]}.py: error:") and needle in err, err
 
 
 def test_benchmark_results_are_replaced_only_by_a_complete_run(tmp_path):
