@@ -18,10 +18,12 @@ from .errors import ConfigError
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
-# Counts of steps, periods and seeds: any value a run can reach; beyond this they overflow the 64-bit
-# counters and generator seeds they become (train.threads=9999999999 was "Overflow when unpacking long").
+# Counts of steps and periods: far beyond any run, and far below where the 64-bit counters they feed
+# (images = steps × batch) would overflow.
 STEPS = 2**40
-THREADS = 4096  # more threads than any machine has cores; cpu.py caps them at this machine's
+# Threads and workers: more than any machine has cores (cpu.py caps threads at this machine's); a C int
+# beyond it was "Overflow when unpacking long" (train.threads=9999999999).
+THREADS = 4096
 
 
 def _f(default, help: str, *, min=None, above=None, below=None, max=None, finite: bool = False, choices=None,

@@ -26,8 +26,7 @@ __all__ = ["IMAGE_EXTENSIONS", "LATENT_EXTENSIONS", "ImageFolderDataset", "Laten
 def _files(root, manifest, extensions):
     if manifest is not None:
         return [tuple(f) for f in manifest["files"]], manifest["classes"]
-    layout = scan(root, extensions)
-    return layout.files, layout.classes
+    return scan(root, extensions)
 
 
 class ImageFolderDataset(Dataset):

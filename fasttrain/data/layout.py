@@ -86,7 +86,7 @@ def walk(root: str | Path) -> dict[str, list[Path]]:
     return found
 
 
-def scan(root: str | Path, extensions=IMAGE_EXTENSIONS) -> Layout:
+def decide(root: str | Path, extensions=IMAGE_EXTENSIONS) -> Layout:
     """The files with `extensions` under `root` and their labels, by the rules above."""
     root = Path(root)
     kind = "/".join(extensions)
@@ -109,6 +109,12 @@ def scan(root: str | Path, extensions=IMAGE_EXTENSIONS) -> Layout:
     if not top:
         raise DataError(f"data.root {str(root)!r} holds no {kind} files")
     return Layout(root, [(f.name, 0) for f in top], [], sorted(subdirs))
+
+
+def scan(root: str | Path, extensions=IMAGE_EXTENSIONS) -> tuple[list[tuple[str, int]], list[str]]:
+    """(files with their labels, class names) of `decide`."""
+    layout = decide(root, extensions)
+    return layout.files, layout.classes
 
 
 def folder_kind(root: Path) -> str:

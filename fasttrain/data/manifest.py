@@ -24,7 +24,7 @@ from ..errors import DataError, InvalidInput
 from ..paths import check_output, check_output_file
 from .folder import ImageFolderDataset
 from .images import IMAGE_EXTENSIONS, describe
-from .layout import LATENT_EXTENSIONS, folder_kind, scan
+from .layout import LATENT_EXTENSIONS, decide, folder_kind, scan
 
 __all__ = ["IMAGE_EXTENSIONS", "LATENT_EXTENSIONS", "MANIFEST", "build_manifest", "check_image", "check_latent",
            "folder_kind", "left_out", "load_manifest", "prepare", "scan", "summary"]
@@ -63,7 +63,7 @@ def build_manifest(root: str | Path, progress: bool = True) -> dict:
     if not root.is_dir():
         raise DataError(f"data.root {str(root)!r} is not a directory")
     latents = folder_kind(root) == "latents"
-    layout = scan(root, LATENT_EXTENSIONS if latents else IMAGE_EXTENSIONS)
+    layout = decide(root, LATENT_EXTENSIONS if latents else IMAGE_EXTENSIONS)
     good, bad, sizes, modes, layouts = [], [], collections.Counter(), collections.Counter(), {}
     for rel, label in tqdm(layout.files, desc="checking", disable=not progress, unit="file"):
         if latents:
