@@ -16,6 +16,7 @@ cannot decide (one line naming the path), and say what they decided (`Layout.des
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,8 +36,8 @@ class Layout:
     def describe(self) -> str:
         """One line: what the rules decided."""
         if self.classes:
-            counts = [sum(1 for _, y in self.files if y == i) for i in range(len(self.classes))]
-            shown = ", ".join(f"{c} {n}" for c, n in zip(self.classes[:6], counts))
+            counts = Counter(y for _, y in self.files)
+            shown = ", ".join(f"{c} {counts[i]}" for i, c in enumerate(self.classes[:6]))
             more = f", ... ({len(self.classes) - 6} more)" if len(self.classes) > 6 else ""
             return (f"{self.root}: {len(self.classes)} classes from its subfolders ({shown}{more}), "
                     f"{len(self.files)} files")
