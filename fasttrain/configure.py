@@ -196,11 +196,11 @@ def check_memory(cfg: DictConfig) -> None:
     built-in data resident on the device; one batch of x0, x_t, the prediction and its gradient in
     fp32) against the device's memory. A lower bound (activations come on top): it refuses sizes that
     cannot fit, in one line, instead of an allocation failure deep inside torch or the OOM killer."""
+    from .data.builtin import DIGITS_SIZE
+
     d = cfg.data
     channels = 1 if d.name == "digits" else d.channels
     per_image = channels * d.image_size**2 * 4
-    from .data.builtin import DIGITS_SIZE
-
     resident = {"digits": DIGITS_SIZE - d.holdout, "synthetic": 4096}.get(d.name, 0) * per_image
     need = resident + 4 * d.batch_size * per_image
     have, whose = _memory_bytes(cfg.train.device)
