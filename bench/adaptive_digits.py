@@ -11,14 +11,12 @@ and S), plus adaptive-digits-samples-cpu.png.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
 import time
-from pathlib import Path
 
-import _env  # noqa: F401  (OpenMP's wait policy, before torch loads it)
+import _env  # OpenMP's wait policy, before torch loads it
 import torch
 
 from fasttrain import diffusion as fd
@@ -31,14 +29,12 @@ from fasttrain.features import judge
 from fasttrain.models import build_model
 from fasttrain.plots import plot_adaptive
 
-RESULTS = Path(__file__).parent / "results"
-
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=4000)
+    ap = _env.Parser()
+    ap.add_argument("--steps", type=_env.count(), default=4000)
     ap.add_argument("--official", action="store_true", help="tau_grid=0, every=40")
-    ap.add_argument("--out", default="adaptive-digits")
+    ap.add_argument("--out", type=_env.stem, default="adaptive-digits", help="stem of the result files")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -88,20 +84,14 @@ def main() -> None:
     h = smp.p_history(bins=50)
     first, last = h["p"][0], h["p"][-1]
     moved = float(0.5 * abs(last - first).sum())
-    RESULTS.mkdir(exist_ok=True)
-    plot_adaptive(RESULTS / f"{args.out}-cpu.png", h["steps"], h["p"], h["S"], h["T"],
-                  title=f"digits, adaptive sampler ({'official setting' if args.official else 'fasttrain defaults'})")
-    import torchvision
-
-    torchvision.utils.save_image((imgs + 1) / 2, RESULTS / f"{args.out}-samples-cpu.png", nrow=10, padding=1)
+    setting = "official setting" if args.official else "fasttrain defaults"
     out = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(["python"] + sys.argv),
            "machine": {"torch": torch.__version__, "python": platform.python_version(), "threads": 1},
            "sampler_args": sampler_args, "steps": args.steps, "train_seconds": train_s,
            "lookahead_seconds": lookahead, "updates": smp.updates, "judge": verdict,
            "p_total_variation_first_to_last": moved, "p_first_50bins": first.tolist(), "p_last_50bins": last.tolist(),
            "S_last": h["S"][-1].tolist()}
-    (RESULTS / f"{args.out}-cpu.json").write_text(json.dumps(out, indent=2))
-    md = [f"# digits with the adaptive sampler ({'official setting' if args.official else 'fasttrain defaults'}), cpu",
+    md = [f"# digits with the adaptive sampler ({setting}), cpu",
           "", f"command: `{out['command']}`  ", f"when: {out['when']}", "",
           f"- {args.steps} steps in {train_s:.0f} s, of which {lookahead:.1f} s in the look-ahead "
           f"({100 * lookahead / train_s:.1f}%), {smp.updates} policy updates",
@@ -110,7 +100,14 @@ def main() -> None:
           f"{100 * verdict['label_agreement']:.0f}%",
           f"- p(t) moved by total variation {moved:.3f} from the first to the last update; last S = {out['S_last']}",
           "", f"![p(t)]({args.out}-cpu.png)", "", f"![samples]({args.out}-samples-cpu.png)"]
-    (RESULTS / f"{args.out}-cpu.md").write_text("\n".join(md) + "\n")
+    import torchvision
+
+    with _env.Results() as res:  # every file, or none if anything fails
+        plot_adaptive(res.path(f"{args.out}-cpu.png"), h["steps"], h["p"], h["S"], h["T"],
+                      title=f"digits, adaptive sampler ({setting})")
+        torchvision.utils.save_image((imgs + 1) / 2, res.path(f"{args.out}-samples-cpu.png"), nrow=10, padding=1)
+        res.text(f"{args.out}-cpu.json", json.dumps(out, indent=2))
+        res.text(f"{args.out}-cpu.md", "\n".join(md) + "\n")
     print("\n".join(md))
 
 

@@ -28,15 +28,13 @@ Writes bench/results/adaptive-overhead-<device>.{json,md}.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import platform
 import sys
 import time
-from pathlib import Path
 
-import _env  # noqa: F401  (OpenMP's wait policy, before torch loads it)
+import _env  # OpenMP's wait policy, before torch loads it
 import torch
 
 from fasttrain import diffusion as fd
@@ -45,7 +43,6 @@ from fasttrain.diffusion.lookahead import Probe, reference_step, x0_mse
 from fasttrain.diffusion.vlb import vlb_tables
 from fasttrain.models import build_model
 
-RESULTS = Path(__file__).parent / "results"
 DEFAULT_EVERY = fd.SAMPLERS.args("adaptive")["every"]
 CASES = {"unet8": ("unet_tiny", 1, 8), "dit8": ("dit_tiny", 1, 8), "unet32": ("unet_tiny", 3, 32),
          "dit32": ("dit_tiny", 3, 32)}
@@ -153,26 +150,33 @@ def parse_extra(specs: list[str]) -> dict:
     out = {}
     for spec in specs:
         name, _, args = spec.partition("=")
-        kv = dict(a.split(":") for a in args.split(",") if a)
+        pairs = [a.split(":") for a in args.split(",") if a]
+        if not name or name in VARIANTS or any(len(p) != 2 or not p[0] for p in pairs):
+            raise SystemExit(f"adaptive_overhead.py: error: --extra {spec!r}: give a new variant as "
+                             f"name=key:value,key:value (the sampler's arguments)")
+        kv = dict(pairs)
         out[name] = {k: (float(v) if "." in v else int(v)) if v.replace(".", "").isdigit() else v for k,
                      v in kv.items()}
     return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default="unet8,dit8,unet32")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--periods", type=int, default=5, help="interleaved rounds per case, one look-ahead period each")
-    ap.add_argument("--periods-32", type=int, default=3, help="rounds for the 32×32 cases (slower)")
-    ap.add_argument("--draw-rounds", type=int, default=30, help="rounds of 20 steps for the per-step draw cost")
+    ap = _env.Parser()
+    ap.add_argument("--cases", type=_env.names(CASES, "case"), default=["unet8", "dit8", "unet32"],
+                    help=f"comma-separated, of {', '.join(CASES)}")
+    ap.add_argument("--batch", type=_env.count(), default=16)
+    ap.add_argument("--periods", type=_env.count(), default=5,
+                    help="interleaved rounds per case, one look-ahead period each")
+    ap.add_argument("--periods-32", type=_env.count(), default=3, help="rounds for the 32×32 cases (slower)")
+    ap.add_argument("--draw-rounds", type=_env.count(), default=30,
+                    help="rounds of 20 steps for the per-step draw cost")
     ap.add_argument("--extra", nargs="*", default=[], help="more variants: name=key:value,key:value")
-    ap.add_argument("--out", default="adaptive-overhead")
+    ap.add_argument("--out", type=_env.stem, default="adaptive-overhead", help="stem of the result files")
     args = ap.parse_args()
     torch.set_num_threads(1)
     variants = dict(VARIANTS, **parse_extra(args.extra))
     rows = []
-    for case in args.cases.split(","):
+    for case in args.cases:
         small = CASES[case][2] <= 8
         draw = draw_overhead(case, args.batch, args.draw_rounds if small else max(5, args.draw_rounds // 3))
         print(json.dumps({"case": case, "draw_overhead": draw}), flush=True)
@@ -221,8 +225,6 @@ def main() -> None:
             "device": dev, "cpu": platform.processor() or platform.machine(), "nproc": __import__("os").cpu_count()}
     out = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": info, "command": " ".join(["python"] + sys.argv),
            "batch": args.batch, "rows": rows, "crn": crn}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.out}-{dev}.json").write_text(json.dumps(out, indent=2))
     lines = [f"# Adaptive timestep sampler: step-time overhead against uniform, {dev}", "",
              f"machine: {json.dumps(info)}  ", f"when: {out['when']}  ", f"command: `{out['command']}`", "",
              "Interleaved rounds of the longest look-ahead period each, one thread; median ms/step over rounds. "
@@ -249,9 +251,11 @@ def main() -> None:
               f"{crn['reduction_per_sample']:.0f}× |",
               f"| batch mean | {crn['var_batch_mean_fresh']:.3e} | {crn['var_batch_mean_crn']:.3e} | "
               f"{crn['reduction_batch_mean']:.0f}× |"]
-    (RESULTS / f"{args.out}-{dev}.md").write_text("\n".join(lines) + "\n")
+    with _env.Results() as res:
+        res.text(f"{args.out}-{dev}.json", json.dumps(out, indent=2))
+        res.text(f"{args.out}-{dev}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
 if __name__ == "__main__":
-    main()
+    _env.run(main)

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-import _env  # noqa: F401  (OpenMP's wait policy, before torch loads it)
+import _env  # OpenMP's wait policy, before torch loads it
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -40,7 +40,6 @@ from fasttrain.kernels.backend import has_triton
 from fasttrain.kernels.mixed_loss import mixed_loss
 
 SHAPE, HEADS, T, ROUNDS = (256, 4, 32, 32), ("eps", "x0", "v"), 1000, 21
-RESULTS = Path(__file__).parent / "results"
 
 
 def impls(device) -> tuple[list[str], dict[str, str]]:
@@ -146,9 +145,7 @@ def main():
     out = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "command": " ".join(sys.argv),
            "device": device.type, "shape": list(SHAPE), "heads": list(HEADS), "rounds": ROUNDS, "rows": rows,
            "skipped": skipped}
-    RESULTS.mkdir(exist_ok=True)
     name = f"mixed-loss-{device.type}" + (f"-{threads}thread" if device.type == "cpu" and threads != 2 else "")
-    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2))
     lines = [f"# Mixed-prediction loss per step (forward + backward), {device.type}", "",
              f"machine: {json.dumps(out['machine'])}  ", f"when: {out['when']}  ", f"command: `{out['command']}`  ",
              f"batch: x0 fp32 {'×'.join(map(str, SHAPE))}, heads {', '.join(HEADS)}, bf16 network output, "
@@ -163,7 +160,9 @@ def main():
               f"{where}, so the minima are shown too. eager: torch_ref_mixed_loss.loss under autograd with eps "
               "from torch's generator; torch: the op's closed-form torch backend with that eps given; native, "
               "triton: the fused backends, drawing eps from the Philox stream in the op (bench/bench_mixed_loss.py)."]
-    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
+    with _env.Results() as res:
+        res.text(f"{name}.json", json.dumps(out, indent=2))
+        res.text(f"{name}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

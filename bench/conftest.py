@@ -16,6 +16,11 @@ def pytest_sessionfinish(session, exitstatus):
     bs = getattr(session.config, "_benchmarksession", None)
     if bs is None or not bs.benchmarks:
         return
+    opt = session.config.option
+    if exitstatus != 0 or getattr(opt, "keyword", "") or getattr(opt, "markexpr", ""):
+        why = "a benchmark failed" if exitstatus != 0 else "only a subset ran (-k/-m)"
+        print(f"\nnot writing bench/results/kernels-*: {why}; the committed results are kept", file=sys.stderr)
+        return
     from cases import machine
 
     rows = []
@@ -38,8 +43,6 @@ def pytest_sessionfinish(session, exitstatus):
     name = f"kernels-{device}" + (f"-{rows[0]['threads']}thread" if device == "cpu" and rows[0]["threads"] != 2 else "")
     out = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "command": " ".join(sys.argv),
            "rows": rows}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2))
     lines = [f"# Diffusion math per step (forward + backward), {device}", "",
              f"machine: {json.dumps(out['machine'])}  ", f"when: {out['when']}  ", f"command: `{out['command']}`", "",
              "| batch | impl | median ms | min ms | launches | GB/s at the byte floor | × vs eager | × vs compile |",
@@ -52,5 +55,9 @@ def pytest_sessionfinish(session, exitstatus):
     lines += ["", f"{rows[0]['rounds']} interleaved rounds per batch (every implementation once per round, rotating "
               f"order), {rows[0]['threads']} threads on CPU; ratios are of the medians.",
               "launches: CUDA kernels per call on GPU; on CPU, top-level ops dispatched (aten and fasttrain)."]
-    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
+    from _env import Results
+
+    with Results(RESULTS) as res:
+        res.text(f"{name}.json", json.dumps(out, indent=2))
+        res.text(f"{name}.md", "\n".join(lines) + "\n")
     print("\n" + "\n".join(lines))

@@ -8,21 +8,18 @@ Writes bench/results/data-<device>.{json,md}.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
 import time
 from pathlib import Path
 
-import _env  # noqa: F401  (OpenMP's wait policy, before torch loads it)
+import _env  # OpenMP's wait policy, before torch loads it
 import numpy as np
 import torch
 from PIL import Image
 
 from fasttrain.data import build_data, dali
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def make_jpegs(root: Path, n: int, side: int = 320) -> Path:
@@ -52,10 +49,10 @@ def rate(stream, images: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--n", type=int, default=512)
-    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--epochs", type=int, default=2)
+    ap = _env.Parser()
+    ap.add_argument("--n", type=_env.count(32), default=512, help="images (at least one batch of 32)")
+    ap.add_argument("--workers", type=_env.count(), nargs="+", default=[1, 2])
+    ap.add_argument("--epochs", type=_env.count(), default=2)
     ap.add_argument("--dir", default="/tmp/fasttrain-bench-jpegs")
     args = ap.parse_args()
     if not dali.available():
@@ -84,13 +81,13 @@ def main() -> None:
     info["dali"] = nvidia.dali.__version__
     out = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": info, "command": " ".join(sys.argv),
            "images": args.n, "source_side": 320, "output_side": 256, "rows": rows}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"data-{device}.json").write_text(json.dumps(out, indent=2))
     lines = [f"# Folder loaders, 320² JPEG → 256² crops, batch 32, {device}", "",
              f"machine: {json.dumps(info)}  ", f"when: {out['when']}  ", f"command: `{out['command']}`", "",
              "| workers | DALI img/s | DataLoader img/s | DALI / DataLoader |", "|---|---|---|---|"]
     lines += [f"| {r['workers']} | {r['dali']:.0f} | {r['torch']:.0f} | {r['ratio']:.2f} |" for r in rows]
-    (RESULTS / f"data-{device}.md").write_text("\n".join(lines) + "\n")
+    with _env.Results() as res:
+        res.text(f"data-{device}.json", json.dumps(out, indent=2))
+        res.text(f"data-{device}.md", "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

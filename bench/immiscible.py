@@ -20,7 +20,6 @@ Writes bench/results/immiscible-cpu.{json,md}: this script times the CPU only (a
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import statistics
@@ -28,15 +27,14 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+import _env  # OpenMP's wait policy, before torch loads it
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).parent))
-
 from fasttrain.diffusion.immiscible import PHASES, ROUNDS, assignment, exact_assignment
 
-RESULTS = Path(__file__).parent / "results"
 VARIANTS = {"ours (defaults)": {}, "rounds=16": {"rounds": 16}, "rounds=64": {"rounds": 64}}
 
 
@@ -111,9 +109,6 @@ def run(sizes, dims, seeds, reps, count_ops: bool = True) -> list[dict]:
 
 
 def write(rows: list[dict], info: dict, command: str) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "immiscible-cpu.json").write_text(json.dumps({"machine": info, "command": command, "rows": rows},
-                                                            indent=1))
     ours = [r for r in rows if r["variant"] == "ours (defaults)"]
     lines = [
         "# Immiscible Diffusion: device auction vs exact assignment (SciPy), cpu", "",
@@ -136,20 +131,22 @@ def write(rows: list[dict], info: dict, command: str) -> None:
                      f"{r['lost_mean']:.2%} | {r['lost_max']:.2%} | {r['exact_share']:.0%} | "
                      f"{r['random_gap_mean']:.2%} | {r['fp16_lost_mean']:.3%} | {r['ms']:.1f} | {r['scipy_ms']:.2f} | "
                      f"{r['ops']} |")
-    (RESULTS / "immiscible-cpu.md").write_text("\n".join(lines) + "\n")
+    with _env.Results() as res:
+        res.text("immiscible-cpu.json", json.dumps({"machine": info, "command": command, "rows": rows}, indent=1))
+        res.text("immiscible-cpu.md", "\n".join(lines) + "\n")
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seeds", type=int, default=3, help="batches per (B, D) and image kind")
-    ap.add_argument("--reps", type=int, default=5, help="timed calls per matrix")
-    ap.add_argument("--sizes", default="16,32,64,128,256")
-    ap.add_argument("--dims", default="64,256,1024,4096")
+    ap = _env.Parser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=_env.count(), default=3, help="batches per (B, D) and image kind")
+    ap.add_argument("--reps", type=_env.count(), default=5, help="timed calls per matrix")
+    ap.add_argument("--sizes", type=_env.counts(2), default=[16, 32, 64, 128, 256], help="batch sizes B (>= 2)")
+    ap.add_argument("--dims", type=_env.counts(), default=[64, 256, 1024, 4096], help="dimensions D")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     from cases import machine
 
-    rows = run([int(s) for s in args.sizes.split(",")], [int(s) for s in args.dims.split(",")], args.seeds, args.reps)
+    rows = run(args.sizes, args.dims, args.seeds, args.reps)
     write(rows, machine(), " ".join(["python bench/immiscible.py", *(sys.argv[1:] if argv is None else argv)]))
 
 

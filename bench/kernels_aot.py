@@ -12,7 +12,6 @@ CUDA C++ kernel spills. TRITON_INTERPRET is removed from the environment (re-exe
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -189,17 +188,25 @@ def compact(m: dict) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    import _env  # argument types and the results' writer (bench/ is on the path: __main__ below)
+
+    ap = _env.Parser()
     ap.add_argument("--set", choices=("ci", "full"), default="full")
-    ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1))
+    ap.add_argument("--jobs", type=_env.count(), default=min(8, os.cpu_count() or 1))
     ap.add_argument("--no-inductor", action="store_true")
     ap.add_argument("--fresh", action="store_true", help="compile into an empty Triton cache (timings)")
     ap.add_argument("--render", help="only write the tables again from this JSON of a previous run (uncompacted)")
-    ap.add_argument("--out", default=str(RESULTS / "kernels-aot"))
+    ap.add_argument("--out", default=str(RESULTS / "kernels-aot"), help="path and stem of the .md and .json")
     a = ap.parse_args()
+    out = Path(a.out)
+    if out.is_dir() or not out.parent.is_dir() or out.suffix in (".md", ".json"):
+        ap.error(f"--out {a.out}: give a stem in an existing folder (PATH/STEM: STEM.md and STEM.json are written)")
+    if a.render and not Path(a.render).is_file():
+        ap.error(f"--render {a.render}: no such file")
     m = json.loads(Path(a.render).read_text()) if a.render else measure(a)
-    Path(a.out + ".md").write_text("\n".join(render(m)))
-    Path(a.out + ".json").write_text(json.dumps(compact(m), separators=(",", ":"), default=str))
+    with _env.Results(out.parent) as res:
+        res.text(out.name + ".md", "\n".join(render(m)))
+        res.text(out.name + ".json", json.dumps(compact(m), separators=(",", ":"), default=str))
     print(f"wrote {a.out}.md and .json")
     failed = m["aot"]["problems"] or any(r["stack"] or r["local"] for r in m["native"])
     return 1 if failed else 0

@@ -6,7 +6,6 @@ evaluations, samples, plots), with the final evaluation. Writes bench/results/pr
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import subprocess
@@ -21,10 +20,11 @@ PRESETS = ["default", "digits-adaptive", "digits-mixed", "digits-mixed-small"]
 
 def main(argv=None) -> None:
     import torch
+    from _env import Parser, Results
 
     from fasttrain.config import presets as known
 
-    ap = argparse.ArgumentParser(description="Time presets end to end, as a user runs them.")
+    ap = Parser(description="Time presets end to end, as a user runs them.")
     ap.add_argument("presets", nargs="*", choices=sorted(known()), metavar="PRESET",
                     help=f"presets to run (default: {' '.join(PRESETS)})")
     presets = ap.parse_args(argv).presets or PRESETS
@@ -49,8 +49,6 @@ def main(argv=None) -> None:
             "cpu": platform.processor() or platform.machine(),
             "device": dev}
     meta = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": info, "command": " ".join(sys.argv)}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"presets-{dev}.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
     lines = [f"# Preset runs (`fasttrain train PRESET`, end to end), {dev}", "", f"machine: {json.dumps(info)}  ",
              f"when: {meta['when']}  ", f"command: `{meta['command']}`", "",
              "| preset | steps | wall time | FID | precision / recall | bits/dim | classifier confidence | classes "
@@ -65,7 +63,9 @@ def main(argv=None) -> None:
         lines.append(f"| {r['preset']} | {r['steps']} | {m} min {s:02d} s | {f(r['fid'])} | {f(r['precision'])} / "
                      f"{f(r['recall'])} | {f(r['bpd'])} ± {f(r['bpd_se'])} | {f(r['digits_confidence'], '.3f')} | "
                      f"{f(r['digits_classes_present'], 'd')}/10 | {f(agree, '.0f')}% |")
-    (RESULTS / f"presets-{dev}.md").write_text("\n".join(lines) + "\n")
+    with Results(RESULTS) as res:  # once every preset has run (a failed one exits above)
+        res.text(f"presets-{dev}.json", json.dumps({**meta, "rows": rows}, indent=2))
+        res.text(f"presets-{dev}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

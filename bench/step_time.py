@@ -11,14 +11,13 @@ bench/results/step-cpu[-<threads>thread].{json,md}.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import _env  # noqa: F401  (OpenMP's wait policy, before torch loads it)
+import _env  # OpenMP's wait policy, before torch loads it
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -28,8 +27,6 @@ from cases import machine
 from fasttrain import diffusion as fd
 from fasttrain.data.builtin import digits
 from fasttrain.models import build_model
-
-RESULTS = Path(__file__).parent / "results"
 
 
 class Run:
@@ -58,10 +55,10 @@ class Run:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
+    ap = _env.Parser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=_env.count(), default=200)
+    ap.add_argument("--rounds", type=_env.count(), default=5)
+    ap.add_argument("--threads", type=_env.count(), default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     x0, labels = digits(split="train")
@@ -77,9 +74,7 @@ def main(argv=None):
     out = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "command": " ".join(sys.argv),
            "steps_per_round": args.steps, "ms_per_step": {b: [t * 1e3 for t in ts] for b, ts in times.items()},
            "median_ms": {b: m * 1e3 for b, m in med.items()}, "speedup_native": med["torch"] / med["native"]}
-    RESULTS.mkdir(exist_ok=True)
     name = "step-cpu" + ("" if args.threads == 2 else f"-{args.threads}thread")
-    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2))
     lines = ["# Default run's training step: native ops vs reference backend (cpu)", "",
              f"machine: {json.dumps(out['machine'])}  ", f"when: {out['when']}  ", f"command: `{out['command']}`", "",
              "unet_tiny, batch 16×1×8×8 digits, eps / Min-SNR-5 / uniform, AdamW; "
@@ -88,7 +83,9 @@ def main(argv=None):
     for b, ts in times.items():
         lines.append(f"| {b} | {med[b] * 1e3:.2f} | {', '.join(f'{t * 1e3:.2f}' for t in ts)} |")
     lines += ["", f"native is {out['speedup_native']:.2f}× the reference backend's step rate."]
-    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
+    with _env.Results() as res:
+        res.text(f"{name}.json", json.dumps(out, indent=2))
+        res.text(f"{name}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

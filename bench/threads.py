@@ -15,7 +15,6 @@ measurement is only as free as the machine was.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -25,8 +24,10 @@ import sys
 import time
 from pathlib import Path
 
+from _env import Parser, Results, count, names
+
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = Path(__file__).parent / "results"
+WORKLOADS = ("train", "kernels", "tests")
 CORES = os.cpu_count() or 1
 # threads: 0 = this version's default (train.threads=0: one thread for a CPU run; torch's default for the
 # kernel benchmark), else forced
@@ -96,12 +97,13 @@ def busy_core() -> subprocess.Popen:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=60, help="timed steps per measurement (train, kernels)")
-    ap.add_argument("--workloads", default="train,kernels,tests")
+    ap = Parser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=count(), default=3)
+    ap.add_argument("--steps", type=count(), default=60, help="timed steps per measurement (train, kernels)")
+    ap.add_argument("--workloads", type=names(WORKLOADS, "workload"), default=list(WORKLOADS),
+                    help=f"comma-separated, of {', '.join(WORKLOADS)}")
     args = ap.parse_args()
-    kinds = args.workloads.split(",")
+    kinds = args.workloads
     cells: dict = {}
     for r in range(args.rounds):
         for kind in kinds:
@@ -141,17 +143,17 @@ def write(cells: dict, kinds: list, args) -> None:
         machine["torch"] = torch.__version__
     except ImportError:
         pass
-    RESULTS.mkdir(exist_ok=True)
     data = {"machine": machine, "rounds": args.rounds, "steps": args.steps,
             "cells": {" | ".join(k): v for k, v in cells.items()}, "median_ms": {" | ".join(k): v for k,
                                                                                  v in med.items()}}
-    (RESULTS / "threads-cpu.json").write_text(json.dumps(data, indent=1))
     text = "\n".join(["# CPU threads on a shared machine (`python bench/threads.py`)", "",
                       f"{args.rounds} interleaved rounds; medians. train: the default preset's training step; kernels: "
                       "the noise and loss ops (native, 256×4×32², forward + backward); tests: "
                       "`pytest tests/diffusion/test_objective.py` wall time. 'one core busy': a Python busy loop "
                       "started by the benchmark. Machine: " + json.dumps(machine), ""] + rows) + "\n"
-    (RESULTS / "threads-cpu.md").write_text(text)
+    with Results() as res:
+        res.text("threads-cpu.json", json.dumps(data, indent=1))
+        res.text("threads-cpu.md", text)
     print(text)
 
 

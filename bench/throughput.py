@@ -18,7 +18,6 @@ bench/results/throughput-<device>.{json,md}.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
@@ -26,10 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import _env  # noqa: F401  (OpenMP's wait policy, before torch loads it)
+import _env  # OpenMP's wait policy, before torch loads it
 import torch
 
-RESULTS = Path(__file__).parent / "results"
 QUIET = ["train.progress=false", "sample.num=0", "eval.num_samples=0", "eval.bpd=false", "train.ckpt_every=0",
          "train.log_every=1000000"]
 
@@ -215,21 +213,24 @@ def small_batch(args, tmp: Path) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="unet_tiny")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=1,
+    from fasttrain.models import MODELS, is_image_model
+
+    ap = _env.Parser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="unet_tiny", choices=[m for m in MODELS.names() if is_image_model(m)],
+                    help="an image model of fasttrain's registry (trained on digits)")
+    ap.add_argument("--batch", type=_env.count(), default=16)
+    ap.add_argument("--threads", type=_env.count(), default=1,
                     help="torch threads (one is fastest for tiny models on 2 shared cores)")
-    ap.add_argument("--steps", type=int, default=400, help="steps per variant, in interleaved rounds")
-    ap.add_argument("--round", type=int, default=20, help="steps per round")
-    ap.add_argument("--warmup", type=int, default=10, help="steps before timing")
+    ap.add_argument("--steps", type=_env.count(), default=400, help="steps per variant, in interleaved rounds")
+    ap.add_argument("--round", type=_env.count(), default=20, help="steps per round")
+    ap.add_argument("--warmup", type=_env.count(0), default=10, help="steps before timing")
     ap.add_argument("--small-batch", action="store_true", help="also the small-batch single-GPU table (CUDA)")
-    ap.add_argument("--interference-steps", type=int, default=2000,
+    ap.add_argument("--interference-steps", type=_env.count(0), default=2000,
                     help="steps per variant for the direct measurement at the diagnostic's default period (0 = skip)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[8, 32, 256])
+    ap.add_argument("--batches", type=_env.count(), nargs="+", default=[8, 32, 256])
     ap.add_argument("--no-options", dest="options", action="store_false",
                     help="leave out the noise and loss options (issue 21)")
-    ap.add_argument("--direct-calls", type=int, default=3000,
+    ap.add_argument("--direct-calls", type=_env.count(0), default=3000,
                     help="calls per variant of the options' diffusion math alone (0 = skip)")
     ap.add_argument("--clock", choices=tuple(CLOCK), default="wall",
                     help="wall time, or this process's CPU time (a shared CPU machine; not on CUDA)")
@@ -251,8 +252,6 @@ def main() -> None:
            "model": args.model, "batch": args.batch, "machinery": rows, "interference_default": direct,
            "options_direct_s": math_ms,
            "small_batch": small}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"throughput-{dev}.json").write_text(json.dumps(out, indent=2))
     lines = [f"# Training step on the trainer, {dev}", "", f"machine: {json.dumps(info)}  ", f"when: {out['when']}  ",
              f"command: `{out['command']}`", "",
              f"## Timestep machinery ({args.model}, digits, batch {args.batch}; mean over interleaved rounds of "
@@ -293,9 +292,11 @@ def main() -> None:
             lines.append(f"| {r['model']} | {r['batch']} | {r['mode']} | {r['ms_per_step']:.2f} | "
                          f"{r['images_per_s']:.0f} | "
                          f"{mfu} | {r['speedup_vs_eager']:.2f} |")
-    (RESULTS / f"throughput-{dev}.md").write_text("\n".join(lines) + "\n")
+    with _env.Results() as res:
+        res.text(f"throughput-{dev}.json", json.dumps(out, indent=2))
+        res.text(f"throughput-{dev}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
 if __name__ == "__main__":
-    main()
+    _env.run(main)

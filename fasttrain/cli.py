@@ -24,6 +24,7 @@ prepare_openmp()  # before anything imports torch (cpu.py): idle OpenMP threads 
 
 from .config import keys, presets  # noqa: E402
 from .errors import ConfigError, InvalidInput, UserError  # noqa: E402
+from .paths import check_output, check_output_file  # noqa: E402
 
 # What the user can fix is a UserError (errors.py), printed as one line; anything else keeps its
 # traceback (FASTTRAIN_DEBUG=1 keeps it for these too). Paths the user named that cannot be written
@@ -145,22 +146,23 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def out_dir(path: str) -> Path:
-    """An output folder that can be created: not a file, not under a file."""
+def out_dir(path: str, create: bool = True) -> Path:
+    """An output folder that can be created (and is, unless `create` is false): not a file, not under a file."""
     p = Path(path)
     for q in [p, *p.parents]:
         if q.exists() and not q.is_dir():
             raise InvalidInput(f"--out {path}: {q} is a file, not a folder")
-    p.mkdir(parents=True, exist_ok=True)
+    if create:
+        p.mkdir(parents=True, exist_ok=True)
     return p
 
 
-def out_file(path: str | Path, flag: str = "--out") -> Path:
-    """An output file whose folder can be created."""
+def out_file(path: str | Path, flag: str = "--out", create: bool = True) -> Path:
+    """An output file whose folder can be created (and is, unless `create` is false)."""
     p = Path(path)
     if p.is_dir():
         raise InvalidInput(f"{flag} {path} is a folder; give a file name")
-    out_dir(str(p.parent)) if str(p.parent) not in ("", ".") else None
+    out_dir(str(p.parent), create) if str(p.parent) not in ("", ".") else None
     return p
 
 
@@ -259,15 +261,19 @@ def _sample(args) -> int:
     from torchvision.utils import save_image
 
     from . import plots
+    from .checkpoint import resolve
     from .diffusion.solvers import SOLVERS, check_options
     from .evaluate import reference_for
 
-    out = out_dir(args.out)
+    out = out_dir(args.out, create=False)  # checked now, created once the overlap checks passed
     earlier = sorted(out.glob("[0-9][0-9][0-9][0-9][0-9].png")) + sorted(out.glob("samples.pt"))
     if earlier:  # new samples among old ones would mix two runs (and a smaller --n would leave stale files)
         raise InvalidInput(f"--out {args.out} already holds samples ({earlier[0].name}, {len(earlier)} files): choose "
                          f"an empty folder (nothing was overwritten)")
     b = _bundle(args)
+    check_output(args.out, "--out", {"the run directory": str(resolve(args.ckpt).parent)}, exact=True)
+    check_output(args.out, "--out", _reads(args, b))
+    out = out_dir(args.out)
     sc, classes = b.cfg.sample, b.spec.num_classes
     labels = None
     if classes:
@@ -301,6 +307,16 @@ def _sample(args) -> int:
     return 0
 
 
+def _reads(args, b) -> dict:
+    """The folders a command on a checkpoint reads or names as its own (paths.py: outputs stay out of them)."""
+    from .checkpoint import resolve
+
+    lat = b.spec.latents or {}
+    return {"the checkpoint": str(resolve(args.ckpt if hasattr(args, "ckpt") else args.run)),
+            "the run's data folder": b.cfg.data.root, "the images its latents were encoded from": lat.get("source"),
+            "the VAE folder": getattr(args, "vae", None) or (lat.get("vae") or {}).get("path")}
+
+
 def _bundle(args):
     """The checkpoint's model bundle; a latent run's VAE (the recorded one, or --vae) loaded now, so that
     a missing one is a one-line error before any sampling."""
@@ -321,8 +337,14 @@ def _eval(args) -> int:
     from .checkpoint import resolve
     from .evaluate import EvalSettings, reference_for, run_evaluation
 
-    out = out_file(args.out) if args.out else None
+    if args.out:
+        out_file(args.out, create=False)
     b = _bundle(args)
+    if args.out:  # an earlier evaluation may be replaced, nothing else (a checkpoint, the config, the data)
+        reads = _reads(args, b)
+        reads["the reference folder"] = args.ref
+        check_output_file(args.out, "--out", reads, earlier_result=_is_evaluation)
+    out = out_file(args.out) if args.out else None
     s = EvalSettings.from_config(b.cfg)
     s = replace(s, num_samples=args.n if args.n is not None else s.num_samples, steps=args.steps or s.steps,
                 extractor=args.extractor or s.extractor, weights_path=args.weights or s.weights_path,
@@ -339,6 +361,15 @@ def _eval(args) -> int:
     return 0
 
 
+def _is_evaluation(path: Path) -> bool:
+    import json
+
+    try:
+        return "step" in json.loads(path.read_text())
+    except (ValueError, TypeError, UnicodeDecodeError):
+        return False
+
+
 def _report(args) -> int:
     from .report import write_report
 
@@ -347,8 +378,10 @@ def _report(args) -> int:
 
 
 def _export(args) -> int:
+    from .bundle import ModelBundle
     from .export import export_diffusers
 
+    check_output(args.out, "the export folder", _reads(args, ModelBundle.load(args.run, vae=args.vae)))
     res = export_diffusers(args.run, args.out, vae=args.vae, ema=not args.raw)
     print(f"wrote {res['out']}: {res['network']} ({res['weights']} weights of step {res['step']}, equal to the run's "
           f"network to {res['max_abs_diff']:.1g}), {res['scheduler']}{', the VAE' if res['vae'] else ''}; load it with "
@@ -360,10 +393,8 @@ def _data(args) -> int:
     if args.data_command != "prepare":
         _parser().parse_args(["data", "--help"])
         return 2
-    from .data.manifest import prepare
+    from .data.manifest import check_outputs, prepare
 
-    if args.out:
-        out_file(args.out)
     if args.vae and args.encoder:
         raise InvalidInput("--vae and --encoder exclude each other")
     if args.vae:  # a missing VAE or extra before the folder is checked
@@ -374,9 +405,15 @@ def _data(args) -> int:
         model_dir(args.vae, args.vae_subfolder)
         optional.diffusers("data prepare --vae")
         args.latents_out = args.latents_out or str(default_out(args.root))
+    if args.out:
+        out_file(args.out, create=False)
+    check_outputs(args.root, args.out, args.latents_out, args.vae)  # before anything is created
+    if args.out:
+        out_file(args.out)
     if args.latents_out:
         out_dir(args.latents_out)
     res = prepare(args.root, args.out, args.encoder, args.latents_out, args.image_size, args.batch_size)
+    print(res["layout"])
     print(f"{res['num_files']} readable files, {len(res['classes'])} classes, sizes {res['sizes']}")
     for rel, reason in res["bad"]:
         print(f"skipped {rel}: {reason}")

@@ -18,12 +18,24 @@ from .errors import ConfigError
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
-def _f(default, help: str, *, min=None, above=None, below=None, finite: bool = False, choices=None):
-    """A field with its help line and the values it accepts: `min` (inclusive), `above` and `below`
-    (exclusive), `finite`, `choices` (a fixed set; registry choices are configure.py's). For a list
-    the bounds hold for every element; None is always accepted where the type is Optional."""
-    bounded = min is not None or above is not None or below is not None
-    meta = {"help": help, "min": min, "above": above, "below": below, "finite": finite or bounded, "choices": choices}
+# Counts of steps and periods: far beyond any run, and far below where the 64-bit counters they feed
+# (images = steps × batch) would overflow.
+STEPS = 2**40
+# Threads and workers: more than any machine has cores (cpu.py caps threads at this machine's); a C int
+# beyond it was "Overflow when unpacking long" (train.threads=9999999999).
+THREADS = 4096
+
+
+def _f(default, help: str, *, min=None, above=None, below=None, max=None, finite: bool = False, choices=None,
+       usual=None):
+    """A field with its help line and the values it accepts: `min` and `max` (inclusive), `above` and
+    `below` (exclusive), `finite`, `choices` (a fixed set; registry choices are configure.py's). For a
+    list the bounds hold for every element; None is always accepted where the type is Optional.
+    `usual` (lo, hi): the range practitioners use; a value outside it is accepted, and named when a
+    run stops for non-finite steps (`unusual`)."""
+    bounded = min is not None or above is not None or below is not None or max is not None
+    meta = {"help": help, "min": min, "above": above, "below": below, "max": max, "finite": finite or bounded,
+            "choices": choices, "usual": usual}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -40,14 +52,14 @@ class DataConfig:
                    choices=("center", "random"))
     flip: bool = _f(True, "random horizontal flips (image folders)")
     image_size: int = _f(8, "side of the square training images (digits are 8×8 natively)", min=1)
-    channels: int = _f(3, "image channels for name=folder (1 = grey, 3 = RGB) and name=synthetic")
+    channels: int = _f(3, "image channels for name=folder (1 = grey, 3 = RGB) and name=synthetic", min=1)
     latent_norm: str = _f("auto", "latents: vae (the VAE's scaling/shift factors) | channel (per-channel mean/std) "
                           "| none | auto (vae where the folder records a VAE)",
                           choices=("auto", "vae", "channel", "none"))
-    batch_size: int = _f(16, "micro-batch per process", min=1)
+    batch_size: int = _f(16, "micro-batch per process", min=1, max=2**24)
     holdout: int = _f(400, "digits held out from training (for evaluation)", min=1)
-    num_workers: int = _f(0, "loader workers: DataLoader processes or DALI threads (0 = main process / 1 thread)",
-                          min=0)
+    num_workers: int = _f(0, "loader workers: DataLoader processes or DALI threads (0 = main process / 1 thread; "
+                          "more than the machine's cores: a warning)", min=0, max=THREADS)
 
 
 @dataclass
@@ -65,34 +77,36 @@ class MixedConfig:
     gate: str = _f("pixel",
                    "pixel (gate channels from the network) | timestep (a learned table of logits per timestep)",
                    choices=("pixel", "timestep"))
-    aux_weight: float = _f(0.1, "weight of each head's own loss in its own space", min=0)
+    aux_weight: float = _f(0.1, "weight of each head's own loss in its own space", min=0, max=1e3, usual=(0, 1))
     mode: str = _f("gate", "generate from the gated mix (gate) or the head with the lowest running x0 error per "
                    "timestep (argmin)",
                    choices=("gate", "argmin"))
     prior: bool = _f(True, "bias the gate by each head's conditioning (ill-conditioned heads start near weight 0)")
-    argmin_buckets: int = _f(20, "timestep buckets for mode=argmin", min=1)
+    argmin_buckets: int = _f(20, "timestep buckets for mode=argmin (at most diffusion.T)", min=1)
 
 
 @dataclass
 class NoiseConfig:
     offset: float = _f(0.0, "noise offset c: ε + c·n, n ~ N(0, 1) per sample and channel (diffusers --noise_offset, "
-                       "sd-scripts noise_offset; 0 = off)", min=0)
+                       "sd-scripts noise_offset; 0 = off)", min=0, max=1, usual=(0, 0.2))
     offset_random_strength: bool = _f(False, "offset c·u, u ~ U[0, 1) once per batch (sd-scripts "
                                       "noise_offset_random_strength)")
     adaptive_offset: float = _f(0.0, "add this × |mean over pixels of x0| to the offset per sample and channel, "
-                                "clamped at 0 (sd-scripts adaptive_noise_scale; needs offset; 0 = off)", finite=True)
+                                "clamped at 0 (sd-scripts adaptive_noise_scale; needs offset; 0 = off)", min=-1, max=1,
+                                usual=(-0.1, 0.1))
     pyramid_iterations: int = _f(0, "pyramid (multi-resolution) noise levels (sd-scripts multires_noise_iterations; "
                                  "0 = off)", min=0, below=17)
     pyramid_discount: float = _f(0.3, "weight discount^i of pyramid level i (sd-scripts multires_noise_discount)",
-                                 min=0)
+                                 min=0, max=1, usual=(0.1, 0.9))
     perturbation: float = _f(0.0, "input perturbation γ: x_t from ε + γ·ξ, the target keeps ε (Ning et al. 2023; "
-                             "diffusers --input_perturbation, sd-scripts ip_noise_gamma; 0 = off)", min=0)
+                             "diffusers --input_perturbation, sd-scripts ip_noise_gamma; 0 = off)", min=0, max=1,
+                             usual=(0, 0.2))
     perturbation_random_strength: bool = _f(False, "γ·u, u ~ U[0, 1) once per batch (sd-scripts "
                                             "ip_noise_gamma_random_strength)")
     immiscible: str = _f("none", "immiscible noise (Li et al. 2024): assignment (batch linear assignment, L2 "
                          "distance) or knn (nearest of k fresh draws per image)", choices=("none", "assignment", "knn"))
     immiscible_k: int = _f(64, "knn candidates per image (official: 64 for Stable Diffusion, 4 for flow matching)",
-                           min=1)
+                           min=1, max=4096)
 
 
 @dataclass
@@ -100,9 +114,10 @@ class LossConfig:
     type: str = _f("l2", "per-element loss: l2 | l1 | huber 2c(√(d²+c²)−c) and smooth_l1 2(√(d²+c²)−c) (sd-scripts, "
                    "diffusers) | pseudo_huber √(d²+c²)−c (Charbonnier; diffusers LCM)",
                    choices=("l2", "l1", "huber", "smooth_l1", "pseudo_huber"))
-    huber_c: float = _f(0.1, "threshold c of the Huber family (sd-scripts and diffusers: 0.1; LCM: 0.001)", above=0)
+    huber_c: float = _f(0.1, "threshold c of the Huber family (sd-scripts and diffusers: 0.1; LCM: 0.001)", above=0,
+                        max=10, usual=(1e-4, 1))
     huber_scale: float = _f(1.0, "scale of c for the constant and exponential schedules (sd-scripts huber_scale)",
-                            above=0)
+                            above=0, max=100, usual=(0.1, 10))
     huber_schedule: str = _f("snr", "c(t): constant | exponential (huber_c^(t/T)) | snr ((1-c)/(1+σ/α)² + c) "
                              "(sd-scripts and diffusers; default snr)", choices=("constant", "exponential", "snr"))
 
@@ -110,7 +125,7 @@ class LossConfig:
 @dataclass
 class DiffusionConfig:
     schedule: str = _f("linear", "the noise schedule")
-    T: int = _f(1000, "number of discrete timesteps", min=2)
+    T: int = _f(1000, "number of discrete timesteps", min=2, max=100_000)
     zero_terminal_snr: bool = _f(False, "rescale a VP schedule to SNR = 0 at t = T-1 (Lin et al. 2024)")
     prediction: str = _f("eps", "what the network predicts (mixed: several heads and a gate, see diffusion.mixed)")
     weighting: str = _f("min_snr", "loss weighting, defined in x0 space")
@@ -120,7 +135,7 @@ class DiffusionConfig:
     learned_weighting: bool = _f(False, "add an EDM2-style learned per-timestep log-variance")
     logvar_layer: str = _f("linear", "its layer: linear (zero-initialised) | edm2 (EDM2's MPConv: random init, "
                            "forced weight normalization)", choices=("linear", "edm2"))
-    stats_every: int = _f(10, "steps between statistics syncs and sampler updates (K)", min=1)
+    stats_every: int = _f(10, "steps between statistics syncs and sampler updates (K)", min=1, max=STEPS)
     backend: str = _f("auto", "kernel backend: auto (triton on CUDA, native on CPU where built, else torch)")
     mixed: MixedConfig = field(default_factory=MixedConfig)
     noise: NoiseConfig = field(default_factory=NoiseConfig)
@@ -129,10 +144,10 @@ class DiffusionConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = _f(1e-3, "AdamW learning rate", above=0)
-    betas: List[float] = _f([0.9, 0.999], "AdamW betas (two numbers in [0, 1))", min=0, below=1)
-    weight_decay: float = _f(0.0, "AdamW weight decay", min=0)
-    warmup_steps: int = _f(200, "linear learning-rate warm-up", min=0)
+    lr: float = _f(1e-3, "AdamW learning rate", above=0, usual=(1e-6, 0.05))
+    betas: List[float] = _f([0.9, 0.999], "AdamW betas (two numbers in [0, 1))", min=0, below=1, usual=(0.5, 0.9999))
+    weight_decay: float = _f(0.0, "AdamW weight decay (optim.lr × weight_decay < 1)", min=0, usual=(0, 0.1))
+    warmup_steps: int = _f(200, "linear learning-rate warm-up", min=0, max=STEPS)
     grad_clip: float = _f(1.0, "clip the gradient norm at this value (0 = off)", min=0)
     ema_decay: float = _f(0.999, "EMA decay of the sampling weights", min=0, below=1)
     ema_warmup: bool = _f(True, "EMA decay min(decay, (1+n)/(10+n)) early in training")
@@ -142,29 +157,33 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = _f(5000, "optimizer steps", min=1)
-    grad_accum: int = _f(1, "micro-batches per optimizer step", min=1)
-    log_every: int = _f(100, "steps between metric lines", min=1)
-    ckpt_every: int = _f(1000, "steps between checkpoints (0 = only at the end)", min=0)
-    seed: int = _f(0, "seed of weights, data order, timesteps and noise")
+    steps: int = _f(5000, "optimizer steps", min=1, max=STEPS)
+    grad_accum: int = _f(1, "micro-batches per optimizer step", min=1, max=65536)
+    log_every: int = _f(100, "steps between metric lines", min=1, max=STEPS)
+    ckpt_every: int = _f(1000, "steps between checkpoints (0 = only at the end)", min=0, max=STEPS)
+    seed: int = _f(0, "seed of weights, data order, timesteps and noise", min=0, max=2**63 - 1)
     device: str = _f("auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
-    threads: int = _f(0, "torch CPU threads (0 = auto: 1 for a CPU run, torch's default for a GPU run)", min=0)
+    threads: int = _f(0, "torch CPU threads (0 = auto: 1 for a CPU run, torch's default for a GPU run; more than "
+                      "the machine's cores: capped, with a warning)", min=0, max=THREADS)
     progress: bool = _f(True, "show a progress bar")
     plots: bool = _f(True, "draw the run's figures at the end (loss, per-timestep statistics, evaluation curves)")
     cuda_graph: bool = _f(False,
                           "capture the whole step in one CUDA graph and replay it (one GPU; falls back with a reason)")
-    max_nonfinite: int = _f(20, "stop after this many non-finite (skipped) steps in a row (0 = never)", min=0)
+    max_nonfinite: int = _f(20, "stop after this many non-finite (skipped) steps in a row (0 = never)", min=0,
+                            max=STEPS)
     max_nonfinite_frac: float = _f(0.5, "... or when at least this fraction of the last max(100, max_nonfinite) "
                                    "steps were skipped (above 1 = only the run counts)", min=0)
 
 
 @dataclass
 class SampleConfig:
-    num: int = _f(100, "images generated at the end of training", min=0)
+    num: int = _f(100, "images generated at the end of training", min=0, max=1_000_000)
     steps: int = _f(50, "sampling steps (respaced; at most diffusion.T)", min=1)
     solver: str = _f("ddim", "generation solver")
-    eta: Optional[float] = _f(None, "DDIM eta (default 0 for ddim, 1 for ddpm)", min=0)
-    guidance: float = _f(1.0, "classifier-free guidance scale (1 = off)", finite=True)
+    eta: Optional[float] = _f(None, "DDIM eta (default 0 for ddim, 1 for ddpm; above 1 the DDIM variance has no "
+                              "square root)", min=0, max=1)
+    guidance: float = _f(1.0, "classifier-free guidance scale (1 = off, 0 = unconditional)", min=0, max=100,
+                         usual=(1, 20))
 
 
 @dataclass
@@ -182,22 +201,25 @@ class ParallelConfig:
 class DiagnosticsConfig:
     interference_every: int = _f(500,
                                  "steps between cross-timestep interference measurements on a probe batch (0 = off)",
-                                 min=0)
-    buckets: int = _f(4, "timestep buckets of the interference matrix", min=2)
-    probe_size: int = _f(16, "images of the interference probe batch (per rank)", min=1)
-    loss_cv_buckets: int = _f(10, "timestep buckets of the logged loss coefficient of variation", min=2)
+                                 min=0, max=STEPS)
+    buckets: int = _f(4, "timestep buckets of the interference matrix (at most diffusion.T)", min=2)
+    probe_size: int = _f(16, "images of the interference probe batch (per rank)", min=1, max=2**16)
+    loss_cv_buckets: int = _f(10, "timestep buckets of the logged loss coefficient of variation (at most "
+                              "diffusion.T)", min=2)
 
 
 @dataclass
 class EvalConfig:
-    every: int = _f(1000, "steps between evaluations during training (0 = only at the end)", min=0)
-    num_samples: int = _f(500, "generated images for FID/KID/precision/recall (0 = no sample metrics)", min=0)
-    steps: int = _f(50, "sampling steps for evaluation", min=1)
+    every: int = _f(1000, "steps between evaluations during training (0 = only at the end)", min=0, max=STEPS)
+    num_samples: int = _f(500, "generated images for FID/KID/precision/recall (0 = no sample metrics)", min=0,
+                          max=1_000_000)
+    steps: int = _f(50, "sampling steps for evaluation (at most diffusion.T)", min=1)
     extractor: str = _f("auto", "FID features: auto is fasttrain-digits for digits, inception-v3-compat for images")
     weights_path: Optional[str] = _f(None, "local Inception weights for machines that cannot download them")
     bpd: bool = _f(True, "negative ELBO in bits/dim on held-out data")
-    bpd_samples: int = _f(400, "held-out samples for bits/dim", min=1)
-    bpd_timesteps: int = _f(50, "timesteps per sample in the bits/dim estimate (stratified)", min=1)
+    bpd_samples: int = _f(400, "held-out samples for bits/dim", min=1, max=1_000_000)
+    bpd_timesteps: int = _f(50, "timesteps per sample in the bits/dim estimate (stratified; at most diffusion.T)",
+                            min=1)
 
 
 @dataclass
@@ -239,12 +261,34 @@ def keys(cls=Config, prefix: str = "", choices: dict | None = None) -> list[tupl
     return rows
 
 
-def _wrap(e: OmegaConfBaseException, what: str) -> ConfigError:
-    key = getattr(e, "full_key", None) or "?"
+def _wrap(e: OmegaConfBaseException, what: str, key_hint: str | None = None) -> ConfigError:
+    key = getattr(e, "full_key", None) or key_hint or "?"
     msg = str(e).splitlines()[0]
     if "not in" in msg or "Key '" in msg and "not" in msg:
         return ConfigError(f"unknown config key '{key}' ({what})")
     return ConfigError(f"bad value for '{key}': {msg} ({what})")
+
+
+def _check_shapes(cfg: DictConfig, given, prefix: str = "") -> None:
+    """A section of the schema given a plain value (`diffusion.loss=huber`, a preset's `loss: huber`):
+    one line naming the section and its keys (OmegaConf's merge error names no key)."""
+    if not isinstance(given, dict):
+        return
+    for k, v in given.items():
+        key = f"{prefix}{k}"
+        node = OmegaConf.select(cfg, key, default=None) if isinstance(k, str) else None
+        if not OmegaConf.is_dict(node):
+            continue
+        if isinstance(v, dict):
+            _check_shapes(cfg, v, key + ".")
+            continue
+        sub = list(node.keys())
+        if dataclasses.is_dataclass(OmegaConf.get_type(node)):
+            shown = ", ".join(f"{key}.{n}" for n in sub[:4]) + (", ..." if len(sub) > 4 else "")
+            raise ConfigError(f"'{key}' is a section, not a value: set one of its keys ({shown}), "
+                              f"e.g. {key}.{sub[0]}={v}")
+        raise ConfigError(f"'{key}' is a mapping of named arguments, not a value: set them one by one, "
+                          f"e.g. {key}.NAME={v}")
 
 
 def read_config(preset: str = "default", overrides: list[str] | None = None) -> DictConfig:
@@ -267,6 +311,10 @@ def read_config(preset: str = "default", overrides: list[str] | None = None) -> 
     if not isinstance(loaded, dict):
         raise ConfigError(f"preset {path.name} must be a mapping of config keys, not a {type(loaded).__name__}")
     try:
+        _check_shapes(cfg, loaded)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (in preset {path.name})") from None
+    try:
         cfg = OmegaConf.merge(cfg, OmegaConf.create(loaded), {"preset": path.stem})
     except OmegaConfBaseException as e:
         raise _wrap(e, f"in preset {path.name}") from None
@@ -274,9 +322,11 @@ def read_config(preset: str = "default", overrides: list[str] | None = None) -> 
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value")
         try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+            given = OmegaConf.from_dotlist([item])
+            _check_shapes(cfg, OmegaConf.to_container(given))
+            cfg = OmegaConf.merge(cfg, given)
         except OmegaConfBaseException as e:
-            raise _wrap(e, f"from '{item}'") from None
+            raise _wrap(e, f"from '{item}'", item.split("=", 1)[0]) from None
         except yaml.YAMLError as e:  # the value is parsed as YAML: an unclosed list, a stray colon
             raise ConfigError(f"override '{item}': its value is not valid YAML "
                               f"({str(e).splitlines()[0]})") from None
@@ -364,8 +414,9 @@ def check_schema(cfg: DictConfig) -> None:
             need = _need(meta)
             if meta.get("finite") and not _finite(v):
                 raise ConfigError(f"bad value for '{key}': {value!r} (a finite number{need})")
-            lo, above, below = meta.get("min"), meta.get("above"), meta.get("below")
-            if (lo is not None and v < lo) or (above is not None and v <= above) or (below is not None and v >= below):
+            lo, hi, above, below = meta.get("min"), meta.get("max"), meta.get("above"), meta.get("below")
+            if ((lo is not None and v < lo) or (hi is not None and v > hi) or (above is not None and v <= above)
+                    or (below is not None and v >= below)):
                 raise ConfigError(f"bad value for '{key}': {value!r} (must be{need.replace(',', '', 1)})")
     betas = cfg.optim.betas
     if len(betas) != 2:
@@ -380,4 +431,21 @@ def _need(meta) -> str:
         parts.append(f"> {meta['above']}")
     if meta.get("below") is not None:
         parts.append(f"< {meta['below']}")
+    if meta.get("max") is not None:
+        parts.append(f"<= {meta['max']}")
     return (", " + " and ".join(parts)) if parts else ""
+
+
+def unusual(cfg: DictConfig) -> list[str]:
+    """"key=value (usually lo to hi)" for every value outside its field's usual range: what a run that
+    stopped for non-finite steps names first (train.py)."""
+    out = []
+    for key, meta in _leaves():
+        usual, value = meta.get("usual"), OmegaConf.select(cfg, key)
+        if usual is None or value is None:
+            continue
+        values = list(value) if OmegaConf.is_list(value) or isinstance(value, (list, tuple)) else [value]
+        if any(not usual[0] <= v <= usual[1] for v in values):
+            shown = list(values) if len(values) > 1 else values[0]
+            out.append(f"{key}={shown!r} (usually {usual[0]:g} to {usual[1]:g})")
+    return out

@@ -101,6 +101,8 @@ def validate(cfg: DictConfig) -> None:
                           f"(data.name={cfg.data.name}; {'use mlp' if toy else 'use an image model'})")
     if cfg.data.name in ("folder", "latents") and not cfg.data.root:
         raise ConfigError(f"bad value for 'data.root': None (a folder is needed for data.name={cfg.data.name})")
+    if cfg.data.name in ("folder", "latents"):
+        check_run_dir(cfg)
     if cfg.data.name == "folder" and cfg.data.channels not in (1, 3):
         raise ConfigError(f"bad value for 'data.channels': {cfg.data.channels!r} (1 (grey) or 3 (RGB))")
     from .diffusion import noise_options
@@ -117,6 +119,7 @@ def validate(cfg: DictConfig) -> None:
                     **plain(d.weighting_args))
     with _Key("diffusion.sampler_args"):
         timestep_sampler(d.sampler, sched, **plain(d.sampler_args))
+    check_ranges(cfg)
     s = cfg.sample
     if s.eta is not None and "eta" not in SOLVERS.args(s.solver):
         raise ConfigError(f"bad value for 'sample.eta': {s.eta!r} (solver {s.solver} takes no eta)")
@@ -126,6 +129,47 @@ def validate(cfg: DictConfig) -> None:
         with _Key("data.image_size", cfg):
             MODELS.check(cfg.model.name, image_size=cfg.data.image_size, **args)
         check_memory(cfg)
+
+
+def check_run_dir(cfg: DictConfig) -> None:
+    """The run directory apart from the data (paths.py): a run writes checkpoints and figures into its
+    directory, and `--restart` moves everything in it aside."""
+    from .paths import relation
+
+    why = {"is": "is data.root", "inside": "lies inside data.root (checkpoints and figures would join the data)",
+           "holds": "holds data.root (--restart moves everything in a run directory aside, the data too)"}
+    rel = relation(cfg.run_dir, cfg.data.root)
+    if rel:
+        raise ConfigError(f"bad value for 'run_dir': {cfg.run_dir!r} {why[rel]}: choose a run directory beside "
+                          f"the data, e.g. runs/NAME")
+
+
+def check_ranges(cfg: DictConfig) -> None:
+    """The ranges that depend on another key (config.py checks each key's own): counts of timesteps at
+    most diffusion.T where they are used, the digits held out, AdamW's decay factor."""
+    from .data.builtin import DIGITS_SIZE
+
+    dc, T = cfg.diffusion, cfg.diffusion.T
+    per_t = {"sample.steps": cfg.sample.num > 0, "eval.steps": cfg.eval.num_samples > 0,
+             "eval.bpd_timesteps": cfg.eval.bpd, "diagnostics.buckets": cfg.diagnostics.interference_every > 0,
+             "diagnostics.loss_cv_buckets": True,
+             "diffusion.mixed.argmin_buckets": dc.prediction == "mixed" and dc.mixed.mode == "argmin"}
+    for key, used in per_t.items():
+        value = OmegaConf.select(cfg, key)
+        if used and value > T:
+            raise ConfigError(f"bad value for '{key}': {value!r} (at most diffusion.T = {T})")
+    d = cfg.data
+    if d.name == "digits" and d.batch_size >= DIGITS_SIZE:
+        raise ConfigError(f"bad value for 'data.batch_size': {d.batch_size!r} (digits has {DIGITS_SIZE} images, "
+                          f"data.holdout={d.holdout} of them held out)")
+    if d.name == "digits" and d.holdout > DIGITS_SIZE - d.batch_size:
+        raise ConfigError(f"bad value for 'data.holdout': {d.holdout!r} (digits has {DIGITS_SIZE} images and "
+                          f"one batch of data.batch_size={d.batch_size} must stay for training)")
+    o = cfg.optim
+    if o.lr * o.weight_decay >= 1:  # AdamW scales the weights by 1 - lr·wd each step (Loshchilov & Hutter, Alg. 2)
+        raise ConfigError(f"bad value for 'optim.weight_decay': {o.weight_decay!r} (AdamW multiplies the "
+                          f"weights by 1 - optim.lr × weight_decay each step: with optim.lr={o.lr!r} it must be "
+                          f"< {1 / o.lr:g})")
 
 
 def _memory_bytes(device: str) -> tuple[int, str]:
@@ -152,13 +196,17 @@ def check_memory(cfg: DictConfig) -> None:
     built-in data resident on the device; one batch of x0, x_t, the prediction and its gradient in
     fp32) against the device's memory. A lower bound (activations come on top): it refuses sizes that
     cannot fit, in one line, instead of an allocation failure deep inside torch or the OOM killer."""
+    from .data.builtin import DIGITS_SIZE
+
     d = cfg.data
     channels = 1 if d.name == "digits" else d.channels
     per_image = channels * d.image_size**2 * 4
-    resident = {"digits": 1797 - d.holdout, "synthetic": 4096}.get(d.name, 0) * per_image
+    resident = {"digits": DIGITS_SIZE - d.holdout, "synthetic": 4096}.get(d.name, 0) * per_image
     need = resident + 4 * d.batch_size * per_image
     have, whose = _memory_bytes(cfg.train.device)
-    if need > have:
-        raise ConfigError(f"bad value for 'data.image_size': {d.image_size} ({d.name} at {d.image_size}×{d.image_size} "
+    if need > have:  # the key to change: the image size if a batch of one cannot fit either, else the batch
+        one = resident + 4 * per_image
+        key, value = ("data.image_size", d.image_size) if one > have else ("data.batch_size", d.batch_size)
+        raise ConfigError(f"bad value for '{key}': {value} ({d.name} at {d.image_size}×{d.image_size} "
                           f"with data.batch_size={d.batch_size} needs at least {_size(need)}, more than {whose} "
                           f"{_size(have)})")

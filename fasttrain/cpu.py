@@ -12,7 +12,11 @@ torch`: the command line (cli.py), the tests (tests/conftest.py) and the benchma
 (`prepare_openmp`); a user's own setting always wins. A Python program that imports fasttrain after
 torch keeps whatever policy torch started with (call `prepare_openmp()` before importing torch).
 `train.threads=N` still forces N threads; 0 (the default) means one thread for a CPU training run
-(set_threads) and torch's default (one per core) for a GPU run.
+(set_threads) and torch's default (one per core) for a GPU run. N above the cores this process may run
+on (its CPU affinity) is capped there, with one warning: intra-op threads beyond the cores only wait
+for each other (the default run's step took 52x as long with 16 threads as with 1 on 2 busy cores;
+docs/reliability.md). Loader workers above the cores are kept (a loader waiting on slow storage can
+use them) with one warning.
 """
 from __future__ import annotations
 
@@ -29,6 +33,30 @@ def prepare_openmp() -> bool:
     return "torch" not in sys.modules
 
 
+_warned: set[str] = set()
+
+
+def cores() -> int:
+    """The cores this process may run on (its affinity mask; os.cpu_count where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _warn_once(key: str, line: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        print(line, file=sys.stderr)
+
+
+def check_workers(n: int) -> None:
+    """`data.num_workers` above the cores: kept, said once."""
+    if n > cores():
+        _warn_once("workers", f"fasttrain: warning: data.num_workers={n} is more than the {cores()} cores this process "
+                              f"may use (kept: loader workers can wait on storage; fewer are faster on a busy CPU)")
+
+
 def set_threads(n: int, cpu_run: bool = False) -> None:
     """`train.threads`: N > 0 forces N intra-op threads; 0 (auto) means one thread for a CPU run and
     torch's default otherwise. One, because the models a CPU trains are small: a second thread bought
@@ -37,5 +65,9 @@ def set_threads(n: int, cpu_run: bool = False) -> None:
     (bench/results/threads-cpu.md)."""
     import torch
 
+    if n > cores():
+        _warn_once("threads", f"fasttrain: warning: train.threads={n} is more than the {cores()} cores this process "
+                              f"may use: using {cores()} (threads beyond the cores only wait for each other)")
+        n = cores()
     if n > 0 or cpu_run:
         torch.set_num_threads(n if n > 0 else 1)

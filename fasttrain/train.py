@@ -24,7 +24,7 @@ from . import checkpoint as ckpt
 from . import distributed as dist_utils
 from . import graphs, plots, seeds
 from .bundle import DataSpec, ModelBundle, build_network, build_objective
-from .config import plain
+from .config import plain, unusual
 from .cpu import set_threads
 from .data import build_data
 from .diffusion.interference import InterferenceDiagnostic
@@ -311,8 +311,10 @@ class Trainer:
             return
         kept = "the last good checkpoint is kept" if self.checkpoints.latest() else "no checkpoint had been written"
         crash = ", crash.pt holds this state" if self.dist.world_size == 1 else ""  # fit's handler writes it
-        raise NonFiniteStop(f"stopped at step {self.step}: {why} (skipped, weights kept); {kept}{crash} "
-                            f"(try a lower optim.lr, or check the data: `fasttrain data prepare`)")
+        odd = unusual(self.cfg)  # an option far outside what practitioners use is the likeliest cause
+        hint = (f"outside the usual range: {'; '.join(odd)}" if odd else
+                "try a lower optim.lr, or check the data: `fasttrain data prepare`")
+        raise NonFiniteStop(f"stopped at step {self.step}: {why} (skipped, weights kept); {kept}{crash} ({hint})")
 
     def _weights_work(self) -> bool:
         """Finite weights whose output is finite on a probe (the last update could have made them

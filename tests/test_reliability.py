@@ -232,3 +232,354 @@ def test_a_cpu_run_uses_one_thread_unless_told_otherwise():
     got = [subprocess.run([sys.executable, "-c", code, n, cpu], capture_output=True, text=True, check=True
                           ).stdout.strip() for n, cpu in (("0", "1"), ("2", "1"), ("0", "0"))]
     assert got == ["1", "2", "2"]
+
+
+# ------------------------------------------------------------------------------------------------------
+# Fourth pass (issue 29): images, folder layouts, outputs among inputs, numeric ranges, key names,
+# thread counts, latent layouts, benchmark scripts. One test per class.
+# ------------------------------------------------------------------------------------------------------
+
+def _png16_rgb(path, arr):
+    """A 16-bit RGB PNG (Pillow cannot write one): IHDR bit depth 16, colour type 2, filter 0 rows."""
+    import struct
+    import zlib
+
+    h, w, _ = arr.shape
+    raw = b"".join(b"\x00" + arr[y].astype(">u2").tobytes() for y in range(h))
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, 2, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+
+
+def _image_modes(root):
+    """One file per decoding rule, each a flat colour whose expected value is known."""
+    from PIL import Image
+
+    root.mkdir(parents=True)
+    for i, level in enumerate((0.25, 0.5, 0.75)):  # 16-bit grey: 8-bit conversion clipped all three to white
+        Image.fromarray(np.full((6, 6), round(level * 65535), np.uint16)).save(root / f"grey16-{i}.png")
+    _png16_rgb(root / "rgb16.png", np.tile(np.array([0x4000, 0x8000, 0xC000], np.uint16), (6, 6, 1)))
+    p = Image.new("P", (6, 6))
+    p.putpalette([200, 40, 10, 0, 0, 0])
+    p.save(root / "palette-transparent.png", transparency=1)
+    Image.new("CMYK", (6, 6), (0, 255, 255, 0)).save(root / "cmyk.jpg", quality=100)
+    Image.new("LA", (6, 6), (100, 30)).save(root / "grey-alpha.png")
+    Image.new("RGBA", (6, 6), (10, 200, 30, 0)).save(root / "rgba.png")
+    # stored 6 wide × 12 high with the top half white, EXIF 6 (rotate 90° clockwise): upright it is 12
+    # wide × 6 high with the right half white
+    arr = np.zeros((12, 6, 3), np.uint8)
+    arr[:6] = 255
+    im = Image.fromarray(arr)
+    exif = im.getexif()
+    exif[0x0112] = 6
+    im.save(root / "exif.png", exif=exif)
+    return {"grey16-0.png": [-0.5] * 3, "grey16-1.png": [0.0] * 3, "grey16-2.png": [0.5] * 3,
+            "rgb16.png": [64 / 127.5 - 1, 128 / 127.5 - 1, 192 / 127.5 - 1], "palette-transparent.png":
+            [200 / 127.5 - 1, 40 / 127.5 - 1, 10 / 127.5 - 1], "cmyk.jpg": [1.0, -1.0, -1.0],
+            "grey-alpha.png": [100 / 127.5 - 1] * 3, "rgba.png": [10 / 127.5 - 1, 200 / 127.5 - 1, 30 / 127.5 - 1]}
+
+
+def test_images_are_read_at_their_true_bit_depth_mode_and_orientation(tmp_path):
+    """16-bit grey keeps its levels, 16-bit RGB its scale, palette/CMYK/LA/RGBA map by fixed rules, EXIF
+    orientation is applied; DALI's decoder gives the torch backend's values."""
+    from fasttrain.data import build_data, dali
+    from fasttrain.data.folder import ImageFolderDataset
+    from fasttrain.data.images import open_image
+    from fasttrain.data.manifest import build_manifest
+
+    root = tmp_path / "modes"
+    want = _image_modes(root)
+    m = build_manifest(root, progress=False)
+    assert not m["bad"] and m["modes"]["I;16"] == 3 and m["sizes"]["[12, 6]"] == 1  # EXIF: the upright size
+    for name, value in want.items():
+        x = ImageFolderDataset(str(root), 6, 3, files=[(name, 0)])[0][0]
+        torch.testing.assert_close(x.mean((1, 2)), torch.tensor(value), atol=1.5 / 255, rtol=0, msg=name)
+        grey = ImageFolderDataset(str(root), 6, 1, files=[(name, 0)])[0][0]
+        assert grey.shape == (1, 6, 6) and grey.std() < 1e-6, name
+    upright = np.asarray(open_image(root / "exif.png", 3))
+    assert upright.shape == (6, 12, 3) and upright[:, :6].max() == 0 and upright[:, 6:].min() == 255
+    if not dali.available():
+        return
+    files = [f for f, _ in build_data("folder", batch_size=1, root=str(root), backend="torch")[0].dataset.files]
+    ds = ImageFolderDataset(str(root), 6, 3, files=[(f, 0) for f in files])
+    s, _ = build_data("folder", batch_size=len(files), root=str(root), image_size=6, backend="dali", flip=False)
+    order = [f for f, _ in s.epoch_files(0)]
+    for f, x in zip(order, next(s)[0]):
+        ref = ds[files.index(f)][0]
+        assert (x - ref).abs().max() <= 3 / 127.5 + 1e-6, f  # as test_dali.py: JPEG IDCTs may round apart
+
+
+def test_folder_layouts_follow_explicit_rules_and_say_what_they_decided(tmp_path, capsys):
+    from PIL import Image
+
+    def img(path, level=0):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((8, 8, 3), level, np.uint8)).save(path)
+
+    flat = tmp_path / "flat"  # ten images beside a stray thumbs/ folder of two: which is the data?
+    for i in range(10):
+        img(flat / f"{i}.png", 20 * i)
+    img(flat / "thumbs" / "a.png")
+    img(flat / "thumbs" / "b.png")
+    assert main(["data", "prepare", str(flat)]) == 1
+    _one_line(capsys, "10", "top level", "thumbs/ 2")
+    assert not (flat / "fasttrain-manifest.json").exists()
+    # a folder without images beside them is left out, and said; hidden files are not data
+    for f in (flat / "thumbs").iterdir():
+        f.unlink()
+    (flat / "thumbs" / "notes.txt").write_text("x")
+    img(flat / ".cache" / "z.png")
+    img(flat / ".partial.png")
+    assert main(["data", "prepare", str(flat)]) == 0
+    out = capsys.readouterr().out
+    assert "unlabelled (no class subfolders), 10 files at its top level" in out and "left out (thumbs)" in out
+    classes = tmp_path / "classes"
+    for c, n in (("cat", 3), ("dog", 2)):
+        for i in range(n):
+            img(classes / c / "sub" / f"{i}.png", 9 * i)
+    assert main(["data", "prepare", str(classes)]) == 0
+    assert "2 classes from its subfolders (cat 3, dog 2), 5 files" in capsys.readouterr().out
+    assert main(["train", f"run_dir={tmp_path / 'run'}", "data.name=folder", f"data.root={classes}",
+                 "data.batch_size=2", "train.steps=1"] + TINY) == 0
+    assert f"fasttrain: data: {classes}: 2 classes (cat 3, dog 2), 5 usable images" in capsys.readouterr().err
+    # symbolic links: a loop, a folder repeated inside, a folder or a file outside are refused, a file inside is read
+    outside = tmp_path / "elsewhere"
+    img(outside / "x.png")
+    for name, target, why in (("loop", ".", "loops back"), ("again", "cat", "read twice"),
+                              ("ext", str(outside), "leaves the folder"), ("ext.png", str(outside / "x.png"),
+                                                                          "leaves the folder")):
+        link = (classes / name) if name != "ext.png" else (classes / "dog" / name)
+        link.symlink_to(target)
+        assert main(["data", "prepare", str(classes)]) == 1, name
+        _one_line(capsys, "symbolic link", name, why)
+        link.unlink()
+    (classes / "dog" / "same.png").symlink_to(classes / "cat" / "sub" / "0.png")
+    assert main(["data", "prepare", str(classes)]) == 0
+    assert "(cat 3, dog 3), 6 files" in capsys.readouterr().out
+
+
+def test_outputs_that_overlap_the_inputs_are_refused_before_anything_is_written(tmp_path, capsys):
+    imgs = tmp_path / "imgs"
+    write_images(imgs, n_per_class=3)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for out in (imgs, imgs / "lat", tmp_path):  # into, inside, around the image folder
+        assert main(["data", "prepare", str(imgs), "--encoder", "numpy:tanh", "--latents-out", str(out)]) == 1
+        _one_line(capsys, "--latents-out", str(imgs))
+    assert main(["data", "prepare", str(imgs), "--out", str(imgs / "cat" / "000.jpg")]) == 1
+    _one_line(capsys, "would be read as data")
+    (tmp_path / "notes.json").write_text("[1]")
+    assert main(["data", "prepare", str(imgs), "--out", str(tmp_path / "notes.json")]) == 1
+    _one_line(capsys, "is not an earlier result")
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before + [Path("notes.json")]
+    # training: the run directory is, lies inside, or holds the data
+    common = ["data.name=folder", "data.batch_size=2", "train.steps=1"] + TINY
+    for run, data in ((imgs, imgs), (imgs / "run", imgs), (tmp_path, imgs)):
+        assert main(["train", f"run_dir={run}", f"data.root={data}"] + common) == 2
+        _one_line(capsys, "'run_dir'", "data.root")
+    run = tmp_path / "run"
+    assert main(["train", f"run_dir={run}", f"data.root={imgs}"] + common) == 0
+    capsys.readouterr()
+    last = (run / "last.pt").read_bytes()
+    for argv, needle in ((["sample", "--ckpt", str(run), "--n", "2", "--out", str(run)], "is the run directory"),
+                         (["sample", "--ckpt", str(run), "--n", "2", "--out", str(imgs / "new")], "lies inside"),
+                         (["eval", "--ckpt", str(run), "--out", str(run / "last.pt")], "--out"),
+                         (["eval", "--ckpt", str(run), "--out", str(run / "config.yaml")], "not an earlier result"),
+                         (["eval", "--ckpt", str(run), "--out", str(imgs / "e.json")], "lies inside"),
+                         (["export", str(run), "--to", "diffusers", str(imgs / "pipe")], "lies inside")):
+        assert main(argv) == 1, argv
+        _one_line(capsys, needle)
+    assert (run / "last.pt").read_bytes() == last and not (imgs / "new").exists() and not (imgs / "pipe").exists()
+    assert main(["sample", "--ckpt", str(run), "--n", "2", "--steps", "2", "--out", str(run / "samples")]) == 0
+
+
+def _numeric_keys():
+    """(key, its range metadata, is an integer) for every int and float key of the schema (lists too)."""
+    from fasttrain.config import _leaves, keys
+
+    types = {k: t for k, t, _, _ in keys()}
+    return [(k, m, "int" in types[k]) for k, m in _leaves() if ("int" in types[k] or "float" in types[k])]
+
+
+def test_every_numeric_key_has_a_range_checked_at_configuration():
+    """Each numeric key declares the values it accepts; one just outside them is refused naming the key.
+    (A new numeric key without a range fails here.)"""
+    from omegaconf import OmegaConf
+
+    from fasttrain.config import check_schema, read_config
+    from fasttrain.errors import ConfigError
+
+    base, checked = read_config("default"), 0
+    for key, meta, is_int in _numeric_keys():
+        assert meta.get("finite") and any(meta.get(b) is not None for b in ("min", "max", "above", "below")), \
+            f"{key} declares no range"
+        bad = []
+        if meta.get("min") is not None:
+            bad.append(meta["min"] - 1 if is_int else meta["min"] - 0.5)
+        if meta.get("max") is not None:
+            bad.append(meta["max"] + 1 if is_int else meta["max"] * 2 + 1)
+        if meta.get("above") is not None:
+            bad.append(meta["above"])
+        if meta.get("below") is not None:
+            bad.append(meta["below"])
+        bad += [] if is_int else [float("nan"), float("inf")]
+        for v in bad:
+            value = [v, 0.99] if key == "optim.betas" else v
+            cfg = base.copy()  # the schema's own check (read_config runs it on every override)
+            OmegaConf.update(cfg, key, value)
+            with pytest.raises(ConfigError, match=f"'{key}'"):
+                check_schema(cfg)
+            checked += 1
+    assert checked > 80
+
+
+@pytest.mark.parametrize("args,key", [
+    (["diffusion.noise.offset=1e30"], "diffusion.noise.offset"), (["diffusion.noise.pyramid_discount=1e30"],
+                                                                  "diffusion.noise.pyramid_discount"),
+    (["train.threads=9999999999"], "train.threads"), (["train.seed=18446744073709551616"], "train.seed"),
+    (["diffusion.schedule=cosine", "diffusion.T=20", "sample.steps=50", "sample.num=4"], "sample.steps"),
+    (["diffusion.schedule=cosine", "diffusion.T=20", "sample.num=0", "eval.steps=50"], "eval.steps"),
+    (["diffusion.schedule=cosine", "diffusion.T=20", "sample.num=0", "eval.num_samples=0", "eval.bpd_timesteps=20",
+      "diagnostics.loss_cv_buckets=21"], "diagnostics.loss_cv_buckets"),
+    (["data.holdout=1790"], "data.holdout"), (["optim.lr=0.1", "optim.weight_decay=10"], "optim.weight_decay"),
+    (["sample.eta=2"], "sample.eta"), (["diffusion.loss.huber_c=1e30"], "diffusion.loss.huber_c")])
+def test_absurd_values_and_combinations_are_refused_naming_the_key(capsys, args, key):
+    assert main(["train"] + args) == 2
+    _one_line(capsys, f"'{key}'")
+
+
+def test_a_nonfinite_stop_names_the_option_outside_its_usual_range(tmp_path):
+    cfg = load_config("default", [f"run_dir={tmp_path}", "train.steps=40", "train.max_nonfinite=3",
+                                  "train.log_every=1", "optim.lr=1e30", "optim.grad_clip=0", "optim.warmup_steps=0",
+                                  "diffusion.noise.offset=0.5"] + TINY)
+    with pytest.raises(NonFiniteStop, match=r"outside the usual range: diffusion\.noise\.offset=0\.5 \(usually 0 to "
+                                            r"0\.2\); optim\.lr=1e\+30 \(usually 1e-06 to 0\.05\)"):
+        train(cfg)
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["diffusion.loss=huber"], ["'diffusion.loss' is a section", "diffusion.loss.type=huber"]),
+    (["data=folder"], ["'data' is a section", "data.name=folder"]),
+    (["model.args=48"], ["'model.args' is a mapping", "model.args.NAME=48"]),
+    (["data.batch_size=2000"], ["'data.batch_size'", "digits has 1797"]),
+    (["data.name=synthetic", "data.batch_size=16000000"], ["'data.batch_size'", "needs at least"])])
+def test_errors_name_the_key_the_user_got_wrong(tmp_path, capsys, args, needles):
+    assert main(["train"] + args) == 2
+    _one_line(capsys, *needles)
+    p = tmp_path / "p.yaml"
+    p.write_text("diffusion:\n  loss: huber\n")
+    assert main(["train", str(p)]) == 2
+    _one_line(capsys, "'diffusion.loss' is a section", "p.yaml")
+
+
+def test_thread_counts_above_the_cores_are_capped_or_warned_once(monkeypatch, capsys):
+    """train.threads above the cores this process may use is capped there (one warning, however many
+    trainers); data.num_workers above them is kept with one warning (docs/reliability.md says why)."""
+    from fasttrain import cpu
+
+    monkeypatch.setattr(cpu, "_warned", set())
+    before = torch.get_num_threads()
+    try:
+        n = cpu.cores() + 62
+        for _ in range(2):
+            cpu.set_threads(n, cpu_run=True)
+            cpu.check_workers(n)
+        assert torch.get_num_threads() == cpu.cores()
+        warnings = capsys.readouterr().err.strip().splitlines()
+        assert len(warnings) == 2 and f"train.threads={n} is more than the {cpu.cores()} cores" in warnings[0]
+        assert f"using {cpu.cores()}" in warnings[0] and "data.num_workers" in warnings[1] and "kept" in warnings[1]
+        monkeypatch.setattr(cpu, "_warned", set())
+        cpu.set_threads(cpu.cores(), cpu_run=True)
+        cpu.check_workers(cpu.cores())
+        assert torch.get_num_threads() == cpu.cores() and not capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_latent_folders_of_mixed_shapes_and_dtypes_keep_the_majority_and_say_so(tmp_path, capsys):
+    lat = tmp_path / "lat"
+    lat.mkdir()
+    for i in range(6):
+        np.save(lat / f"{i}.npy", np.random.default_rng(i).standard_normal((4, 4, 4)).astype(np.float32))
+    odd = {"c3.npy": np.zeros((3, 4, 4), np.float32), "s8.npy": np.zeros((4, 8, 8), np.float32),
+           "h.npy": np.zeros((4, 4, 4), np.float16), "flat.npy": np.zeros((4, 4), np.float32),
+           "4d.npy": np.zeros((1, 4, 4, 4), np.float32)}
+    for name, a in odd.items():
+        np.save(lat / name, a)
+    assert main(["data", "prepare", str(lat)]) == 0
+    out = capsys.readouterr().out
+    assert "6 readable files" in out and all(f"skipped {n}" in out for n in odd), out
+    tiny = TINY[:-2] + ["data.name=latents", f"data.root={lat}", "model.name=dit_tiny", "model.args.hidden=32",
+                        "model.args.depth=1", "model.args.heads=2", "data.backend=torch", "train.steps=1"]
+    assert main(["train", f"run_dir={tmp_path / 'a'}", "data.batch_size=2"] + tiny) == 0
+    err = capsys.readouterr().err
+    assert ("6 usable arrays; left out: 2 unreadable and 3 of another shape or dtype ([3, 4, 4] float32 ×1, "
+            "[4, 4, 4] float16 ×1, [4, 8, 8] float32 ×1)") in err, err
+    assert "leaving out 3 file(s) whose shape or dtype differs from the folder's: c3.npy, h.npy, s8.npy" in err
+    # a batch the usable files cannot fill says what was left out (it once blamed only the shard)
+    assert main(["train", f"run_dir={tmp_path / 'b'}", "data.batch_size=8"] + tiny) == 1
+    _one_line(capsys, "data.batch_size 8", "6 usable file(s)", "left out: 2 unreadable and 3 of another", notes=True)
+    # no layout holds most files: which to keep would be a guess
+    for i in range(3):
+        np.save(lat / f"h{i}.npy", np.zeros((4, 4, 4), np.float16))
+    (lat / "fasttrain-manifest.json").unlink()
+    assert main(["data", "prepare", str(lat)]) == 1
+    _one_line(capsys, "no shape and dtype holds most of its 12 readable arrays", "[4, 4, 4] float32 ×6",
+              "[4, 4, 4] float16 ×4", notes=True)
+
+
+BENCH = Path(__file__).parents[1] / "bench"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["threads", "--workloads", "train,trian"], "unknown workload 'trian'"),
+    (["threads", "--rounds", "0"], "--rounds: must be >= 1, got 0"),
+    (["throughput", "--model", "nosuch"], "invalid choice: 'nosuch'"),
+    (["throughput", "--steps", "-3"], "--steps: must be >= 1"),
+    (["immiscible", "--sizes", "16,x"], "must be an integer, got 'x'"),
+    (["adaptive_overhead", "--cases", "unet8,unet9"], "unknown case 'unet9'"),
+    (["adaptive_digits", "--out", "../elsewhere"], "plain file-name stem"),
+    (["kernels_aot", "--out", str(BENCH / "results")], "give a stem in an existing folder")])
+def test_benchmark_arguments_that_would_measure_nothing_are_one_line(monkeypatch, capsys, argv, needle):
+    import importlib
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.setattr(sys, "argv", [f"{argv[0]}.py", *argv[1:]])
+    with pytest.raises(SystemExit) as stop:  # before anything is measured or written
+        importlib.import_module(argv[0]).main()
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"{argv[0]}.py: error:") and needle in err, err
+
+
+def test_benchmark_results_are_replaced_only_by_a_complete_run(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    from _env import Results
+
+    (tmp_path / "x-cpu.json").write_text("committed")
+    with pytest.raises(ValueError, match="the run failed"):  # a run that fails after writing its first files
+        with Results(tmp_path) as res:
+            res.text("x-cpu.json", "partial")
+            res.path("x-cpu.png").write_bytes(b"png")
+            raise ValueError("the run failed")
+    assert (tmp_path / "x-cpu.json").read_text() == "committed" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "x-cpu.json"]
+    with pytest.raises(RuntimeError, match="were not written"):  # a file promised but never written
+        with Results(tmp_path) as res:
+            res.text("x-cpu.json", "new")
+            res.path("x-cpu.png")
+    assert (tmp_path / "x-cpu.json").read_text() == "committed" and len(list(tmp_path.iterdir())) == 1
+    with Results(tmp_path) as res:
+        res.text("x-cpu.json", "new")
+        res.text("x-cpu.md", "table")
+    assert (tmp_path / "x-cpu.json").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "x-cpu.json", "x-cpu.md"]
+    # every script that writes into bench/results goes through Results (convergence*.py: its own writer)
+    for script in BENCH.glob("*.py"):
+        text = script.read_text()
+        if script.name.startswith("convergence") or script.name == "_env.py":
+            continue
+        writes = [w for w in (".write_text(", ".write_bytes(", "savefig(") if w in text]
+        assert not writes, f"{script.name} writes results directly ({writes[0]})"

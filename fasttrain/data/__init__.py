@@ -15,13 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cpu import check_workers
 from ..errors import DataError, InvalidInput
 from . import dali
 from .builtin import TOYS, digits, synthetic, toy
 from .folder import ImageFolderDataset, LatentFolderDataset
 from .latents import LatentStream
 from .loader import LoaderStream
-from .manifest import build_manifest, load_manifest
+from .manifest import build_manifest, left_out, load_manifest, summary
 from .memory import MemoryStream
 
 DATASETS = ("digits", "folder", "latents", "synthetic") + TOYS
@@ -37,18 +38,33 @@ class DataInfo:
     latents: dict | None = None  # a latent folder's VAE, normalisation and statistics (vae.latent_record)
 
 
-def _folder_manifest(root: str, manifest_path: str | None) -> dict:
+def _folder_manifest(root: str, manifest_path: str | None, say) -> dict:
+    """The folder's manifest (built now if it has none), its decision and what it leaves out said by `say`."""
     m = load_manifest(root, manifest_path)
     if m is None:
-        print(f"fasttrain: checking {root} (run `fasttrain data prepare {root}` once to cache this)", file=sys.stderr)
+        say(f"fasttrain: checking {root} (run `fasttrain data prepare {root}` once to cache this)")
         m = build_manifest(root)
-    if m["bad"]:
-        shown = ", ".join(b[0] for b in m["bad"][:3])
-        print(f"fasttrain: skipping {len(m['bad'])} unreadable file(s): {shown}{' ...' if len(m['bad']) > 3 else ''}",
-              file=sys.stderr)
+    say(f"fasttrain: data: {summary(m)}")
+    odd = set(m.get("other_layout_files", []))
+    unreadable = [b[0] for b in m["bad"] if b[0] not in odd]
+    if unreadable:
+        shown = ", ".join(unreadable[:3])
+        say(f"fasttrain: skipping {len(unreadable)} unreadable file(s): {shown}{' ...' if len(unreadable) > 3 else ''}")
+    if odd:
+        shown = ", ".join(sorted(odd)[:3])
+        say(f"fasttrain: leaving out {len(odd)} file(s) whose shape or dtype differs from the folder's: {shown}"
+            f"{' ...' if len(odd) > 3 else ''} (`fasttrain data prepare {root}` lists each)")
     if not m["files"]:
         raise DataError(f"data.root {root!r} holds no readable files")
     return m
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def _quiet(line: str) -> None:
+    pass
 
 
 def resolve_backend(backend: str, name: str) -> str:
@@ -90,8 +106,14 @@ def build_data(name: str, *, batch_size: int, seed: int = 0, image_size: int = 8
         raise InvalidInput(f"data.root must name a folder when data.name={name}")
     if channels not in (1, 3):
         raise InvalidInput(f"data.channels must be 1 (grey) or 3 (RGB) for image folders, got {channels}")
-    m = _folder_manifest(root, manifest)
+    if rank == 0:
+        check_workers(num_workers)
+    m = _folder_manifest(root, manifest, say=_stderr if rank == 0 else _quiet)
     files = [tuple(f) for f in m["files"]]
+    if len(files) // world_size < batch_size:  # before a loader says so without the files left out
+        left = f"; left out: {left_out(m)}" if m["bad"] else ""
+        raise DataError(f"data.batch_size {batch_size} is larger than one rank's share of {root}: {len(files)} "
+                        f"usable file(s) over {world_size} rank(s){left}")
     record = None
     if name == "latents":
         from ..vae import latent_record

@@ -13,6 +13,9 @@ from ..errors import InvalidInput
 TOYS = ("moons", "8gaussians", "checkerboard")
 
 
+DIGITS_SIZE = 1797  # sklearn's load_digits()
+
+
 def digits(image_size: int = 8, split: str = "train", holdout: int = 400, seed: int = 0):
     """sklearn's 1797 real 8×8 digits (values 0..16) scaled to [-1, 1] as [N, 1, S, S] float32.
     The last `holdout` images of a fixed permutation form the test split."""

@@ -10,9 +10,11 @@ random crop positions are drawn per sample from (seed, epoch) too and fed throug
 so a resumed run repeats them. The last batch of an epoch follows
 `last_batch`: drop (training default), partial, or pad (repeat the last sample).
 
-Images: fn.readers.file → fn.decoders.image → fn.resize (shorter side) → fn.crop_mirror_normalize
-(centre or random crop, random flip, [-1, 1], CHW). Latents: fn.readers.numpy, with the labels from
-the manifest fed in the same order through fn.external_source (readers.numpy has no labels).
+Images: fn.readers.file → fn.decoders.image (EXIF orientation applied, alpha dropped, 16-bit files
+scaled to 8 bits: the values Pillow gives the torch backend, images.py) → fn.resize (shorter side) →
+fn.crop_mirror_normalize (centre or random crop, random flip, [-1, 1], CHW). Latents: fn.readers.numpy,
+with the labels from the manifest fed in the same order through fn.external_source (readers.numpy
+has no labels).
 """
 from __future__ import annotations
 
@@ -179,7 +181,7 @@ class DaliStream(Position):
         for rel, _ in items:
             path = Path(self.root) / rel
             if self.kind == "images":
-                ok, reason, _ = check_image(path)
+                ok, reason, _, _ = check_image(path)
             else:
                 ok, reason, shape, dtype = check_latent(path)
                 if ok and first is None:

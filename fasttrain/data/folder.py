@@ -1,7 +1,8 @@
 """Image folders and .npy latent folders read through a torch DataLoader (the `torch` data backend;
-`dali.py` is the other one). Class subfolders give labels (torchvision's ImageFolder layout); a flat
-folder gets label 0. Images are resized on the shorter side, cropped, optionally mirrored and scaled to
-[-1, 1]; the crop position and the mirror come with the index (order.augment_table, the draws DALI
+`dali.py` is the other one). Which files a folder holds and their labels: layout.py (class
+subfolders give labels, a flat folder gets label 0); how a file is decoded: images.py (its bit depth,
+mode and EXIF orientation). Images are resized on the shorter side, cropped, optionally mirrored and
+scaled to [-1, 1]; the crop position and the mirror come with the index (order.augment_table, the draws DALI
 uses too), so they are seeded and resumable; a plain index gives the centre crop. Latents are
 returned as stored.
 """
@@ -16,32 +17,10 @@ from torch.utils.data import Dataset
 from torchvision import transforms
 
 from ..errors import DataError
+from .images import IMAGE_EXTENSIONS, open_image
+from .layout import LATENT_EXTENSIONS, scan
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
-LATENT_EXTENSIONS = (".npy",)
-
-
-def scan(root: str | Path, extensions=IMAGE_EXTENSIONS) -> tuple[list[tuple[str, int]], list[str]]:
-    """(relative path, label) for every file with one of `extensions`; class subfolders give labels
-    (sorted names → 0, 1, ...), a flat folder gives label 0. Returns (files, class names)."""
-    root = Path(root)
-    if not root.is_dir():
-        raise DataError(f"data.root {str(root)!r} is not a directory")
-    subdirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
-    if subdirs:
-        per_class = [[f for f in sorted(d.rglob("*")) if f.suffix.lower() in extensions] for d in subdirs]
-        empty = [d.name for d, fs in zip(subdirs, per_class) if not fs]
-        if empty and any(per_class):
-            raise DataError(f"data.root {str(root)!r}: class folder {empty[0]!r} holds no "
-                             f"{'/'.join(extensions)} files (remove it, or it would count as a class)")
-        files = [(str(f.relative_to(root)), i) for i, fs in enumerate(per_class) for f in fs]
-        classes = [d.name for d in subdirs]
-    else:
-        files = [(f.name, 0) for f in sorted(root.iterdir()) if f.suffix.lower() in extensions]
-        classes = []
-    if not files:
-        raise DataError(f"data.root {str(root)!r} holds no {'/'.join(extensions)} files")
-    return files, classes
+__all__ = ["IMAGE_EXTENSIONS", "LATENT_EXTENSIONS", "ImageFolderDataset", "LatentFolderDataset", "scan"]
 
 
 def _files(root, manifest, extensions):
@@ -58,10 +37,9 @@ class ImageFolderDataset(Dataset):
             self.files, self.classes = files, sorted({label for _, label in files})
         else:
             self.files, self.classes = _files(root, manifest, IMAGE_EXTENSIONS)
-        self.mode, self.size = ("L" if channels == 1 else "RGB"), image_size
+        self.channels, self.size = channels, image_size
         self.resize = transforms.Resize(image_size)
-        self.to_tensor = transforms.Compose([transforms.ToTensor(), transforms.Normalize([0.5] * channels,
-                                                                                         [0.5] * channels)])
+        self.to_tensor = transforms.Compose([transforms.ToTensor(), transforms.Normalize([0.5], [0.5])])
 
     @property
     def num_classes(self) -> int:
@@ -75,8 +53,7 @@ class ImageFolderDataset(Dataset):
         i, mirror, cx, cy = item if isinstance(item, tuple) else (item, 0.0, 0.5, 0.5)
         path, label = self.files[i]
         try:
-            with Image.open(self.root / path) as im:
-                im = self.resize(im.convert(self.mode))
+            im = self.resize(open_image(self.root / path, self.channels))  # true bit depth, EXIF orientation
         except (OSError, ValueError, SyntaxError) as e:  # PIL's errors for truncated or corrupt files
             raise DataError(f"cannot decode {self.root / path} ({type(e).__name__}); it changed after "
                              f"`fasttrain data prepare` was run: run it again") from None
@@ -85,7 +62,8 @@ class ImageFolderDataset(Dataset):
         im = im.crop((left, top, left + self.size, top + self.size))
         if mirror:
             im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        return self.to_tensor(im), torch.tensor(label)
+        x = self.to_tensor(im)  # [-1, 1]; a 16-bit grey image (one float band) fills every channel
+        return x.expand(self.channels, -1, -1).contiguous() if x.shape[0] != self.channels else x, torch.tensor(label)
 
 
 class LatentFolderDataset(Dataset):
