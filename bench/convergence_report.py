@@ -53,6 +53,24 @@ def _nth(k: int) -> str:
     return {1: "1st", 2: "2nd", 3: "3rd"}.get(k, f"{k}th")
 
 
+def phrase(row: dict) -> str:
+    """A row's verdict in words, from its arrows alone: what docs/convergence.md and the README say of it."""
+    v = {f: row["targets"][f].get("verdict") for f in ("0.25", "0.5", "1.0")}
+    pct = lambda fs: ", ".join(f"{float(f):.0%}" for f in fs)
+    if not any(v.values()):
+        out = "indistinguishable from the baseline at this scale"
+    else:
+        parts = [f"{w} to the {pct([f for f in v if v[f] == w])} target" + "s" * (list(v.values()).count(w) > 1)
+                 for w in ("faster", "slower") if w in v.values()]
+        rest = [f for f in v if v[f] is None]
+        out = "; ".join(parts) + (f"; indistinguishable from the baseline at {pct(rest)}" if rest else "")
+    vs = row["targets"]["1.0"].get("vs", {})
+    for c, t in vs.items():
+        w = t.get("verdict")
+        out += f"; against {c}: {'indistinguishable' if w is None else w} at 100%"
+    return out
+
+
 def noise_line(noise: dict | None) -> str:
     if not noise:
         return "metric noise: not measured"
@@ -115,6 +133,8 @@ def markdown(results: dict, meta: dict) -> str:
                 label = f"**{name}**" if name in (NULL, HELDOUT) else name
                 lines.append(f"| {label} | {r['recipe']} ({r['source']}) | {cell(t['0.25'])} | {cell(t['0.5'])} | "
                              f"{cell(t['1.0'])} | {sec} | {vs} | {ms} | {end} | {ad} |")
+            lines += ["", "Verdicts (from the arrows alone):", ""]
+            lines += [f"- **{name}**: {phrase(r)}" for name, r in rows.items() if name not in ("baseline", NULL)]
             lines.append("")
     return "\n".join(lines) + "\n"
 

@@ -359,9 +359,23 @@ def test_the_report_renders_the_null_row_noise_controls_and_held_out_rows(tmp_pa
                   "targets (25/50/100%): ", "held-out confirmation: fast", "10 seeds: the 2nd smallest to the 2nd "
                   "largest, 97.9%", "abc for every invocation", "| 20.0 |"):
         assert words in md, words
+    assert "- **fast**: faster to the 25%" in md and "- **null**" not in md
     saved = json.loads((tmp_path / "convergence.json").read_text())
     assert saved["results"]["checkerboard"]["128"]["null"]["targets"]["1.0"]["n"] == 10
     assert (tmp_path / "convergence-checkerboard.png").is_file()
+
+
+def test_verdicts_in_words_follow_the_arrows():
+    from convergence_report import phrase
+
+    t = lambda v, vs=None: {"verdict": v, "vs": vs or {}}
+    assert phrase({"targets": {"0.25": t(None), "0.5": t(None), "1.0": t(None)}}) == \
+        "indistinguishable from the baseline at this scale"
+    row = {"targets": {"0.25": t("faster"), "0.5": t("faster"), "1.0": t(None, {"min_snr_v": {"verdict": None}})}}
+    assert phrase(row) == ("faster to the 25%, 50% targets; indistinguishable from the baseline at 100%; against "
+                           "min_snr_v: indistinguishable at 100%")
+    assert phrase({"targets": {"0.25": t(None), "0.5": t("slower"), "1.0": t("slower")}}) == \
+        "slower to the 50%, 100% targets; indistinguishable from the baseline at 25%"
 
 
 @pytest.mark.slow
