@@ -17,10 +17,10 @@ Every run is `fasttrain train` in its own process with one thread, `--parallel` 
 paired: seed s has the same initial weights, data order, noise and evaluation draws in every arm; the
 baseline also runs on the null seeds s + 100. Stages:
   1. the grid: every (table, arm, seed) run and the baseline's null seeds, in one pool, longest first;
-  2. the combination arm, in an invocation without --arms where a domain's first table has a sampler
-     arm: its strongest non-sampler arm with its best sampler arm's sampler;
-  3. the held-out confirmation: the strongest arm of each domain's first table, chosen on the main
-     seeds, run on the null seeds;
+  2. the combination arm, in an invocation without --arms where the first table of a domain that makes
+     claims (digits) has a sampler arm: its strongest non-sampler arm with its best sampler's sampler;
+  3. the held-out confirmation: the strongest arm of that table, chosen on the main seeds, run on the
+     null seeds;
   4. the metric's own noise per domain (one network evaluated several times), one timing run per table
      (all of its arms side by side in this process), the analysis (convergence_analysis.py) and the
      outputs: bench/results/convergence.{json,md}, convergence-<domain>.png, with the machine and
@@ -126,15 +126,16 @@ def select(args, usable: dict[str, Arm]) -> dict:
         if args.quick:
             batches, seeds, wanted = {16: 300}, [0], ["baseline", "min_snr_eps"]
         else:
-            batches = {b: args.steps or n for b, n in d["batches"].items()
+            tables = d["full"] if (args.full or args.batches) else d["arms"]  # --batches may pick a full-set table
+            batches = {b: args.steps or d["batches"][b] for b in tables
                        if not args.batches or str(b) in args.batches.split(",")}
             seeds = list(range(args.seeds or d["seeds"]))
         for b, n in batches.items():
             if n < args.evals:
                 fail(f"--evals {args.evals} is more than the {n} steps of {domain} batch {b}: give fewer evaluations "
                      "or more --steps")
-        arms = {b: {a: usable[a] for a in (wanted or (d["full"] if args.full else d["arms"])[b]) if a in usable}
-                for b in batches}
+        arms = {b: {a: usable[a] for a in (wanted or (d["full"][b] if args.full else d["arms"].get(b, d["full"][b])))
+                    if a in usable} for b in batches}
         if batches:
             plan[domain] = (batches, seeds, arms)
     if not plan:
@@ -307,6 +308,8 @@ def main(argv=None) -> None:
         first, n = next(iter(batches.items()))
         known = meta["domains"][domain]
         every = table_arms(known, first, usable)
+        if not DOMAINS[domain]["confirm"]:
+            continue
         if not args.arms and not args.quick:
             rows, _ = table(domain, first, every, seeds, n, root, None)
             combo = combination(rows, every)

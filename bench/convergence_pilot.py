@@ -136,22 +136,27 @@ def plan_units(plan: dict, costs: dict, evals: dict, start: dict, n_evals: int, 
     and the wall at `parallel` workers."""
     runs = units = 0.0
     timing = noise = 0.0
+    tables = []
     for domain, (batches, seeds, arms) in plan.items():
         ev = _interp(evals[domain], eval_n[domain])["units"]  # one evaluation, in units
         for i, (b, n) in enumerate(batches.items()):
             c = costs[(domain, b)]
             per_run = start[domain] + (n_evals + step0) * ev  # besides its steps
             names = list(arms[b])
+            confirm = heldout and i == 0 and DOMAINS[domain]["confirm"]  # held-out: the costliest arm, to be safe
             if "combination" in names:  # the combination costs about its costlier half
                 names.remove("combination")
                 names.append(max(names, key=lambda a: c.get(a, 1.0)))
-            extra = (["baseline"] if null else []) + ([max(names, key=lambda a: c.get(a, 1.0))] if heldout and i == 0
-                                                       else [])
+            elif confirm and any(a and a.kind == "sampler" for a in arms[b].values()):
+                names.append(max(names, key=lambda a: c.get(a, 1.0)))  # stage 2 will add a combination
+            extra = (["baseline"] if null else []) + ([max(names, key=lambda a: c.get(a, 1.0))] if confirm else [])
             runs += len(seeds) * (len(names) + len(extra))
+            tables.append(f"{domain} b{b}: {', '.join(names[:len(arms[b])])}" + (", null" if null else "") +
+                          (", held-out" if confirm else "") + f" × {len(seeds)} seeds, {n} steps")
             units += len(seeds) * sum(per_run + n * c.get(a, max(c.values())) for a in names + extra)
             timing += sum(66 * c.get(a, 1.0) for a in arms[b])
         noise += NOISE_EVALS * ev
-    return {"runs": int(runs), "run_units": units, "timing_units": timing, "noise_units": noise,
+    return {"tables": tables, "runs": int(runs), "run_units": units, "timing_units": timing, "noise_units": noise,
             "wall_units": units / parallel + timing + noise}
 
 
@@ -281,6 +286,7 @@ def write(out: dict, folder: Path) -> None:
         free = "—" if p["minutes_free"] is None else f"{p['minutes_free']:.0f} min"
         lines.append(f"| {k} | {p['runs']} | {p['run_units']:.0f} | {p['timing_units'] + p['noise_units']:.0f} | "
                      f"{p['minutes_here']:.0f} min | {free} |")
+    lines += ["", "Tables:"] + [f"- {k}: " + "; ".join(p["tables"]) for k, p in out["projection"].items()]
     if "previous" in out["projection"]:
         lines += ["", f"previous: the committed results' design, measured at "
                   f"{out['projection']['previous']['wall_seconds_measured'] / 60:.0f} min (the calibration)."]

@@ -263,6 +263,30 @@ def test_bad_arguments_are_one_line_errors_that_write_nothing(tmp_path, monkeypa
     assert not out.exists()
 
 
+def test_the_default_the_full_set_and_their_projected_runs():
+    """The default judges every digits arm on ≥ 10 seeds; --full adds every other arm and the batch-4 table;
+    --batches picks a full-set table alone; the pilot counts the runs the study will start."""
+    import convergence
+    from convergence_arms import ARMS, available
+    from convergence_pilot import plan_units
+
+    usable = available(ARMS, convergence.has_key)
+    default = convergence.select(convergence.parse([]), usable)
+    assert {d: list(p[0]) for d, p in default.items()} == {"digits": [16], "checkerboard": [128]}
+    assert len(default["digits"][1]) >= 10 and {"mixed_min_snr", "min_snr_v", "mixed_min_snr_noaux", "edm2",
+                                                 "edm2_optimizer"} <= set(default["digits"][2][16])
+    full = convergence.select(convergence.parse(["--full"]), usable)
+    assert list(full["digits"][0]) == [16, 4] and set(full["digits"][2][16]) == set(usable)
+    small = convergence.select(convergence.parse(["--domain", "digits", "--batches", "4"]), usable)
+    assert list(small) == ["digits"] and list(small["digits"][0]) == [4] and "mixed_snr" in small["digits"][2][4]
+    costs = {(d, b): {a: 1.0 for a in usable} for d, p in full.items() for b in p[0]}
+    proj = plan_units(default, costs, {"digits": {512: {"units": 100.0}}, "checkerboard": {4000: {"units": 50.0}}},
+                      {"digits": 300.0, "checkerboard": 100.0}, 8, {"digits": 512, "checkerboard": 4000})
+    # per seed: every arm, the baseline on the null seed, and on digits the held-out arm
+    assert proj["runs"] == 10 * (7 + 1 + 1) + 10 * (5 + 1)
+    assert proj["run_units"] == pytest.approx(90 * (300 + 960 + 9 * 100) + 60 * (100 + 600 + 9 * 50))
+
+
 def test_out_must_not_be_a_file(tmp_path):
     import convergence
 
