@@ -15,9 +15,8 @@ that other processes on the machine slow both alike (units: one step of the digi
   3. the start-up of a run (`fasttrain train` with one step and no evaluation) between two timings;
   4. the projection: a run costs start-up + steps × its step + (evaluations + 1) × one evaluation; an
      invocation, its runs over --parallel workers, plus its timing and noise measurements. Seconds per
-     unit: this machine's, and the previous study's where the results hold one made with an older design
-     (its wall time on a free machine over its runs' units), which calibrates the projection for a
-     free machine.
+     unit: this machine's, and the saved study's (bench/results/convergence.json: its wall time on a free
+     machine over its runs' units), which calibrates the projection for a free machine.
 """
 from __future__ import annotations
 
@@ -161,17 +160,18 @@ def plan_units(plan: dict, costs: dict, evals: dict, start: dict, n_evals: int, 
 
 
 def previous_study(saved: dict, usable: dict) -> dict | None:
-    """The previous results' plan (a design before the null row: no step-0 evaluation, no null or held-out
-    runs) and its wall, to calibrate a free machine's seconds per unit; None for results of this design."""
+    """The saved results' plan and measured wall time, to calibrate a free machine's seconds per unit: a
+    design before this one has no step-0 evaluation, null or held-out runs."""
     meta = saved.get("meta", {})
-    if not meta.get("walls") or any("design" in d for d in meta.get("domains", {}).values()):
+    if not meta.get("walls"):
         return None
-    plan, eval_n = {}, {}
+    plan, eval_n, new = {}, {}, False
     for domain, d in meta["domains"].items():
+        new = new or "design" in d
         batches = {int(b): n for b, n in d["batches"].items()}
         arms = {b: {a: usable.get(a) for a in d["arms"][str(b)]} for b in batches}
         plan[domain], eval_n[domain] = (batches, d["seeds"], arms), d["eval_n"]
-    return {"plan": plan, "eval_n": eval_n, "evals": next(iter(meta["domains"].values()))["evals"],
+    return {"plan": plan, "eval_n": eval_n, "evals": next(iter(meta["domains"].values()))["evals"], "new": new,
             "wall_seconds": sum(meta["walls"]), "commands": meta.get("commands", [])}
 
 
@@ -232,8 +232,8 @@ def project(default: dict, full: dict, costs: dict, evals: dict, start: dict, un
     prev = None if quick or not saved.is_file() else previous_study(json.loads(saved.read_text()), usable)
     free = None
     if prev:
-        old = plan_units(prev["plan"], costs, evals, start, prev["evals"], prev["eval_n"], step0=False, null=False,
-                         heldout=False)
+        old = plan_units(prev["plan"], costs, evals, start, prev["evals"], prev["eval_n"], step0=prev["new"],
+                         null=prev["new"], heldout=prev["new"])
         free = prev["wall_seconds"] / old["wall_units"]
         proj["previous"] = {**old, "wall_seconds_measured": prev["wall_seconds"], "commands": prev["commands"]}
     for p in proj.values():
@@ -266,7 +266,9 @@ def write(out: dict, folder: Path) -> None:
     lines = ["# Convergence study: pilot", "", f"machine: {json.dumps(out['machine'])}  ",
              f"package: {out['package'].get('commit')}  ", f"when: {out['when']}, load average {out['load_average']} "
              f"(a shared machine: seconds here are slower than on a free one; the ratios hold)  ",
-             f"command: `{out['command']}`; {out['wall_seconds'] / 60:.0f} min", "",
+             f"command: `{out['command']}`; {out['wall_seconds'] / 60:.0f} min"
+             + (f"; projection redone for the current design by `{out['projected_by']}`" if out.get("projected_by")
+                else ""), "",
              f"Unit: {out['unit']}, {out['unit_seconds_here'] * 1e3:.0f} ms here"
              + (f", {out['unit_seconds_free'] * 1e3:.0f} ms-equivalent on the free machine of the previous study "
                 "(its wall time over its runs' units: start-up, parallel contention and stragglers included)"
