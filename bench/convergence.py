@@ -194,14 +194,14 @@ def jobs_for(domain: str, batch: int, arms: dict[str, Arm], seeds: list[int], st
 def table_arms(known: dict, batch: int, usable: dict[str, Arm]) -> dict[str, Arm]:
     """Every arm a saved table lists (this and earlier invocations), the combination rebuilt from its
     recorded overrides."""
+    combo = known.get("tables", {}).get(str(batch), {}).get("combination")
     out = {}
     for a in known.get("arms", {}).get(str(batch), []):
         if a in usable:
             out[a] = usable[a]
-        elif a == "combination" and known.get("combination_overrides"):
-            out[a] = Arm(tuple(known["combination_overrides"]), "combo", known.get("combination_recipe", ""),
-                         "chosen by the script from the first batch's arms",
-                         adaptive=any(o == "diffusion.sampler=adaptive" for o in known["combination_overrides"]))
+        elif a == "combination" and combo:
+            out[a] = Arm(tuple(combo["overrides"]), "combo", combo["recipe"], f"{combo['name']}, chosen by the script",
+                         adaptive=combo["adaptive"])
     return out
 
 
@@ -307,28 +307,29 @@ def main(argv=None) -> None:
     for domain, (batches, seeds, _) in plan.items():
         first, n = next(iter(batches.items()))
         known = meta["domains"][domain]
+        info = known.setdefault("tables", {}).setdefault(str(first), {})
         every = table_arms(known, first, usable)
         if not DOMAINS[domain]["confirm"]:
             continue
         if not args.arms and not args.quick:
             rows, _ = table(domain, first, every, seeds, n, root, None)
             combo = combination(rows, every)
+            old = (info.pop("combination", None) or {}).get("name")
             if not combo:  # nothing to combine this time: no stale combination either
-                for k in ("combination", "combination_overrides", "combination_recipe"):
-                    known.pop(k, None)
                 known["arms"][str(first)] = [a for a in known["arms"][str(first)] if a != "combination"]
+                every.pop("combination", None)
             else:
-                if known.get("combination") not in (None, combo[0]):  # another choice: its old runs are stale
+                if old not in (None, combo[0]):  # another choice: its old runs are stale
                     shutil.rmtree(root / domain / f"b{first}" / "combination", ignore_errors=True)
-                known.update(combination=combo[0], combination_overrides=list(combo[1].overrides),
-                             combination_recipe=combo[1].recipe)
+                info["combination"] = {"name": combo[0], "overrides": list(combo[1].overrides),
+                                       "recipe": combo[1].recipe, "adaptive": combo[1].adaptive}
                 known["arms"][str(first)] = list(dict.fromkeys(known["arms"][str(first)] + ["combination"]))
                 every["combination"] = combo[1]
                 failed += run_grid(jobs_for(domain, first, {"combination": combo[1]}, seeds, n, args.evals, root,
                                             eval_n[domain]), args.parallel, True)
         rows, _ = table(domain, first, every, seeds, n, root, None)
         best = strongest(rows, [a for a, arm in every.items() if arm.kind in KNOBS])
-        known.setdefault("tables", {}).setdefault(str(first), {})["confirm"] = best
+        info["confirm"] = best
         if best:
             failed += run_grid(jobs_for(domain, first, {best: every[best]}, null_seeds(seeds), n, args.evals, root,
                                         eval_n[domain]), args.parallel, True)

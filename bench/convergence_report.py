@@ -109,7 +109,7 @@ def markdown(results: dict, meta: dict) -> str:
         seeds = dm.get("seeds") or []
         lines += [f"## {domain}: {dm.get('metric', '')}", "",
                   f"{len(seeds)} main seeds and as many null seeds; {dm.get('evals')} evaluations per run and one at "
-                  f"step 0, on {dm.get('eval_n')} samples each; combination: {dm.get('combination', '—')}  ",
+                  f"step 0, on {dm.get('eval_n')} samples each  ",
                   noise_line(dm.get("noise")), ""]
         for batch, rows in batches.items():
             steps = dm.get("batches", {}).get(batch) or dm.get("batches", {}).get(int(batch))
@@ -118,7 +118,8 @@ def markdown(results: dict, meta: dict) -> str:
             lines += [f"### batch {batch} ({steps} steps)", "",
                       "targets (25/50/100%): " + " / ".join(f"{tg[k]:.4g}" for k in sorted(tg, key=float)) + "  ",
                       f"step times: {info.get('timing', {}).get('how', '—')}, {info.get('timing', {}).get('when', '')}"
-                      + "  ", f"held-out confirmation: {info.get('confirm') or '—'}", "",
+                      + "  ", f"combination: {(info.get('combination') or {}).get('name', '—')}; held-out "
+                      f"confirmation: {info.get('confirm') or '—'}", "",
                       "| arm | recipe (source) | to 25% | to 50% | to 100% | seconds × | vs (100%) | ms/step | "
                       "metric at the end (median) | adaptive: updates, TV(p, uniform) |",
                       "|---|---|---|---|---|---|---|---|---|---|"]

@@ -339,6 +339,25 @@ def test_invocations_add_arms_to_a_table_of_the_same_design_and_drop_tables_of_a
     assert list(tables["128"]) == ["baseline", "min_snr_v"]
 
 
+def test_the_combination_is_chosen_once_per_table_and_kept_when_another_table_is_added(tmp_path, monkeypatch):
+    convergence = _no_training(monkeypatch)
+
+    def run(*extra):
+        convergence.main(["--domain", "digits", "--seeds", "2", "--no-timing", "--full", "--out", str(tmp_path),
+                          *extra])
+        return json.loads((tmp_path / "convergence.json").read_text())
+
+    saved = run("--batches", "16")
+    info = saved["meta"]["domains"]["digits"]["tables"]["16"]
+    combo = info["combination"]
+    assert " + " in combo["name"] and "combination" in saved["results"]["digits"]["16"]
+    assert info["confirm"] in saved["results"]["digits"]["16"]  # the strongest arm, then on the null seeds
+    saved = run("--batches", "4", "--resume")  # a table without a sampler arm: nothing to combine there
+    assert saved["meta"]["domains"]["digits"]["tables"]["16"]["combination"] == combo
+    assert "combination" in saved["meta"]["domains"]["digits"]["arms"]["16"]
+    assert list(saved["results"]["digits"]) == ["16", "4"] and "combination" not in saved["results"]["digits"]["4"]
+
+
 def test_results_are_replaced_only_by_a_complete_run(tmp_path, monkeypatch):
     convergence = _no_training(monkeypatch)
     import convergence_report
