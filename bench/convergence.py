@@ -64,13 +64,13 @@ QUICK_RUNS = ROOT.parent / "runs" / "convergence-quick"
 DESIGN = 3  # the study's design version: saved tables of another design are not added to
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, as every other bad argument
-        sys.exit(f"convergence: {message}")
-
-
 def fail(message: str):
     sys.exit(f"convergence: {message}")
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, as every other bad argument (argparse prints its usage too)
+        fail(message)
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -103,8 +103,8 @@ def parse(argv=None) -> argparse.Namespace:
     for d in args.domain.split(","):
         if d not in DOMAINS:
             fail(f"--domain {d!r} is not a domain; choose from {', '.join(DOMAINS)}")
-    for b in (args.batches or "").split(",") if args.batches else ():
-        if not b.strip().isdigit():
+    for b in args.batches.split(",") if args.batches else ():
+        if not b.isdigit():
             fail(f"--batches {b!r} is not a batch size; give numbers, e.g. --batches 16,4")
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         fail(f"--out {args.out} is a file; give a folder for the results")
@@ -269,6 +269,8 @@ def main(argv=None) -> None:
     out_dir = Path(args.out or (QUICK_RUNS if args.quick else RESULTS))
     json_path = out_dir / "convergence.json"
     saved = json.loads(json_path.read_text()) if (args.resume and json_path.is_file()) else {}
+    if any(d.get("design") != DESIGN for d in saved.get("meta", {}).get("domains", {}).values()):
+        saved = {}  # results of another design: nothing in them to add to, their history included
     results = saved.get("results", {})
     old = saved.get("meta", {})
     meta = {**old, "machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),

@@ -358,6 +358,19 @@ def test_the_combination_is_chosen_once_per_table_and_kept_when_another_table_is
     assert list(saved["results"]["digits"]) == ["16", "4"] and "combination" not in saved["results"]["digits"]["4"]
 
 
+def test_resuming_over_results_of_an_earlier_design_starts_afresh(tmp_path, monkeypatch):
+    convergence = _no_training(monkeypatch)
+    old = {"meta": {"commands": ["bench/convergence.py"], "walls": [4654.0], "domains": {"digits": {"seeds": [0, 1],
+                                                                                                   "evals": 8}}},
+           "results": {"digits": {"16": {"baseline": {}}}}}  # the previous design's layout: no "design" key
+    (tmp_path / "convergence.json").write_text(json.dumps(old))
+    convergence.main(["--resume", "--domain", "checkerboard", "--seeds", "2", "--arms", "speed", "--no-timing",
+                      "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "convergence.json").read_text())
+    assert list(saved["results"]) == ["checkerboard"] and len(saved["meta"]["commands"]) == 1
+    assert list(saved["results"]["checkerboard"]["128"]) == ["baseline", "speed"]
+
+
 def test_results_are_replaced_only_by_a_complete_run(tmp_path, monkeypatch):
     convergence = _no_training(monkeypatch)
     import convergence_report
