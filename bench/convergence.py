@@ -35,11 +35,12 @@ import os
 import platform
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import _env  # noqa: F401  (OpenMP's wait policy, before torch loads it)
+import _env  # OpenMP's wait policy, before torch loads it; one-line argument errors; result writes
+
+from fasttrain.errors import InvalidInput
 
 sys.path.insert(0, str(Path(__file__).parent))
 from convergence_analysis import HELDOUT, NULL, analyse_table, strongest
@@ -56,6 +57,7 @@ from convergence_design import (
     run_dir,
 )
 from convergence_measure import crossing_shift, metric_noise, run_costs, step_costs
+from convergence_report import write_outputs
 from convergence_runs import Job, adaptive_summary, curve, expected_cost, run_grid
 
 ROOT = Path(__file__).parent
@@ -64,50 +66,34 @@ QUICK_RUNS = ROOT.parent / "runs" / "convergence-quick"
 DESIGN = 3  # the study's design version: saved tables of another design are not added to
 
 
-def fail(message: str):
-    sys.exit(f"convergence: {message}")
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, as every other bad argument (argparse prints its usage too)
-        fail(message)
-
-
 def parse(argv=None) -> argparse.Namespace:
-    ap = Parser(description=__doc__.splitlines()[0])
+    """The arguments, each checked: a bad one is a one-line error before anything is written."""
+    ap = _env.Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="two arms, one seed, a few hundred steps (tests)")
     ap.add_argument("--full", action="store_true", help="every arm in every table (docs/convergence.md)")
     ap.add_argument("--resume", action="store_true", help="keep finished runs and add to the saved tables")
-    ap.add_argument("--domain", default="digits,checkerboard", help="comma-separated: digits, checkerboard")
+    ap.add_argument("--domain", type=_env.names(DOMAINS, "domain"), default=",".join(DOMAINS),
+                    help=f"comma-separated, of {', '.join(DOMAINS)}")
     ap.add_argument("--arms", default=None, help="comma-separated arm names (the baseline always runs)")
-    ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default: each domain's)")
-    ap.add_argument("--seeds", type=int, default=None, help="main seeds per arm (default: each domain's; the null "
-                    f"seeds are these + {NULL_OFFSET})")
-    ap.add_argument("--steps", type=int, default=None, help="steps of every run (default: each batch size's)")
-    ap.add_argument("--parallel", type=int, default=2, help="runs side by side (one thread each)")
-    ap.add_argument("--evals", type=int, default=8, help="evaluations per run besides the one at step 0 (8: the "
-                    "25%% and 50%% targets fall on evaluations)")
+    ap.add_argument("--batches", type=_env.counts(), default=None, help="comma-separated batch sizes (default: each "
+                    "domain's)")
+    ap.add_argument("--seeds", type=_env.count(), default=None, help="main seeds per arm (default: each domain's; the "
+                    f"null seeds are these + {NULL_OFFSET})")
+    ap.add_argument("--steps", type=_env.count(), default=None, help="steps of every run (default: each table's)")
+    ap.add_argument("--parallel", type=_env.count(), default=2, help="runs side by side (one thread each)")
+    ap.add_argument("--evals", type=_env.count(), default=8, help="evaluations per run besides the one at step 0 "
+                    "(8: the 25%% and 50%% targets fall on evaluations)")
     ap.add_argument("--no-timing", action="store_true", help="seconds from the runs' own logged step times "
                     "instead of one side-by-side measurement per table after the grid")
     ap.add_argument("--out", default=None, help="results folder (default bench/results; --quick: "
                     "runs/convergence-quick)")
     args = ap.parse_args(argv)
-    for flag in ("evals", "parallel", "seeds", "steps"):
-        v = getattr(args, flag)
-        if v is not None and v < 1:
-            fail(f"--{flag} must be at least 1, got {v}")
     if args.seeds is not None and args.seeds > NULL_OFFSET:
-        fail(f"--seeds must be at most {NULL_OFFSET} (the null seeds start at {NULL_OFFSET}), got {args.seeds}")
+        ap.error(f"--seeds must be at most {NULL_OFFSET} (the null seeds start at {NULL_OFFSET}), got {args.seeds}")
     if args.full and args.arms:
-        fail("--full runs every arm; give either --full or --arms")
-    for d in args.domain.split(","):
-        if d not in DOMAINS:
-            fail(f"--domain {d!r} is not a domain; choose from {', '.join(DOMAINS)}")
-    for b in args.batches.split(",") if args.batches else ():
-        if not b.isdigit():
-            fail(f"--batches {b!r} is not a batch size; give numbers, e.g. --batches 16,4")
+        ap.error("--full runs every arm; give either --full or --arms")
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
-        fail(f"--out {args.out} is a file; give a folder for the results")
+        ap.error(f"--out {args.out} is a file; give a folder for the results")
     return args
 
 
@@ -119,28 +105,28 @@ def select(args, usable: dict[str, Arm]) -> dict:
         wanted = ["baseline"] + [a for a in args.arms.split(",") if a != "baseline"]
         missing = [a for a in wanted if a not in usable]
         if missing:
-            fail(f"unknown or unavailable arm {missing[0]!r}; choose from {', '.join(usable)}")
+            raise InvalidInput(f"--arms: unknown or unavailable arm {missing[0]!r}; choose from {', '.join(usable)}")
     plan = {}
-    for domain in (["digits"] if args.quick else args.domain.split(",")):
+    for domain in (["digits"] if args.quick else args.domain):
         d = DOMAINS[domain]
         if args.quick:
             batches, seeds, wanted = {16: 300}, [0], ["baseline", "min_snr_eps"]
         else:
             tables = d["full"] if (args.full or args.batches) else d["arms"]  # --batches may pick a full-set table
-            batches = {b: args.steps or d["batches"][b] for b in tables
-                       if not args.batches or str(b) in args.batches.split(",")}
+            batches = {b: args.steps or d["batches"][b] for b in tables if not args.batches or b in args.batches}
             seeds = list(range(args.seeds or d["seeds"]))
         for b, n in batches.items():
             if n < args.evals:
-                fail(f"--evals {args.evals} is more than the {n} steps of {domain} batch {b}: give fewer evaluations "
-                     "or more --steps")
+                raise InvalidInput(f"--evals {args.evals} is more than the {n} steps of {domain} batch {b}: give fewer "
+                                   "evaluations or more --steps")
         arms = {b: {a: usable[a] for a in (wanted or (d["full"][b] if args.full else d["arms"].get(b, d["full"][b])))
                     if a in usable} for b in batches}
         if batches:
             plan[domain] = (batches, seeds, arms)
     if not plan:
         tables = "; ".join(f"{k}: {', '.join(map(str, d['batches']))}" for k, d in DOMAINS.items())
-        fail(f"--domain {args.domain} --batches {args.batches} selects no table (the tables: {tables})")
+        raise InvalidInput(f"--domain {','.join(args.domain)} --batches {','.join(map(str, args.batches))} selects no "
+                           f"table (the tables: {tables})")
     return plan
 
 
@@ -246,18 +232,6 @@ def attach_costs(rows: dict, cost: dict, confirm: str | None) -> None:
         r["seconds_ratio_median"] = None if (med is None or ms is None or base is None) else med * base / ms
 
 
-def write_atomically(results: dict, meta: dict, out_dir: Path) -> None:
-    """Write every output under temporary names beside the old ones, then replace them: a run that stops
-    part way leaves the committed results as they were."""
-    from convergence_report import write_outputs
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".convergence-") as tmp:
-        write_outputs(results, meta, Path(tmp))
-        for f in sorted(Path(tmp).iterdir()):
-            os.replace(f, out_dir / f.name)
-
-
 def main(argv=None) -> None:
     args = parse(argv)
     t0 = time.time()
@@ -335,9 +309,9 @@ def main(argv=None) -> None:
         if best:
             failed += run_grid(jobs_for(domain, first, {best: every[best]}, null_seeds(seeds), n, args.evals, root,
                                         eval_n[domain]), args.parallel, True)
-    if failed:
-        fail(f"{len(failed)} runs failed (first: {failed[0].label}, log beside it); the results in {out_dir} are "
-             "unchanged; fix and continue with --resume")
+    if failed:  # not the user's to fix by an argument: no UserError, but one line all the same
+        sys.exit(f"convergence: {len(failed)} runs failed (first: {failed[0].label}, log beside it); the results in "
+                 f"{out_dir} are unchanged; fix and continue with --resume")
 
     # 4. the metric's noise per domain, one timing run per table, the analysis and the outputs
     for domain, (batches, seeds, _) in plan.items():
@@ -366,9 +340,10 @@ def main(argv=None) -> None:
             results.setdefault(domain, {})[str(b)] = rows
     meta["wall_seconds"] = time.time() - t0
     meta["walls"] = meta["walls"] + [meta["wall_seconds"]]
-    write_atomically(results, meta, out_dir)
+    with _env.Results(out_dir) as res:  # in place only once every file is written
+        write_outputs(results, meta, res)
     print((out_dir / "convergence.md").read_text())
 
 
 if __name__ == "__main__":
-    main()
+    _env.run(main)

@@ -20,7 +20,6 @@ that other processes on the machine slow both alike (units: one step of the digi
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -30,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import _env  # noqa: F401  (OpenMP's wait policy, before torch loads it)
+import _env  # OpenMP's wait policy, before torch loads it; one-line argument errors; result writes
 
 sys.path.insert(0, str(Path(__file__).parent))
 import convergence as study
@@ -176,7 +175,7 @@ def previous_study(saved: dict, usable: dict) -> dict | None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = _env.Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny horizons and few evaluations (tests)")
     ap.add_argument("--out", default=str(RESULTS), help="results folder")
     ap.add_argument("--project", action="store_true", help="measure nothing: project the current design from the "
@@ -262,7 +261,6 @@ def _load() -> list[float] | None:
 
 
 def write(out: dict, folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
     lines = ["# Convergence study: pilot", "", f"machine: {json.dumps(out['machine'])}  ",
              f"package: {out['package'].get('commit')}  ", f"when: {out['when']}, load average {out['load_average']} "
              f"(a shared machine: seconds here are slower than on a free one; the ratios hold)  ",
@@ -292,8 +290,9 @@ def write(out: dict, folder: Path) -> None:
     if "previous" in out["projection"]:
         lines += ["", f"previous: the committed results' design, measured at "
                   f"{out['projection']['previous']['wall_seconds_measured'] / 60:.0f} min (the calibration)."]
-    (folder / "convergence-pilot.json").write_text(json.dumps(out, indent=1, default=str))
-    (folder / "convergence-pilot.md").write_text("\n".join(lines) + "\n")
+    with _env.Results(folder) as res:
+        res.text("convergence-pilot.json", json.dumps(out, indent=1, default=str))
+        res.text("convergence-pilot.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -302,4 +301,4 @@ def _sd(v) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    _env.run(main)

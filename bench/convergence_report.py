@@ -140,13 +140,13 @@ def markdown(results: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(results: dict, meta: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "convergence.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
-    (out / "convergence.md").write_text(markdown(results, meta))
+def write_outputs(results: dict, meta: dict, res) -> None:
+    """Every output into `res` (bench/_env.Results: staged, put in place together when the run ends)."""
+    res.text("convergence.json", json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+    res.text("convergence.md", markdown(results, meta))
     for domain in results:
         plot(results[domain], domain, meta.get("domains", {}).get(domain, {}).get("metric", ""),
-             out / f"convergence-{domain}.png")
+             res.path(f"convergence-{domain}.png"))
 
 
 def plot(batches: dict, domain: str, label: str, path: Path) -> None:

@@ -236,30 +236,41 @@ def test_the_mixed_arm_without_its_aux_terms_trains(tmp_path):
 
 
 # -- the command: arguments, invocations, result writes -------------------------------------------------------
+def _error(capsys, fn) -> str:
+    """The one line a bad invocation ends with: argparse's (SystemExit) or a UserError's."""
+    from fasttrain.errors import UserError
+
+    try:
+        fn()
+    except SystemExit as e:
+        return capsys.readouterr().err.strip() or str(e.code)
+    except UserError as e:
+        return str(e)
+    pytest.fail("no error")
+
+
 @pytest.mark.parametrize("argv, words", [
-    (["--domain", "Digits"], "--domain 'Digits' is not a domain"),
-    (["--evals", "0"], "--evals must be at least 1"),
-    (["--parallel", "0"], "--parallel must be at least 1"),
-    (["--seeds", "0"], "--seeds must be at least 1"),
+    (["--domain", "Digits"], "unknown domain 'Digits'"),
+    (["--evals", "0"], "argument --evals: must be >= 1, got 0"),
+    (["--parallel", "0"], "argument --parallel: must be >= 1"),
+    (["--seeds", "0"], "argument --seeds: must be >= 1"),
     (["--seeds", "101"], "--seeds must be at most 100"),
-    (["--steps", "0"], "--steps must be at least 1"),
+    (["--steps", "0"], "argument --steps: must be >= 1"),
     (["--steps", "4", "--evals", "8"], "--evals 8 is more than the 4 steps"),
-    (["--evals", "x"], "invalid int value"),
+    (["--evals", "x"], "must be an integer, got 'x'"),
     (["--batches", "32"], "selects no table"),
     (["--domain", "checkerboard", "--batches", "16"], "selects no table"),
-    (["--batches", "sixteen"], "is not a batch size"),
+    (["--batches", "sixteen"], "argument --batches: must be an integer"),
     (["--arms", "nope"], "unknown or unavailable arm 'nope'"),
     (["--full", "--arms", "speed"], "either --full or --arms"),
 ])
-def test_bad_arguments_are_one_line_errors_that_write_nothing(tmp_path, monkeypatch, argv, words):
+def test_bad_arguments_are_one_line_errors_that_write_nothing(tmp_path, monkeypatch, capsys, argv, words):
     import convergence
 
     monkeypatch.setattr(convergence, "run_grid", lambda *a, **k: pytest.fail("ran"))
     out = tmp_path / "out"
-    with pytest.raises(SystemExit) as e:
-        convergence.main(argv + ["--out", str(out)])
-    msg = str(e.value.code)
-    assert words in msg and "\n" not in msg and msg.startswith("convergence: ")
+    msg = _error(capsys, lambda: convergence.main(argv + ["--out", str(out)]))
+    assert words in msg and "\n" not in msg
     assert not out.exists()
 
 
@@ -287,13 +298,12 @@ def test_the_default_the_full_set_and_their_projected_runs():
     assert proj["run_units"] == pytest.approx(90 * (300 + 960 + 9 * 100) + 60 * (100 + 600 + 9 * 50))
 
 
-def test_out_must_not_be_a_file(tmp_path):
+def test_out_must_not_be_a_file(tmp_path, capsys):
     import convergence
 
     f = tmp_path / "results.txt"
     f.write_text("mine")
-    with pytest.raises(SystemExit, match="--out .* is a file"):
-        convergence.main(["--out", str(f)])
+    assert "is a file; give a folder" in _error(capsys, lambda: convergence.main(["--out", str(f)]))
     assert f.read_text() == "mine"
 
 
@@ -391,6 +401,7 @@ def test_results_are_replaced_only_by_a_complete_run(tmp_path, monkeypatch):
 
 
 def test_the_report_renders_the_null_row_noise_controls_and_held_out_rows(tmp_path):
+    from _env import Results
     from convergence import attach_costs
     from convergence_report import write_outputs
 
@@ -409,7 +420,8 @@ def test_the_report_renders_the_null_row_noise_controls_and_held_out_rows(tmp_pa
                                          "batches": {"128": 800}, "noise": noise,
                                          "tables": {"128": {**info, "confirm": "fast",
                                                             "timing": {"how": "side by side", "when": "now"}}}}}}
-    write_outputs({"checkerboard": {"128": rows}}, meta, tmp_path)
+    with Results(tmp_path) as res:
+        write_outputs({"checkerboard": {"128": rows}}, meta, res)
     md = (tmp_path / "convergence.md").read_text()
     for words in ("| **null** |", "| **heldout** |", "vs plain", "0.08 ± 0.003", "about 22 steps", "0.0350 ± 0.0100",
                   "targets (25/50/100%): ", "held-out confirmation: fast", "10 seeds: the 2nd smallest to the 2nd "
