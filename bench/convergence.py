@@ -3,7 +3,7 @@
 paired seeds, a null row and distribution-free intervals, on two domains:
 
   digits        the built-in 8×8 digits, unet_tiny (ch 16); FID with the project's offline digits
-                extractor; batch 16 and batch 4 (the small-batch regime of the mixed-prediction paper)
+                extractor; batch 16, and in the full set batch 4 (the mixed-prediction paper's small batch)
   checkerboard  the built-in 2-D checkerboard, an MLP; the sliced Wasserstein-2 distance of generated
                 points to held-out samples of the true density
 
@@ -13,9 +13,9 @@ paired seeds, a null row and distribution-free intervals, on two domains:
     python bench/convergence.py --resume --domain digits --batches 4 --arms min_snr_v   # add arms to a table
     python bench/convergence.py --quick    # two arms, one seed, a few hundred steps (tests)
 
-Every run is `fasttrain train` in its own process with one thread, `--parallel` side by side. Seeds are
-paired: seed s has the same initial weights, data order, noise and evaluation draws in every arm; the
-baseline also runs on the null seeds s + 100. Stages:
+Every run is `fasttrain train` in its own process with one thread, `--parallel` side by side. Seed s has
+the same initial weights, data order, noise and evaluation draws in every arm (which pairs an arm with
+its controls); the baseline also runs on the null seeds s + 100. Stages:
   1. the grid: every (table, arm, seed) run and the baseline's null seeds, in one pool, longest first;
   2. the combination arm, in an invocation without --arms where the first table of a domain that makes
      claims (digits) has a sampler arm: its strongest non-sampler arm with its best sampler's sampler;
