@@ -1,272 +1,164 @@
-"""Convergence study: steps (and seconds) to the baseline's metric at 25%, 50% and 100% of its run, for
-every timestep strategy trained as its source trains it (bench/convergence_arms.py), with paired
-seeds and 90% bootstrap intervals, on two domains:
+"""Convergence study: steps (and seconds) for every timestep strategy, trained as its source trains it
+(bench/convergence_arms.py), to reach targets set by the baseline at 25%, 50% and 100% of its run, with
+paired seeds, a null row and distribution-free intervals, on two domains:
 
   digits        the built-in 8×8 digits, unet_tiny (ch 16); FID with the project's offline digits
-                extractor; batch 16 and batch 4 (the small-batch regime of the mixed-prediction paper)
+                extractor; batch 16, and in the full set batch 4 (the mixed-prediction paper's small batch)
   checkerboard  the built-in 2-D checkerboard, an MLP; the sliced Wasserstein-2 distance of generated
-                points to fresh samples of the true density (an exact metric of the distribution)
+                points to held-out samples of the true density
 
-    python bench/convergence.py                       # the study: about 90 minutes on 2 cores
-    python bench/convergence.py --resume --domain digits --batches 16 \
-        --arms input_perturbation,pseudo_huber_snr,immiscible                   # + the noise/loss options, ~10 min
-    python bench/convergence.py --resume              # continue (finished runs are kept)
-    python bench/convergence.py --resume --domain digits --batches 4 --arms mixed_snr   # a subset, added
-    python bench/convergence.py --quick               # two arms, one seed, a few hundred steps (CI)
+    python bench/convergence.py            # the default study (docs/convergence.md: its time and arms)
+    python bench/convergence.py --full     # every arm in every table: several hours
+    python bench/convergence.py --resume   # continue (finished runs with the same overrides are kept)
+    python bench/convergence.py --resume --domain digits --batches 4 --arms min_snr_v   # add arms to a table
+    python bench/convergence.py --quick    # two arms, one seed, a few hundred steps (tests)
 
-Every run is `fasttrain train` in its own process with one thread (two side by side fill the two
-cores; the longest runs start first). Seeds are paired: a seed's initial weights, data order and
-noise are the same in every arm. Adaptive arms get a look-ahead period short enough for ≥ 300 policy
-updates in the run (the official period of 40 steps would need 12,000 steps), and their updates and
-final p(t)'s total variation from uniform are reported. The combination arm is chosen by the script
-at each domain's first batch size and run there: the strongest non-sampler arm with the best sampler
-arm's sampler, among the arms of that invocation (an invocation with --arms chooses none, so the
-noise/loss options that `--arms` adds are not candidates). Seconds per step are measured after the
-grid, every arm of a table side by side in one process (interleaved rounds), because a run's own step
-time depends on what ran beside it. Results: bench/results/convergence.{json,md},
-convergence-digits.png, convergence-checkerboard.png, with the machine and versions; the runs under
-runs/convergence/ (outside the source tree).
+Every run is `fasttrain train` in its own process with one thread, `--parallel` side by side. Seed s has
+the same initial weights, data order, noise and evaluation draws in every arm (which pairs an arm with
+its controls); the baseline also runs on the null seeds s + 100. Stages:
+  1. the grid: every (table, arm, seed) run and the baseline's null seeds, in one pool, longest first;
+  2. the combination arm, in an invocation without --arms where the first table of a domain that makes
+     claims (digits) has a sampler arm: its strongest non-sampler arm with its best sampler's sampler;
+  3. the held-out confirmation: the strongest arm of that table, chosen on the main seeds, run on the
+     null seeds;
+  4. the metric's own noise per domain (one network evaluated several times), one timing run per table
+     (all of its arms side by side in this process), the analysis (convergence_analysis.py) and the
+     outputs: bench/results/convergence.{json,md}, convergence-<domain>.png, with the machine and
+     versions. They replace the previous ones only when every run finished; the runs stay under
+     runs/convergence/ (outside the source tree).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import _env  # noqa: F401  (OpenMP's wait policy, before torch loads it)
+import _env  # OpenMP's wait policy, before torch loads it; one-line argument errors; result writes
+
+from fasttrain.errors import InvalidInput
 
 sys.path.insert(0, str(Path(__file__).parent))
-from convergence_arms import ARMS, Arm, available, combination
-from convergence_lib import first_crossing, paired_median_ci, value_at
+from convergence_analysis import HELDOUT, NULL, analyse_table, strongest
+from convergence_arms import ARMS, KNOBS, Arm, available, combination
+from convergence_design import (
+    DOMAINS,
+    MIN_UPDATES,
+    NOISE_EVALS,
+    NULL_OFFSET,
+    RUNS,
+    TARGETS,
+    null_seeds,
+    overrides,
+    run_dir,
+)
+from convergence_measure import crossing_shift, metric_noise, run_costs, step_costs
+from convergence_report import write_outputs
+from convergence_runs import Job, adaptive_summary, curve, expected_cost, run_grid
 
 ROOT = Path(__file__).parent
 RESULTS = ROOT / "results"
-RUNS = ROOT.parent / "runs" / "convergence"  # training runs: outside the source tree
-TARGETS = (0.25, 0.5, 1.0)
-MIN_UPDATES = 300
-
-COMMON = ["diffusion.prediction=eps", "diffusion.weighting=simple", "diffusion.sampler=uniform", "train.threads=1",
-          "train.progress=false", "train.ckpt_every=0", "sample.num=0", "eval.bpd=false", "train.log_every=100",
-          "diagnostics.interference_every=0", "optim.warmup_steps=200", "train.plots=false"]
-# The arms each domain and batch runs by default (--arms replaces them). Digits batch 16: every arm but the
-# noise/loss options (EXTRAS: `--arms` runs them, ~10 min more); batch 4, the small-batch regime: the mixed
-# arms and their controls; checkerboard: the seed papers' arms. Within 100 min on 2 cores in all.
-EXTRAS = ("input_perturbation", "pseudo_huber_snr", "immiscible")
-SMALL_BATCH = ("baseline", "min_snr_eps", "mixed_snr", "mixed_min_snr")
-TWO_D = ("baseline", "min_snr_eps", "min_snr_v", "speed", "edm2", "adaptive", "adaptive_official", "mixed_snr",
-         "mixed_min_snr")
-DOMAINS = {
-    "digits": dict(base=COMMON + ["data.name=digits", "model.name=unet_tiny", "model.args.ch=16", "optim.lr=1e-3",
-                                  "eval.steps=20"],
-                   metric="fid", label="FID (digits features)", batches={16: 960, 4: 960}, seeds=5, eval_n=256,
-                   arms={16: tuple(a for a in ARMS if a not in EXTRAS), 4: SMALL_BATCH}),
-    "checkerboard": dict(base=COMMON + ["data.name=checkerboard", "model.name=mlp", "optim.lr=2e-3", "eval.steps=50"],
-                         metric="sw2", label="sliced W2 to the true density", batches={128: 600}, seeds=10,
-                         eval_n=2000, arms={128: TWO_D}),
-}
+QUICK_RUNS = ROOT.parent / "runs" / "convergence-quick"
+DESIGN = 3  # the study's design version: saved tables of another design are not added to
 
 
-def run_dir(domain: str, batch: int, arm: str, seed: int) -> Path:
-    return RUNS / domain / f"b{batch}" / arm / f"seed{seed}"
+def parse(argv=None) -> argparse.Namespace:
+    """The arguments, each checked: a bad one is a one-line error before anything is written."""
+    ap = _env.Parser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="two arms, one seed, a few hundred steps (tests)")
+    ap.add_argument("--full", action="store_true", help="every arm in every table (docs/convergence.md)")
+    ap.add_argument("--resume", action="store_true", help="keep finished runs and add to the saved tables")
+    ap.add_argument("--domain", type=_env.names(DOMAINS, "domain"), default=",".join(DOMAINS),
+                    help=f"comma-separated, of {', '.join(DOMAINS)}")
+    ap.add_argument("--arms", default=None, help="comma-separated arm names (the baseline always runs)")
+    ap.add_argument("--batches", type=_env.counts(), default=None, help="comma-separated batch sizes (default: each "
+                    "domain's)")
+    ap.add_argument("--seeds", type=_env.count(), default=None, help="main seeds per arm (default: each domain's; the "
+                    f"null seeds are these + {NULL_OFFSET})")
+    ap.add_argument("--steps", type=_env.count(), default=None, help="steps of every run (default: each table's)")
+    ap.add_argument("--parallel", type=_env.count(), default=2, help="runs side by side (one thread each)")
+    ap.add_argument("--evals", type=_env.count(), default=8, help="evaluations per run besides the one at step 0 "
+                    "(8: the 25%% and 50%% targets fall on evaluations)")
+    ap.add_argument("--no-timing", action="store_true", help="seconds from the runs' own logged step times "
+                    "instead of one side-by-side measurement per table after the grid")
+    ap.add_argument("--out", default=None, help="results folder (default bench/results; --quick: "
+                    "runs/convergence-quick)")
+    args = ap.parse_args(argv)
+    if args.seeds is not None and args.seeds > NULL_OFFSET:
+        ap.error(f"--seeds must be at most {NULL_OFFSET} (the null seeds start at {NULL_OFFSET}), got {args.seeds}")
+    if args.full and args.arms:
+        ap.error("--full runs every arm; give either --full or --arms")
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        ap.error(f"--out {args.out} is a file; give a folder for the results")
+    return args
 
 
-def overrides(domain: str, arm: Arm, name: str, batch: int, seed: int, steps: int, evals: int) -> list[str]:
-    d = DOMAINS[domain]
-    over = d["base"] + list(arm.overrides) + [
-        f"data.batch_size={batch}", f"train.seed={seed}", f"train.steps={steps}", f"eval.every={steps // evals}",
-        f"eval.num_samples={d['eval_n']}", f"run_dir={run_dir(domain, batch, name, seed)}"]
-    if arm.adaptive:  # enough policy updates to learn something: ≥ MIN_UPDATES in the run
-        # (chunk: probe elements per no-grad forward; 256 was ~15% faster than 4 micro-batches (64) on one CPU thread)
-        over += [f"diffusion.sampler_args.every={max(1, steps // MIN_UPDATES)}", "diffusion.sampler_args.chunk=256"]
-    return over
-
-
-def expected_cost(job: tuple) -> float:
-    """A rough relative cost of a run, to start the longest first (two workers finish together)."""
-    domain, batch, _, _, args = job
-    steps = next(int(a.split("=")[1]) for a in args if a.startswith("train.steps="))
-    look = 10.0 if "diffusion.sampler_args.tau_grid=0" in args else 3.0 if "diffusion.sampler=adaptive" in args else 1.0
-    return steps * look * (0.3 if domain == "checkerboard" else 0.5 + batch / 32)
-
-
-def launch(args: list[str], log: Path) -> int:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    with open(log, "w") as f:
-        return subprocess.run([sys.executable, "-m", "fasttrain.cli", "train"] + args, stdout=f,
-                              stderr=subprocess.STDOUT, env=env).returncode
-
-
-def run_grid(jobs: list[tuple], parallel: int, resume: bool) -> None:
-    """jobs: (domain, batch, arm name, seed, overrides)."""
-    def done(j) -> bool:  # finished, with the same overrides (a run written before they were kept counts)
-        d = run_dir(*j[:4])
-        kept = d.parent / f"seed{j[3]}.args.json"
-        return (d / "summary.json").is_file() and (not kept.is_file() or json.loads(kept.read_text()) == list(j[4]))
-
-    todo = sorted((j for j in jobs if not (resume and done(j))), key=expected_cost, reverse=True)
-    print(f"{len(jobs) - len(todo)} runs done, {len(todo)} to go ({parallel} at a time)", flush=True)
-
-    def one(job):
-        domain, batch, arm, seed, args = job
-        d = run_dir(domain, batch, arm, seed)
-        if d.exists():  # an interrupted run starts over: its partial files would be refused
-            shutil.rmtree(d)
-        d.parent.mkdir(parents=True, exist_ok=True)
-        (d.parent / f"seed{seed}.args.json").write_text(json.dumps(list(args)))
-        t0 = time.time()
-        rc = launch(args, d.parent / f"seed{seed}.log")
-        print(f"  {domain} b{batch} {arm} seed{seed}: {'ok' if rc == 0 else f'FAILED ({rc})'} in "
-              f"{time.time() - t0:.0f} s", flush=True)
-
-    with ThreadPoolExecutor(parallel) as pool:
-        list(pool.map(one, todo))
-
-
-def curve(run: Path, metric: str) -> dict | None:
-    from fasttrain.logger import read_jsonl
-
-    if not (run / "summary.json").is_file():
-        return None
-    ev = [r for r in read_jsonl(run / "metrics.jsonl") if r.get(f"eval/{metric}") is not None]
-    return {"steps": [r["step"] for r in ev], "value": [r[f"eval/{metric}"] for r in ev],
-            "agreement": [r.get("eval/digits_label_agreement") for r in ev]}
-
-
-def adaptive_state(run: Path) -> dict | None:
-    """Policy updates and the total variation of the final p(t) from uniform, from the run's checkpoint."""
-
-    from fasttrain import checkpoint as ckpt
-    from fasttrain import diffusion as fd
-
-    if not (run / "last.pt").is_file():
-        return None
-    st = ckpt.read_plain(run)
-    d = st["config"]["diffusion"]
-    sched = fd.schedule(d["schedule"], d["T"], d["zero_terminal_snr"])
-    args = {k: v for k, v in d["sampler_args"].items()}
-    smp = fd.timestep_sampler("adaptive", sched, **args)
-    smp.load_state_dict(st["objective"]["_extra_state"]["sampler"])
-    p = smp.probs().double()
-    return {"policy_updates": int(smp.updates), "p_tv_final": float(0.5 * (p - 1.0 / sched.T).abs().sum()),
-            "p_small_t": float(p[: sched.T // 10].sum() * 10), "p_large_t": float(p[-sched.T // 10:].sum() * 10)}
-
-
-def analyse(domain: str, batch: int, arms: dict[str, Arm], seeds: list[int], steps: int, cost: dict | None) -> dict:
-    metric = DOMAINS[domain]["metric"]
-    names = list(arms) + [a.control for a in arms.values() if a.control not in arms]  # controls: for vs_control
-    curves = {a: {s: curve(run_dir(domain, batch, a, s), metric) for s in seeds} for a in names}
-    out = {}
-    for name, arm in arms.items():
-        per_target, per_seed = {}, []
-        for frac in TARGETS:
-            ratios, vs_control = [], []
-            for s in seeds:
-                base, c, ctrl = curves["baseline"][s], curves[name][s], curves.get(arm.control, {}).get(s)
-                if not (base and c and base["steps"] and c["steps"]):
-                    continue
-                target = value_at(frac * steps, base["steps"], base["value"])
-                mine, theirs = first_crossing(c["steps"], c["value"], target), first_crossing(base["steps"],
-                                                                                              base["value"], target)
-                ratios.append((theirs.steps / mine.steps if not mine.censored else math.nan, mine.censored))
-                if ctrl and ctrl["steps"] and arm.control != "baseline":
-                    # control steps / arm steps; where the control never got there the value is a lower bound
-                    # (kept: conservative), where the arm did not it is censored
-                    cc = first_crossing(ctrl["steps"], ctrl["value"], target)
-                    vs_control.append((cc.steps / mine.steps if not mine.censored else math.nan, mine.censored))
-                if frac == 1.0:
-                    per_seed.append({"seed": s, "target": target, "steps_to_target": mine.steps,
-                                     "censored": mine.censored, "baseline_steps": theirs.steps,
-                                     "value_at_end": value_at(base["steps"][-1], c["steps"], c["value"])})
-            ci = paired_median_ci(ratios, seed=int(frac * 100))
-            per_target[str(frac)] = {"ratio_median": ci["median"], "ratio_ci90": ci["ci"], "censored": ci["censored"],
-                                     "seeds": ci["n"], "per_seed": [r for r, _ in ratios],
-                                     "vs_control": paired_median_ci(vs_control, seed=7) if vs_control else None}
-        res = {"recipe": arm.recipe, "source": arm.source, "control": arm.control, "targets": per_target,
-               "seeds": len(per_seed), "per_seed": per_seed, "curves": {s: curves[name][s] for s in seeds
-                                                                       if curves[name][s]},
-               "ms_per_step": None if not cost or name not in cost else cost[name] * 1e3}
-        if cost and name in cost and "baseline" in cost:
-            res["seconds_ratio_median"] = (None if per_target["1.0"]["ratio_median"] is None else
-                                           per_target["1.0"]["ratio_median"] * cost["baseline"] / cost[name])
-        if arm.adaptive:
-            states = [adaptive_state(run_dir(domain, batch, name, s)) for s in seeds]
-            states = [x for x in states if x]
-            if states:
-                res["policy_updates"] = min(x["policy_updates"] for x in states)
-                res["p_tv_final"] = sorted(x["p_tv_final"] for x in states)[len(states) // 2]
-                res["adaptive_per_seed"] = states
-        out[name] = res
-    return out
-
-
-def step_costs(domain: str, batch: int, arms: dict[str, Arm], steps: int, evals: int, timed: int = 60) -> dict:
-    """Seconds per training step of every arm measured side by side in this process (the trainer's own
-    step with the run's overrides, one thread, interleaved rounds of 15 steps: bench/throughput.py), so
-    seconds compare the arms and not what ran beside each run."""
-    import tempfile
-
-    from throughput import interleaved, trainer
-
-    with tempfile.TemporaryDirectory() as d:
-        trs = {a: trainer([o for o in overrides(domain, arm, a, batch, 0, steps, evals) if not o.startswith(
-            ("run_dir=", "eval."))] + ["eval.num_samples=0", "eval.every=0"], Path(d)) for a, arm in arms.items()}
-        cost = interleaved(trs, timed, warmup=6, round_steps=15)
-        for tr in trs.values():
-            tr.close()
-    return cost
-
-
-def run_costs(domain: str, batch: int, arms: dict[str, Arm], seeds: list[int]) -> dict:
-    """Seconds per training step of every arm: the median over its seeds of the median of the run's own
-    logged step times (look-aheads included). Cheaper than step_costs but noisier: a run's step time
-    depends on what ran beside it (--no-timing)."""
-    import statistics
-
-    from fasttrain.logger import read_jsonl
-
-    cost = {}
-    for a in arms:
-        per_seed = []
-        for s in seeds:
-            m = run_dir(domain, batch, a, s) / "metrics.jsonl"
-            times = [r["sec_per_step"] for r in read_jsonl(m) if r.get("sec_per_step")] if m.is_file() else []
-            if times:
-                per_seed.append(statistics.median(times))
-        if per_seed:
-            cost[a] = statistics.median(per_seed)
-    return cost
-
-
-def report(plan: dict, results: dict, meta: dict, out_dir: Path, t0: float, costs=None) -> None:
-    """Analyse every planned table (an invocation with other arms adds to a batch's table) and write the
-    outputs, with this invocation's wall time so far; `costs(domain, batch, arms, steps, seeds)` gives the
-    seconds per step of a table's arms (None: no seconds)."""
-    from convergence_report import write_outputs
-
-    for domain, (batches, seeds, arms) in plan.items():
+def select(args, usable: dict[str, Arm]) -> dict:
+    """{domain: (batches {b: steps}, seeds, arms {b: {name: Arm}})} for this invocation; a selection that
+    matches nothing is an error (before anything is written)."""
+    wanted = None
+    if args.arms:
+        wanted = ["baseline"] + [a for a in args.arms.split(",") if a != "baseline"]
+        missing = [a for a in wanted if a not in usable]
+        if missing:
+            raise InvalidInput(f"--arms: unknown or unavailable arm {missing[0]!r}; choose from {', '.join(usable)}")
+    plan = {}
+    for domain in (["digits"] if args.quick else args.domain):
+        d = DOMAINS[domain]
+        if args.quick:
+            batches, seeds, wanted = {16: 300}, [0], ["baseline", "min_snr_eps"]
+        else:
+            tables = d["full"] if (args.full or args.batches) else d["arms"]  # --batches may pick a full-set table
+            batches = {b: args.steps or d["batches"][b] for b in tables if not args.batches or b in args.batches}
+            seeds = list(range(args.seeds or d["seeds"]))
         for b, n in batches.items():
-            table = results.setdefault(domain, {}).setdefault(str(b), {})
-            cost = costs(domain, b, arms[b], n, seeds) if costs else None
-            table.update(analyse(domain, b, arms[b], seeds, n, cost))
-    walls = meta.get("walls", [])
-    meta = {**meta, "wall_seconds": time.time() - t0}
-    meta["walls"] = walls + [meta["wall_seconds"]]
-    write_outputs(results, meta, out_dir)
+            if n < args.evals:
+                raise InvalidInput(f"--evals {args.evals} is more than the {n} steps of {domain} batch {b}: give fewer "
+                                   "evaluations or more --steps")
+        arms = {b: {a: usable[a] for a in (wanted or (d["full"][b] if args.full else d["arms"].get(b, d["full"][b])))
+                    if a in usable} for b in batches}
+        if batches:
+            plan[domain] = (batches, seeds, arms)
+    if not plan:
+        tables = "; ".join(f"{k}: {', '.join(map(str, d['batches']))}" for k, d in DOMAINS.items())
+        raise InvalidInput(f"--domain {','.join(args.domain)} --batches {','.join(map(str, args.batches))} selects no "
+                           f"table (the tables: {tables})")
+    return plan
 
 
 def machine() -> dict:
     import torch
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor() or
-            platform.machine(), "cores": os.cpu_count(), "threads_per_run": 1}
+    import fasttrain
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "fasttrain": fasttrain.__version__,
+            "cpu": _cpu_name(), "cores": os.cpu_count(), "threads_per_run": 1}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def package() -> dict:
+    """The commit the package was trained from, and whether its sources differed from it."""
+    import subprocess
+
+    git = lambda *a: subprocess.run(["git", "-C", str(ROOT.parent), *a], capture_output=True, text=True)
+    head = git("rev-parse", "--short", "HEAD")
+    if head.returncode:
+        return {"commit": "unknown"}
+    return {"commit": head.stdout.strip(), "modified": git("diff", "--quiet", "HEAD", "--", "fasttrain",
+                                                              "kernels").returncode != 0}
 
 
 def has_key(key: str) -> bool:
@@ -277,111 +169,181 @@ def has_key(key: str) -> bool:
     return OmegaConf.select(OmegaConf.structured(Config), key, default="__missing__") != "__missing__"
 
 
+def jobs_for(domain: str, batch: int, arms: dict[str, Arm], seeds: list[int], steps: int, evals: int, root: Path,
+             eval_n: int) -> list[Job]:
+    return [Job(run_dir(domain, batch, a, s, root), tuple(overrides(domain, arm, a, batch, s, steps, evals, root,
+                                                                    eval_n)),
+                expected_cost(domain, batch, steps, arm.overrides))
+            for a, arm in arms.items() for s in seeds]
+
+
+def table_arms(known: dict, batch: int, usable: dict[str, Arm]) -> dict[str, Arm]:
+    """Every arm a saved table lists (this and earlier invocations), the combination rebuilt from its
+    recorded overrides."""
+    combo = known.get("tables", {}).get(str(batch), {}).get("combination")
+    out = {}
+    for a in known.get("arms", {}).get(str(batch), []):
+        if a in usable:
+            out[a] = usable[a]
+        elif a == "combination" and combo:
+            out[a] = Arm(tuple(combo["overrides"]), "combo", combo["recipe"], f"{combo['name']}, chosen by the script",
+                         adaptive=combo["adaptive"])
+    return out
+
+
+def table(domain: str, batch: int, arms: dict[str, Arm], seeds: list[int], steps: int, root: Path,
+          confirm: str | None) -> tuple[dict, dict]:
+    """A table's rows and its targets, from the runs on disk."""
+    metric = DOMAINS[domain]["metric"]
+    nulls = null_seeds(seeds)
+    names = set(arms) | {c for a in arms.values() for c in a.controls}
+    curves = {a: {s: curve(run_dir(domain, batch, a, s, root), metric) for s in seeds} for a in names}
+    curves.setdefault("baseline", {}).update({h: curve(run_dir(domain, batch, "baseline", h, root), metric)
+                                              for h in nulls})
+    if confirm:
+        curves.setdefault(confirm, {}).update({h: curve(run_dir(domain, batch, confirm, h, root), metric)
+                                               for h in nulls})
+    rows, info = analyse_table(curves, arms, seeds, nulls, steps, TARGETS, confirm)
+    for name, r in rows.items():
+        arm = arms.get(name) or (arms[confirm] if name == HELDOUT else ARMS["baseline"])
+        r["recipe"], r["source"] = arm.recipe, arm.source
+        r["controls"] = [c for c in arm.controls if c in curves]
+        on = nulls if name in (NULL, HELDOUT) else seeds
+        key = confirm if name == HELDOUT else "baseline" if name == NULL else name
+        r["curves"] = {s: c for s in on if (c := curves.get(key, {}).get(s))}
+        if arm.adaptive:
+            r.update(adaptive_summary([run_dir(domain, batch, key, s, root) for s in on]))
+    rows[NULL]["recipe"] = f"the baseline on the null seeds (s + {NULL_OFFSET}), which did not set the targets"
+    rows[NULL]["source"] = "no effect"
+    if confirm:
+        rows[HELDOUT]["recipe"] = f"{confirm}, chosen as the strongest on the main seeds, on the null seeds"
+    return rows, info
+
+
+def attach_costs(rows: dict, cost: dict, confirm: str | None) -> None:
+    """ms per step and the seconds ratio (the last target's median × baseline / arm step time), both from
+    the one measurement `cost` of the table."""
+    base = cost.get("baseline")
+    for name, r in rows.items():
+        key = confirm if name == HELDOUT else "baseline" if name == NULL else name
+        ms = cost.get(key)
+        r["ms_per_step"] = None if ms is None else ms * 1e3
+        med = r["targets"][str(TARGETS[-1])]["median"]
+        r["seconds_ratio_median"] = None if (med is None or ms is None or base is None) else med * base / ms
+
+
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="two arms, one seed, a few hundred steps (CI)")
-    ap.add_argument("--resume", action="store_true", help="keep finished runs")
-    ap.add_argument("--domain", default="digits,checkerboard", help="comma-separated: digits, checkerboard")
-    ap.add_argument("--arms", default=None, help="comma-separated arm names (baseline is always run)")
-    ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default: each domain's)")
-    ap.add_argument("--seeds", type=int, default=None, help="seeds per arm (default: 5 digits, 10 checkerboard)")
-    ap.add_argument("--steps", type=int, default=None, help="steps of every run (default: each batch size's)")
-    ap.add_argument("--parallel", type=int, default=2, help="runs side by side (one thread each)")
-    ap.add_argument("--evals", type=int, default=8, help="evaluations per run (8: the 25%% and 50%% targets fall "
-                    "on evaluations)")
-    ap.add_argument("--no-timing", action="store_true", help="seconds from the runs' own logged step times "
-                    "instead of measuring the arms side by side after the grid (about 2 min for the whole study)")
-    ap.add_argument("--out", default=None,
-                    help="results folder (default bench/results; --quick: runs/convergence-quick)")
-    args = ap.parse_args(argv)
-    global RUNS
+    args = parse(argv)
     t0 = time.time()
     usable = available(ARMS, has_key)
-    wanted = None
-    if args.arms:
-        wanted = ["baseline"] + [a for a in args.arms.split(",") if a != "baseline"]
-        missing = [a for a in wanted if a not in usable]
-        if missing:
-            sys.exit(f"convergence: unknown or unavailable arm {missing[0]!r}; choose from {', '.join(usable)}")
-    domains = args.domain.split(",")
+    plan = select(args, usable)
     if args.quick:
-        RUNS = ROOT.parent / "runs" / "convergence-quick"
-        wanted = ["baseline", "min_snr_eps"]
-        domains, args.evals = ["digits"], 3
-    out_dir = Path(args.out or (RUNS if args.quick else RESULTS))
+        args.evals = 3
+    root = QUICK_RUNS if args.quick else RUNS
+    out_dir = Path(args.out or (QUICK_RUNS if args.quick else RESULTS))
     json_path = out_dir / "convergence.json"
     saved = json.loads(json_path.read_text()) if (args.resume and json_path.is_file()) else {}
+    if any(d.get("design") != DESIGN for d in saved.get("meta", {}).get("domains", {}).values()):
+        saved = {}  # results of another design: nothing in them to add to, their history included
     results = saved.get("results", {})
-    meta = {"machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
-            "min_updates": MIN_UPDATES, "targets": TARGETS, "domains": saved.get("meta", {}).get("domains", {})}
-    if saved:  # every invocation that wrote into these results, with its wall time
-        old = saved.get("meta", {})
-        meta["commands"] = old.get("commands", [old.get("command", "")]) + [meta["command"]]
-        meta["walls"] = old.get("walls", [old.get("wall_seconds", 0)])
+    old = saved.get("meta", {})
+    meta = {**old, "machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
+            "min_updates": MIN_UPDATES, "targets": TARGETS, "null_offset": NULL_OFFSET,
+            "domains": old.get("domains", {}), "commands": (old.get("commands", []) if saved else []) +
+            [" ".join(sys.argv)], "walls": old.get("walls", []) if saved else [],
+            "packages": (old.get("packages", []) if saved else []) + [package()]}
 
-    # 1. every (domain, batch, arm, seed) run in one pool, the longest first
-    plan, jobs = {}, []
-    for domain in domains:
+    # 1. every (table, arm, seed) run and the baseline's null seeds in one pool, the longest first
+    jobs, eval_n = [], {}
+    for domain, (batches, seeds, arms) in plan.items():
         d = DOMAINS[domain]
-        batches = {b: args.steps or n for b, n in d["batches"].items()
-                   if not args.batches or str(b) in args.batches.split(",")}
-        seeds = list(range(args.seeds or d["seeds"]))
-        if args.quick:
-            batches, seeds = {16: 300}, [0]
-            d = DOMAINS[domain] = {**d, "eval_n": 128}
-        arms = {b: {a: usable[a] for a in (wanted or d["arms"][b]) if a in usable} for b in batches}
-        plan[domain] = (batches, seeds, arms)
+        eval_n[domain] = 128 if args.quick else d["eval_n"]
         known = meta["domains"].get(domain, {})
-        design = {"seeds": seeds, "evals": args.evals, "eval_n": d["eval_n"], "base": d["base"]}
+        design = {"design": DESIGN, "seeds": seeds, "evals": args.evals, "eval_n": eval_n[domain], "base": d["base"]}
         if any(known.get(k) != v for k, v in design.items()):  # saved tables of another design do not compare
             known, results[domain] = {}, {}
         for b, n in batches.items():  # nor those of a batch run for another number of steps
             if known.get("batches", {}).get(str(b)) not in (None, n):
                 results.get(domain, {}).pop(str(b), None)
                 known.get("arms", {}).pop(str(b), None)
-        meta["domains"][domain] = {**known, "batches": {**known.get("batches", {}), **{str(b): n for b,
-                                                                                       n in batches.items()}},
-                                   "seeds": seeds, "evals": args.evals, "eval_n": d["eval_n"], "metric": d["label"],
-                                   "base": d["base"]}
-        listed = meta["domains"][domain].setdefault("arms", {})
-        for b in batches:  # the arms of every invocation, in order
+                known.get("tables", {}).pop(str(b), None)
+        known = meta["domains"][domain] = {**known, **design, "metric": d["label"],
+                                           "batches": {**known.get("batches", {}), **{str(b): n for b, n in
+                                                                                      batches.items()}}}
+        listed = known.setdefault("arms", {})
+        for b, n in batches.items():  # the arms of every invocation, in order
             listed[str(b)] = list(dict.fromkeys(listed.get(str(b), []) + list(arms[b])))
-        jobs += [(domain, b, a, s, overrides(domain, arm, a, b, s, n, args.evals))
-                 for b, n in batches.items() for a, arm in arms[b].items() for s in seeds]
-    run_grid(jobs, args.parallel, args.resume)
-    report(plan, results, {**saved.get("meta", {}), **meta}, out_dir, t0)  # nothing lost if stage 2 is cut short
+            jobs += jobs_for(domain, b, arms[b], seeds, n, args.evals, root, eval_n[domain])
+            jobs += jobs_for(domain, b, {"baseline": ARMS["baseline"]}, null_seeds(seeds), n, args.evals, root,
+                             eval_n[domain])
+    failed = run_grid(jobs, args.parallel, args.resume)
 
-    # 2. the combination arm of each domain, chosen from its first batch's arms and run at that batch
-    jobs = []
-    for domain, (batches, seeds, arms) in plan.items():
-        if wanted or not batches:
-            continue
+    # 2. the combination arm of each domain's first table (chosen from its rows), and
+    # 3. the strongest arm of that table on the null seeds
+    for domain, (batches, seeds, _) in plan.items():
         first, n = next(iter(batches.items()))
-        combo = combination(analyse(domain, first, arms[first], seeds, n, None), arms[first])
-        if not combo:  # nothing to combine this time: no stale combination either
-            meta["domains"][domain].pop("combination", None)
-            results.get(domain, {}).get(str(first), {}).pop("combination", None)
+        known = meta["domains"][domain]
+        info = known.setdefault("tables", {}).setdefault(str(first), {})
+        every = table_arms(known, first, usable)
+        if not DOMAINS[domain]["confirm"]:
             continue
-        arms[first]["combination"] = combo[1]
-        if meta["domains"][domain].get("combination") not in (None, combo[0]):  # another choice: stale runs
-            shutil.rmtree(RUNS / domain / f"b{first}" / "combination", ignore_errors=True)
-        meta["domains"][domain]["combination"] = combo[0]
-        listed = meta["domains"][domain]["arms"][str(first)]
-        if "combination" not in listed:
-            listed.append("combination")
-        jobs += [(domain, first, "combination", s, overrides(domain, combo[1], "combination", first, s, n,
-                                                             args.evals)) for s in seeds]
-    run_grid(jobs, args.parallel, True)
+        if not args.arms and not args.quick:
+            rows, _ = table(domain, first, every, seeds, n, root, None)
+            combo = combination(rows, every)
+            old = (info.pop("combination", None) or {}).get("name")
+            if not combo:  # nothing to combine this time: no stale combination either
+                known["arms"][str(first)] = [a for a in known["arms"][str(first)] if a != "combination"]
+                every.pop("combination", None)
+            else:
+                if old not in (None, combo[0]):  # another choice: its old runs are stale
+                    shutil.rmtree(root / domain / f"b{first}" / "combination", ignore_errors=True)
+                info["combination"] = {"name": combo[0], "overrides": list(combo[1].overrides),
+                                       "recipe": combo[1].recipe, "adaptive": combo[1].adaptive}
+                known["arms"][str(first)] = list(dict.fromkeys(known["arms"][str(first)] + ["combination"]))
+                every["combination"] = combo[1]
+                failed += run_grid(jobs_for(domain, first, {"combination": combo[1]}, seeds, n, args.evals, root,
+                                            eval_n[domain]), args.parallel, True)
+        rows, _ = table(domain, first, every, seeds, n, root, None)
+        best = strongest(rows, [a for a, arm in every.items() if arm.kind in KNOBS])
+        info["confirm"] = best
+        if best:
+            failed += run_grid(jobs_for(domain, first, {best: every[best]}, null_seeds(seeds), n, args.evals, root,
+                                        eval_n[domain]), args.parallel, True)
+    if failed:  # not the user's to fix by an argument: no UserError, but one line all the same
+        sys.exit(f"convergence: {len(failed)} runs failed (first: {failed[0].label}, log beside it); the results in "
+                 f"{out_dir} are unchanged; fix and continue with --resume")
 
-    # 3. step costs side by side, analysis and outputs
-    def costs(domain, b, arms, n, seeds):
-        if args.no_timing:
-            return run_costs(domain, b, arms, seeds)
-        return step_costs(domain, b, arms, n, args.evals, timed=15 if args.quick else 60)
-
-    report(plan, results, {**saved.get("meta", {}), **meta}, out_dir, t0, costs)
+    # 4. the metric's noise per domain, one timing run per table, the analysis and the outputs
+    for domain, (batches, seeds, _) in plan.items():
+        first, n = next(iter(batches.items()))
+        known = meta["domains"][domain]
+        net = run_dir(domain, first, "baseline", seeds[0], root)
+        if (net / "last.pt").is_file():
+            noise = metric_noise(net, eval_n[domain], 3 if args.quick else NOISE_EVALS)
+            base = [curve(run_dir(domain, first, "baseline", s, root), DOMAINS[domain]["metric"])
+                    for s in seeds + null_seeds(seeds)]
+            known["noise"] = {**noise, **crossing_shift(noise, base, n), "batch": first}
+        for b, n in batches.items():
+            every = table_arms(known, b, usable)
+            info = known.setdefault("tables", {}).setdefault(str(b), {})
+            confirm = info.get("confirm") if b == first else None
+            rows, found = table(domain, b, every, seeds, n, root, confirm)
+            if args.no_timing:
+                cost = run_costs({a: [run_dir(domain, b, a, s, root) for s in seeds] for a in every})
+                how = "the median of the runs' own logged step times (--no-timing)"
+            else:
+                cost = step_costs(domain, b, every, n, args.evals, timed=15 if args.quick else 60)
+                how = "one measurement of every arm side by side after the grid (interleaved rounds, one thread)"
+            attach_costs(rows, cost, confirm)
+            info.update(found, timing={"how": how, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                       "ms_per_step": {a: c * 1e3 for a, c in cost.items()}})
+            results.setdefault(domain, {})[str(b)] = rows
+    meta["wall_seconds"] = time.time() - t0
+    meta["walls"] = meta["walls"] + [meta["wall_seconds"]]
+    with _env.Results(out_dir) as res:  # in place only once every file is written
+        write_outputs(results, meta, res)
     print((out_dir / "convergence.md").read_text())
 
 
 if __name__ == "__main__":
-    main()
+    _env.run(main)

@@ -1,9 +1,9 @@
 """The arms of the convergence study (bench/convergence.py): each strategy as its source trains it,
-with the recipe and the source named, and which single-prediction control it is paired with.
+with the recipe and the source named, and the arms it is compared with besides the baseline.
 
 An arm is config overrides on top of its domain's baseline. `kind` says which knob it turns (for the
-choice of the combination arm); `control` names the arm it differs from in one knob only (the
-table reports both against the baseline, and the mixed arms also against their control).
+choice of the combination arm); `controls` name the arms it differs from in one knob only, besides the
+baseline (the table reports the arm against the baseline and against each of them).
 """
 from __future__ import annotations
 
@@ -13,14 +13,21 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class Arm:
     overrides: tuple[str, ...]
-    kind: str                 # base | weighting | sampler | both | prediction | noise | loss | diagnostic | combo
+    kind: str                 # base | weighting | sampler | both | prediction | optimizer | noise | loss | diagnostic
+    #                           | combo
     recipe: str               # what it trains with, in words
     source: str               # where the recipe comes from
-    control: str = "baseline"
+    controls: tuple[str, ...] = ()
     adaptive: bool = False    # report policy updates and the drift of p(t)
     needs: tuple[str,
                  ...] = field(default=())  # config keys it needs (an arm whose keys this version lacks is left out)
 
+
+EDM2 = ("diffusion.prediction=v", "diffusion.weighting=edm", "diffusion.weighting_args.sigma_data=0.5",
+        "diffusion.sampler=lognormal", "diffusion.sampler_args.p_mean=-0.8", "diffusion.sampler_args.p_std=1.6",
+        "diffusion.learned_weighting=true", "diffusion.logvar_layer=edm2")
+EDM2_OPTIMIZER = ("optim.grad_clip=0", "optim.betas=[0.9,0.99]")
+MIXED_MIN_SNR = ("diffusion.prediction=mixed", "diffusion.weighting=min_snr", "diffusion.weighting_args.gamma=5")
 
 BASELINE = Arm((), "base", "uniform t, ε-prediction, unweighted ε-MSE (≡ SNR-weighted x0-MSE)", "Ho et al. 2020 (DDPM)")
 
@@ -38,16 +45,20 @@ ARMS: dict[str, Arm] = {
                               "Nichol & Dhariwal 2021 (iDDPM resample.py)"),
     "logit_normal": Arm(("diffusion.sampler=logit_normal",), "sampler", "logit-normal t (0, 1)",
                         "Esser et al. 2024 (SD3)"),
-    "edm2": Arm(("diffusion.prediction=v", "diffusion.weighting=edm", "diffusion.weighting_args.sigma_data=0.5",
-                 "diffusion.sampler=lognormal", "diffusion.sampler_args.p_mean=-0.8",
-                 "diffusion.sampler_args.p_std=1.6",
-                 "diffusion.learned_weighting=true", "diffusion.logvar_layer=edm2", "optim.grad_clip=0",
-                 "optim.betas=[0.9,0.99]"), "weighting",
+    # EDM2's recipe under the baseline's optimizer settings (gradient clipping 1, Adam β2 0.999), and EDM2's
+    # optimizer change as its own arm, so that neither is credited with the other's effect
+    "edm2": Arm(EDM2, "weighting",
                 "log-normal σ (P_mean −0.8, P_std 1.6), EDM weighting λ(σ) (σ_data 0.5), learned log-variance through "
-                "EDM2's MPFourier + MPConv (random init, forced weight normalization), no gradient clipping, Adam "
-                "β2 0.99, v-parametrised output",
+                "EDM2's MPFourier + MPConv (random init from the run's seed, forced weight normalization), "
+                "v-parametrised output; the baseline's optimizer",
                 "Karras et al. 2024 (NVlabs/edm2: training_loop.EDM2Loss, networks_edm2.Precond, img64 P_mean/P_std)",
                 needs=("diffusion.logvar_layer",)),
+    "edm2_optimizer": Arm(EDM2_OPTIMIZER, "optimizer", "EDM2's optimizer settings alone: no gradient clipping, "
+                          "Adam β2 0.99", "Karras et al. 2024 (NVlabs/edm2 training_loop: Adam betas (0.9, 0.99), "
+                          "no clipping)"),
+    "edm2_full": Arm(EDM2 + EDM2_OPTIMIZER, "weighting", "EDM2's recipe (the edm2 arm) with EDM2's optimizer settings "
+                     "(no gradient clipping, Adam β2 0.99)", "Karras et al. 2024", controls=("edm2",),
+                     needs=("diffusion.logvar_layer",)),
     "edm2_learned_alone": Arm(("diffusion.learned_weighting=true",), "diagnostic",
                               "diagnostic: the learned log-variance (zero-init linear) alone, on uniform t and ε-MSE",
                               "fasttrain's earlier edm2 arm (not EDM2's recipe)"),
@@ -59,10 +70,16 @@ ARMS: dict[str, Arm] = {
                              "for ≥ 300 policy updates", "Kim et al. 2024, official train.py", adaptive=True),
     "mixed_snr": Arm(("diffusion.prediction=mixed", "diffusion.weighting=snr"), "prediction",
                      "mixed prediction (ε, x0, v; pixel gate) under the baseline's weighting (x0-space SNR ≡ ε-MSE)",
-                     "Xie & Agam 2025", control="baseline"),
-    "mixed_min_snr": Arm(("diffusion.prediction=mixed", "diffusion.weighting=min_snr",
-                          "diffusion.weighting_args.gamma=5"),
-                         "prediction", "mixed prediction under Min-SNR-5", "Xie & Agam 2025", control="min_snr_eps"),
+                     "Xie & Agam 2025"),
+    # against Min-SNR-5 with ε (the prediction it adds heads to) and with v (Min-SNR's best setting): the
+    # same x0-space weight min(SNR, 5) in every one, so each pair differs in the prediction alone
+    "mixed_min_snr": Arm(MIXED_MIN_SNR, "prediction", "mixed prediction under Min-SNR-5", "Xie & Agam 2025",
+                         controls=("min_snr_eps", "min_snr_v")),
+    # the mixed loss adds aux_weight × each head's own-space MSE (lucidrains' 0.1): off, the arm differs from
+    # mixed_min_snr in that alone
+    "mixed_min_snr_noaux": Arm(MIXED_MIN_SNR + ("diffusion.mixed.aux_weight=0",), "prediction",
+                               "mixed prediction under Min-SNR-5 without the per-head auxiliary losses",
+                               "ablation of the mixed loss's aux terms", controls=("mixed_min_snr",)),
     "input_perturbation": Arm(("diffusion.noise.perturbation=0.1",), "noise",
                               "input perturbation γ = 0.1 (x_t from ε + γξ, target ε)",
                               "Ning et al. 2023; diffusers --input_perturbation", needs=("diffusion.noise",)),
@@ -80,6 +97,7 @@ ARMS: dict[str, Arm] = {
 # sampler, mixed included; the best sampler arm), chosen by the script at the first batch size from the
 # arms of the invocation that chooses it (bench/convergence.py: the default arms).
 COMBINABLE = ("weighting", "both", "prediction", "noise", "loss")
+KNOBS = COMBINABLE + ("sampler", "optimizer", "combo")  # the kinds that may be the strongest arm (not diagnostics)
 
 
 def available(arms: dict[str, Arm], has_key) -> dict[str, Arm]:
@@ -91,8 +109,8 @@ def combination(results: dict, arms: dict[str, Arm]) -> tuple[str, Arm] | None:
     """The strongest non-sampler arm combined with the best sampler arm, by the median steps ratio at the
     full-run target (sampler settings of the second added to the first)."""
     def best(kinds):
-        cands = [(r["targets"]["1.0"]["ratio_median"], a) for a, r in results.items()
-                 if a in arms and arms[a].kind in kinds and r["targets"]["1.0"]["ratio_median"] is not None]
+        cands = [(r["targets"]["1.0"]["median"], a) for a, r in results.items()
+                 if a in arms and arms[a].kind in kinds and r["targets"]["1.0"]["median"] is not None]
         return max(cands)[1] if cands else None
 
     strong, sampler = best(COMBINABLE), best(("sampler",))

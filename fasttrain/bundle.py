@@ -68,7 +68,8 @@ def build_network(cfg: DictConfig, spec: DataSpec) -> Denoiser:
     net = build_model(cfg.model.name, in_channels=spec.channels, image_size=spec.image_size,
                       num_classes=spec.num_classes, **args)
     return Denoiser(net, kind.output_head(df, sched), sched, learned_weighting=df.learned_weighting,
-                    gate_heads=kind.gate_heads(df), logvar_layer=df.logvar_layer)
+                    gate_heads=kind.gate_heads(df), logvar_layer=df.logvar_layer,
+                    logvar_seed=seeds.derive(cfg.train.seed, "logvar"))
 
 
 def build_objective(cfg: DictConfig, net: Denoiser | None = None, rank: int = 0, stats: bool = True) -> Objective:

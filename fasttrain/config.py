@@ -220,6 +220,9 @@ class EvalConfig:
     bpd_samples: int = _f(400, "held-out samples for bits/dim", min=1, max=1_000_000)
     bpd_timesteps: int = _f(50, "timesteps per sample in the bits/dim estimate (stratified; at most diffusion.T)",
                             min=1)
+    seed: int = _f(1234, "sampling seed of evaluations (the same seed gives the same noise, so evaluations compare "
+                   "networks, not draws)", min=0, max=2**63 - 1)
+    at_start: bool = _f(False, "also evaluate the initial network, before the first step (when eval.every > 0)")
 
 
 @dataclass

@@ -46,7 +46,7 @@ class EvalSettings:
     def from_config(cls, cfg) -> EvalSettings:
         e = cfg.eval
         return cls(e.num_samples, e.steps, cfg.sample.solver, e.extractor, e.weights_path, e.bpd, e.bpd_samples,
-                   e.bpd_timesteps)
+                   e.bpd_timesteps, e.seed)
 
 
 class UInt8Images(Dataset):

@@ -12,12 +12,14 @@ purpose never shifts an old one.
     eval         sampling for evaluation and generation
     probe        the adaptive sampler's look-ahead draws (τ-grid, x0* choice, probe noise per rank)
     posterior    draws from VAE posteriors stored with latents (per rank and data position)
+    logvar       the learned log-variance layer's Fourier features and initial weight (the same on every rank)
 """
 from __future__ import annotations
 
 import hashlib
 
-PURPOSES = ("weights", "data", "augment", "timesteps", "noise", "reseed", "policy", "eval", "probe", "posterior")
+PURPOSES = ("weights", "data", "augment", "timesteps", "noise", "reseed", "policy", "eval", "probe", "posterior",
+            "logvar")
 
 
 def derive(seed: int, purpose: str, *ids: int) -> int:

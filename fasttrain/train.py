@@ -224,6 +224,8 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))  # the truth, resumed or not
         if self.step == 0:
             log.log(0, params=self.num_params, images=0, world_size=self.dist.world_size)
+            if self.cfg.eval.every and self.cfg.eval.at_start:  # the initial network: where every curve starts
+                self.evaluate(log)
         one = torch.ones((), device=self.device)
         self._skip_marks = [(self.step, int(self.state.skipped))]  # where the non-finite rate is counted from
         timed, t0 = 0, time.time()  # steps timed in this process (a resumed interval's earlier steps were not)

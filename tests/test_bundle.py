@@ -97,3 +97,27 @@ def test_sample_eval_report_build_no_sampler_and_no_statistics(tmp_path, monkeyp
     assert main(["report", str(run)]) == 0
     if prediction == "mixed":  # argmin's per-timestep choice came back with the weights
         assert (b.net.output.choice >= 0).any()
+
+
+@pytest.mark.parametrize("layer", ["edm2", "linear"])
+def test_the_log_variance_layer_is_initialised_from_the_runs_seed(layer):
+    """EDM2's log-variance layer (random Fourier features, a random MPConv weight) draws from the run's
+    seed, so seeds differ in it as in every other weight; the same seed builds the same layer, and the
+    backbone's initial weights do not depend on it."""
+    from fasttrain.bundle import DataSpec
+    from fasttrain.configure import load_config
+
+    spec = DataSpec("digits", 1, 8, 10, 0.1)
+
+    def build(seed, learned):
+        cfg = load_config("default", ["model.args.ch=8", f"train.seed={seed}", f"diffusion.logvar_layer={layer}",
+                                      f"diffusion.learned_weighting={str(learned).lower()}"])
+        return ModelBundle.build(cfg, spec, torch.device("cpu")).net
+
+    a, a2, b = build(0, True), build(0, True), build(1, True)
+    for name in ("freqs", "phases") + (("weight",) if layer == "edm2" else ()):
+        x, y, z = (getattr(m.logvar, name) for m in (a, a2, b))
+        assert torch.equal(x, y) and not torch.allclose(x, z), name
+    plain = build(0, False)
+    for k, v in plain.net.state_dict().items():
+        assert torch.equal(v, a.net.state_dict()[k]), k

@@ -79,3 +79,29 @@ def test_sliced_w2_matches_the_column_sorted_definition_in_any_dimension():
         px, py = (x.double() @ theta.T).sort(0).values, (y.double() @ theta.T).sort(0).values
         assert sliced_w2(x, y, projections=64, seed=11) == pytest.approx(float(((px - py) ** 2).mean().sqrt()),
                                                                         rel=1e-12)
+
+
+def test_evaluation_at_the_start_and_the_eval_seed(tmp_path):
+    """eval.at_start adds the initial network's evaluation and changes nothing else; eval.seed chooses the
+    sampling noise of every evaluation (the convergence study gives each training seed its own)."""
+    from fasttrain.configure import load_config
+    from fasttrain.logger import read_jsonl
+    from fasttrain.train import train
+
+    def run(name, *over):
+        cfg = load_config("default", [f"run_dir={tmp_path / name}", "data.name=checkerboard", "model.name=mlp",
+                                      "model.args.hidden=32", "train.steps=10", "train.log_every=5", "eval.every=5",
+                                      "eval.num_samples=300", "eval.steps=5", "eval.bpd=false", "sample.num=0",
+                                      "train.progress=false", "train.plots=false", "train.threads=1", *over])
+        train(cfg)
+        rows = read_jsonl(tmp_path / name / "metrics.jsonl")
+        return ({r["step"]: r["eval/sw2"] for r in rows if "eval/sw2" in r},
+                [r["loss"] for r in rows if r.get("loss") is not None])
+
+    start, losses = run("start", "eval.at_start=true", "eval.seed=7")
+    plain, plain_losses = run("plain", "eval.seed=7")
+    other, _ = run("other", "eval.seed=8")
+    assert sorted(start) == [0, 5, 10] and sorted(plain) == [5, 10]
+    assert start[0] > start[10] > 0  # the untrained network is the farthest from the density
+    assert losses == plain_losses and all(start[k] == plain[k] for k in plain)  # nothing else moved
+    assert all(other[k] != plain[k] for k in plain)  # another sampling seed: other draws

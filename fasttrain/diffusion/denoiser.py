@@ -74,11 +74,12 @@ class TimestepGate(nn.Module):
 
 class Denoiser(nn.Module):
     def __init__(self, net: nn.Module, output: nn.Module, schedule: NoiseSchedule | None = None,
-                 learned_weighting: bool = False, gate_heads: int = 0, logvar_layer: str = "linear"):
+                 learned_weighting: bool = False, gate_heads: int = 0, logvar_layer: str = "linear",
+                 logvar_seed: int = 0):
         super().__init__()
         self.net = net
         self.output = output
-        self.logvar = LearnedLogVar(schedule, layer=logvar_layer) if learned_weighting else None
+        self.logvar = LearnedLogVar(schedule, seed=logvar_seed, layer=logvar_layer) if learned_weighting else None
         self.gate = TimestepGate(schedule.T, gate_heads) if gate_heads else None
 
     def repeated_blocks(self) -> list[nn.Module]:
