@@ -71,9 +71,11 @@ def build_network(cfg: DictConfig, spec: DataSpec) -> Denoiser:
                     gate_heads=kind.gate_heads(df), logvar_layer=df.logvar_layer)
 
 
-def build_objective(cfg: DictConfig, net: Denoiser | None = None, rank: int = 0, stats: bool = True) -> Objective:
+def build_objective(cfg: DictConfig, net: Denoiser | None = None, rank: int = 0, stats: bool = True,
+                    backend: str | None = None) -> Objective:
     """The training objective of the config's prediction kind; `net` is the network it trains (its
-    output head receives what the objective learns for generation, e.g. mixed argmin's choice)."""
+    output head receives what the objective learns for generation, e.g. mixed argmin's choice);
+    `backend` the concrete kernel backend decided at set-up (default: the config's choice)."""
     df = cfg.diffusion
     sched = make_schedule(df.schedule, df.T, df.zero_terminal_snr)
     sampler_args = plain(df.sampler_args)
@@ -82,7 +84,7 @@ def build_objective(cfg: DictConfig, net: Denoiser | None = None, rank: int = 0,
     kind = objective_class(df.prediction)
     return kind.from_config(df, sched, output=None if net is None else net.output,
                             weighting_args=plain(df.weighting_args), sampler_args=sampler_args, stats=stats,
-                            learned_weighting=df.learned_weighting, backend=df.backend,
+                            learned_weighting=df.learned_weighting, backend=backend or df.backend,
                             seed=seeds.derive(cfg.train.seed, "noise", rank))
 
 

@@ -29,6 +29,7 @@ from .cpu import set_threads
 from .data import build_data
 from .diffusion.interference import InterferenceDiagnostic
 from .diffusion.lookahead import LookAheadContext
+from .diffusion.objective import kernel_backend
 from .diffusion.variation import loss_cv
 from .errors import DeviceError, InvalidInput, NonFiniteStop
 from .evaluate import EvalSettings, reference_for, run_evaluation
@@ -53,6 +54,8 @@ class Trainer:
         self.dist = dist_utils.init(tc.device)
         rank, world = self.dist.rank, self.dist.world_size
         self.device = torch.device(f"cuda:{self.dist.local_rank}" if want_cuda else "cpu")
+        # the kernel backend, decided once for this device: an impossible one is a line before any file is written
+        self.kernels = kernel_backend(cfg.diffusion.backend, self.device, key="diffusion.backend")
         self.run_dir = Path(cfg.run_dir)
         self.lock = ckpt.claim(self.run_dir, resume, restart) if self.dist.is_main else None
         try:
@@ -82,7 +85,7 @@ class Trainer:
         self.precision = resolve_precision(pc.precision, self.device, strategy)
         self.model = parallelize(net, strategy, pc.ac, pc.compile, self.precision.name, self.device, pc.compile_mode,
                                  pc.channels_last)
-        self.objective = build_objective(cfg, net, rank).to(self.device)
+        self.objective = build_objective(cfg, net, rank, backend=self.kernels).to(self.device)
         self.objective.input_dtype = self.precision.input_dtype
         self.objective.set_partition(rank, world, tc.grad_accum)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision.scaler else None

@@ -42,7 +42,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fasttrain.kernels.backend import resolve_backend
 from fasttrain.kernels.noise import noise
 
 
@@ -120,7 +119,7 @@ class Probe:
              seed: int, offset: int) -> Probe:
         """x_t = a[t]·x0 + s[t]·ε with ε of element i, dimension d at counter offset + i·D + d of the
         Philox stream `seed` (the noise op: the training step's own noise path and backend)."""
-        backend = resolve_backend(objective.backend, x0.device)
+        backend = objective.kernels(x0.device)
         x_t = noise(x0, t, objective.alpha, objective.sigma, seed=seed, offset=offset, backend=backend)
         return cls(x0, t, x_t, labels)
 

@@ -45,7 +45,6 @@ import torch
 from torch import nn
 
 from fasttrain.kernels import torch_ref_mixed_loss as mixed_ref
-from fasttrain.kernels.backend import resolve_backend
 from fasttrain.kernels.mixed_loss import mixed_loss
 from fasttrain.kernels.noise import noise
 
@@ -325,7 +324,7 @@ class MixedObjective(Objective):
     def probe_loss(self, model, x0, t, eps, cond=None) -> torch.Tensor:
         """Per-sample loss (iw = 1) at the given t and eps, with no statistics and no noise-counter
         move: for probes (diagnostics, look-aheads)."""
-        backend = resolve_backend(self.backend, x0.device)
+        backend = self.kernels(x0.device)
         x_t = noise(x0, t, self.alpha, self.sigma, eps=eps, backend=backend)
         out, logvar, gate = self._network(model, x_t, t, cond)
         iw = torch.ones(x0.shape[0], device=x0.device)

@@ -29,12 +29,12 @@ import torch
 from torch import nn
 
 from fasttrain.kernels import noise_spec, philox
-from fasttrain.kernels.backend import BACKENDS, resolve_backend
+from fasttrain.kernels.backend import BACKENDS, BackendUnavailable, resolve_backend
 from fasttrain.kernels.diffusion_loss import diffusion_loss
 from fasttrain.kernels.noise import noise
 from fasttrain.kernels.noise_spec import NoiseOptions, NoiseSpec
 
-from ..errors import InvalidInput
+from ..errors import ConfigError, InvalidInput
 from ..registry import Registry
 from . import prediction as P
 from .denoiser import PredictionOutput
@@ -60,6 +60,19 @@ class Draw(NamedTuple):
     spec: NoiseSpec | None
 
 
+def kernel_backend(backend: str, device, key: str | None = None) -> str:
+    """The concrete kernel backend for data on `device` (`auto` decides here): the one boundary between
+    fasttrain and the kernels' choice. A choice that cannot run there (triton without CUDA, native
+    where fasttrain._C is not built, interpret with CUDA data) is one line: a ConfigError naming `key`
+    when given (the trainer checks before its run folder is touched), else an InvalidInput."""
+    try:
+        return resolve_backend(backend, device)
+    except BackendUnavailable as e:
+        if key is not None:
+            raise ConfigError(f"bad value for '{key}': {backend!r} ({e})") from None
+        raise InvalidInput(str(e)) from None
+
+
 def config_options(diffusion, schedule: NoiseSchedule) -> dict:
     """The objective's noise options and loss shape from the `diffusion.noise` and `diffusion.loss` groups."""
     from .noise_options import from_config
@@ -79,7 +92,8 @@ class Objective(nn.Module):
         self.schedule = schedule
         if backend not in BACKENDS:
             raise InvalidInput(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
-        self.backend = backend  # resolved per call against the data's device
+        self.backend = backend  # the choice; `kernels(device)` is the concrete backend, decided once per device
+        self._kernels: dict[torch.device, str] = {}
         # fp32 copies of the tables: what the kernels gather by t
         self.register_buffer("weight", weight.to(torch.float32), persistent=False)
         self.register_buffer("weight64", weight.to(torch.float64), persistent=False)  # for plots
@@ -122,6 +136,14 @@ class Objective(nn.Module):
     def T(self) -> int:
         return self.schedule.T
 
+    def kernels(self, device) -> str:
+        """The concrete kernel backend for data on `device`, decided on first use there (`auto` once);
+        the trainer passes a concrete one, checked at set-up (`kernel_backend`)."""
+        device = torch.device(device)
+        if device not in self._kernels:
+            self._kernels[device] = kernel_backend(self.backend, device)
+        return self._kernels[device]
+
     # -- the network contract (class level: the bundle builds the network before any objective) ------
     @classmethod
     def out_channels(cls, diffusion, channels: int) -> int | None:
@@ -158,7 +180,7 @@ class Objective(nn.Module):
             t, iw = self.sampler.sample(B, generator, x0)
         else:
             iw = torch.ones(B, device=x0.device)
-        backend = resolve_backend(self.backend, x0.device)
+        backend = self.kernels(x0.device)
         offset = self.offset.clone()
         spec = None
         if not self._plain_noise:
@@ -309,7 +331,7 @@ class DiffusionObjective(Objective):
         """Per-sample loss ℓ_b (iw = 1) at the given t and eps, with no statistics and no noise-counter
         move: for probes (diagnostics, look-aheads). Differentiable in the model's parameters. The loss
         shape applies; the noise options do not (the probe's eps is given)."""
-        backend = resolve_backend(self.backend, x0.device)
+        backend = self.kernels(x0.device)
         x_t = noise(x0, t, self.alpha, self.sigma, eps=eps, backend=backend)
         pred, logvar = self._call(model, x_t, t, cond)
         iw = torch.ones(x0.shape[0], device=x0.device)
