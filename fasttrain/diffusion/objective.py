@@ -7,8 +7,10 @@ their sync with the sampler, persistence, and the hooks the trainer calls (decla
 discovered by attribute). Two objectives are registered by prediction kind (`OBJECTIVES`):
 `DiffusionObjective` below for a single prediction type (every name of the prediction registry),
 and `MixedObjective` (mixed.py) for several heads mixed by a gate. Each also says what the network
-must output (`out_channels`) and gives the network wrapper its output → x̂0 conversion
-(`output_head`, held by `Denoiser`): generation never builds an objective.
+must output (`out_channels`) and gives the network wrapper its output head (`output_head`, held by
+`Denoiser`: the output → x̂0 conversion generation uses, and the coefficient tables the loss op reads),
+so generation never builds an objective and the objective holds no tables of a parameterisation: it
+reads them from the head it is given (`output`: the network's; its own when built without one).
 
 One step (docs/architecture.md): t, iw ~ sampler; the noise kernel: x_t = alpha[t]·x0 + sigma[t]·eps
 with eps from the counter-based stream (seed, offset); pred = model(x_t, t, cond); the loss kernel:
@@ -37,7 +39,7 @@ from fasttrain.kernels.noise_spec import NoiseOptions, NoiseSpec
 from ..errors import ConfigError, InvalidInput
 from ..registry import Registry
 from . import prediction as P
-from .denoiser import PredictionOutput
+from .denoiser import OutputHead, PredictionOutput
 from .loss_shapes import LossShape
 from .noise_options import Immiscible
 from .samplers import TimestepSampler, timestep_sampler
@@ -89,6 +91,7 @@ class Objective(nn.Module):
                  seed: int, noise: NoiseOptions | None = None, immiscible: Immiscible | None = None,
                  loss: LossShape | None = None):
         super().__init__()
+        self.output: OutputHead  # the network's output head, set by the subclass: the loss op reads its tables
         self.schedule = schedule
         if backend not in BACKENDS:
             raise InvalidInput(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
@@ -277,22 +280,31 @@ class DiffusionObjective(Objective):
     def __init__(self, schedule: NoiseSchedule, prediction: str = "eps", weighting="simple",
                  sampler="uniform", *, weighting_args: dict | None = None, sampler_args: dict | None = None,
                  stats: TimestepStats | bool = True, learned_weighting: bool = False,
-                 backend: str = "auto", seed: int = 0, **options):
-        """`options`: noise (NoiseOptions), immiscible (Immiscible), loss (LossShape); see `Objective`."""
+                 backend: str = "auto", seed: int = 0, output: PredictionOutput | None = None, **options):
+        """`output`: the network's output head (PredictionOutput), whose `coef` table the loss op reads (an
+        objective built without a network makes its own); `options`: noise (NoiseOptions), immiscible
+        (Immiscible), loss (LossShape); see `Objective`."""
         self.prediction = P.check(prediction)
         if isinstance(weighting, str):
             weighting = loss_weight(weighting, schedule, prediction, **(weighting_args or {}))
         super().__init__(schedule, weighting, sampler, sampler_args=sampler_args, stats=stats,
                          stat_kinds=("raw", "weighted"), learned_weighting=learned_weighting, backend=backend,
                          seed=seed, **options)
-        self.pred = P.get(prediction)
-        self.register_buffer("coef", self.pred.table(schedule.alpha, schedule.sigma), persistent=False)
+        if output is None:
+            output = PredictionOutput(prediction, schedule)
+        elif output.prediction != prediction:
+            raise InvalidInput(f"the output head predicts {output.prediction!r}, the objective {prediction!r}")
+        self.output = output  # a submodule without persistent state: the objective's checkpoint keys are unchanged
+
+    @property
+    def coef(self) -> torch.Tensor:
+        """The loss op's target table [2, T] (ce, cx), read from the output head."""
+        return self.output.coef
 
     @classmethod
     def from_config(cls, diffusion, schedule: NoiseSchedule, output: nn.Module | None = None,
                     **kw) -> DiffusionObjective:
-        """`output` (the network's output head) is not needed: a single prediction learns nothing for it."""
-        return cls(schedule, diffusion.prediction, diffusion.weighting, diffusion.sampler,
+        return cls(schedule, diffusion.prediction, diffusion.weighting, diffusion.sampler, output=output,
                    **config_options(diffusion, schedule), **kw)
 
     @classmethod
@@ -317,7 +329,7 @@ class DiffusionObjective(Objective):
         t, iw, backend, offset, x_t, spec = self.draw(x0, generator, t)
         pred, logvar = self._call(model, x_t, t, cond)
         st = self.stats
-        loss, per_sample, raw, weighted = diffusion_loss(pred, x0, t, self.weight, iw, self.coef, uses=self.pred.uses,
+        loss, per_sample, raw, weighted = diffusion_loss(pred, x0, t, self.weight, iw, self.coef, uses=self.output.uses,
                                                          seed=self.seed, offset=offset, spec=spec, backend=backend,
                                                          bins=st.window if st is not None else None, **self.loss_args)
         if st is not None:
@@ -335,7 +347,7 @@ class DiffusionObjective(Objective):
         x_t = noise(x0, t, self.alpha, self.sigma, eps=eps, backend=backend)
         pred, logvar = self._call(model, x_t, t, cond)
         iw = torch.ones(x0.shape[0], device=x0.device)
-        per = diffusion_loss(pred, x0, t, self.weight, iw, self.coef, uses=self.pred.uses, eps=eps,
+        per = diffusion_loss(pred, x0, t, self.weight, iw, self.coef, uses=self.output.uses, eps=eps,
                              backend=backend, **self.loss_args).per_sample
         return self._with_uncertainty(None, per, logvar)[1]
 
