@@ -10,10 +10,10 @@ skipped on the device (fused AdamW's `found_inf`, the EMA weight set to 0).
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -21,23 +21,24 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
+from . import conditioning, graphs, plots, seeds
 from . import distributed as dist_utils
-from . import graphs, plots, seeds
 from .bundle import DataSpec, ModelBundle, build_network, build_objective
 from .config import plain
 from .cpu import set_threads
 from .data import build_data
 from .diffusion.interference import InterferenceDiagnostic
-from .diffusion.lookahead import LookAheadContext
 from .diffusion.objective import kernel_backend
 from .diffusion.variation import loss_cv
 from .errors import DeviceError, InvalidInput, NonFiniteStop
 from .evaluate import EvalSettings, reference_for, run_evaluation
 from .logger import MetricLogger
 from .models import count_params, forward_flops
-from .optim import apply_optimizer_config, make_optimizer, skip_if_not_finite
+from .optim import apply_optimizer_config, make_optimizer
 from .parallel import parallelize
 from .precision import resolve as resolve_precision
+from .step import Generators, StepParts, update
+from .step import train_step as run_step
 from .stopping import GracefulStop
 from .train_state import RankRNG, TrainState
 
@@ -101,9 +102,15 @@ class Trainer:
         o = cfg.optim
         self.lr_sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: min(1.0, (s + 1) / o.warmup_steps) if o.warmup_steps else 1.0)
-        # timesteps and label dropout: per rank, so that stratified strata are filled independently
-        self.gen = torch.Generator(self.device).manual_seed(seeds.derive(tc.seed, "timesteps", rank))
+        # per rank, so that stratified strata are filled independently; label dropout has its own stream
+        generators = Generators(torch.Generator(self.device).manual_seed(seeds.derive(tc.seed, "timesteps", rank)),
+                                torch.Generator(self.device).manual_seed(seeds.derive(tc.seed, "labels", rank)))
         self.state = TrainState(self.device)
+        self.parts = StepParts(self.model, self.objective, self.opt, generators, ema=self.ema, scaler=self.scaler,
+                               conditioning=conditioning.for_data(self.spec.num_classes, cfg.model.label_dropout,
+                                                                  generators.labels),
+                               precision=self.precision, grad_clip=o.grad_clip, counters=self.state, hooks=self.hooks,
+                               rank=rank, world_size=world)
         self._skip_marks: list[tuple[int, int]] = []  # (step, skipped so far) at the non-finite checks
         self._eval_reference = None  # read once, at the first evaluation
         self.images_per_step = d.batch_size * tc.grad_accum * world
@@ -112,15 +119,10 @@ class Trainer:
             model=self.model, optimizer=self.opt, ema=self.ema,
             states={"train": self.state, "lr_sched": self.lr_sched, "objective": self.objective, "data": self.data,
                     "interference": self.interference, "scaler": self.scaler},
-            rank_states={"rng": RankRNG(self.gen, tc.seed, self.state), "objective": self.objective})
-        self.step_fn = self._step  # or the same step replayed from one CUDA graph (graphs.py)
-        if tc.cuda_graph:
-            reason = graphs.unsupported(self.device, world, tc.grad_accum, self.objective, self.scaler, self.opt)
-            if reason:
-                if self.dist.is_main:
-                    print(f"fasttrain: train.cuda_graph: keeping the eager step ({reason})", file=sys.stderr)
-            else:
-                self.step_fn = graphs.GraphedStep(self._step, self.opt, self.gen)
+            rank_states={"rng": RankRNG(generators, tc.seed, self.state), "objective": self.objective})
+        # the step's body for one micro-batch: eager, or replayed from one CUDA graph (graphs.py)
+        self.step_fn = graphs.step_function(partial(update, self.parts), self.parts, tc.cuda_graph,
+                                            device=self.device, grad_accum=tc.grad_accum, announce=self.dist.is_main)
         peak = dist_utils.device_peak_flops()
         self.flops_per_image = 3 * forward_flops(cfg.model.name, in_channels=self.spec.channels,
                                                  image_size=self.spec.image_size, num_classes=self.spec.num_classes,
@@ -148,76 +150,18 @@ class Trainer:
             print(f"fasttrain: resume applies the changed {', '.join(changed)}", file=sys.stderr)
 
     # -- one optimizer step --------------------------------------------------------------------------
-    def _labels(self, y: torch.Tensor) -> torch.Tensor | None:
-        if not self.spec.num_classes:
-            return None
-        drop = torch.rand(y.shape, generator=self.gen, device=self.device) < self.cfg.model.label_dropout
-        return torch.where(drop, torch.full_like(y, self.spec.num_classes), y)
-
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step: the step function (eager, or replayed from a CUDA graph) on the step's
-        micro-batches, the look-ahead hooks around its optimizer update, the LR scheduler, counters."""
-        due = [h for h in self.hooks if h.due(self.step)]
-        lr = self.lr_sched.get_last_lr()[0]
+        """One optimizer step: the step function (step.py; its body replayed from a CUDA graph where it
+        can be) on the step's micro-batches, then the LR scheduler and the counters."""
         batches = [next(self.data) for _ in range(self.cfg.train.grad_accum)]
-        if len(batches) == 1 and not any(h.acts_before for h in due):
-            loss, gnorm, labels = self.step_fn(*batches[0])
-        else:  # several micro-batches, or a hook that must see the gradients before the update
-            loss, gnorm, labels = self._step(*[x for b in batches for x in b], before=due, lr=lr)
-        if due:  # after the update, gradients cleared (the step function's last act)
-            ctx = LookAheadContext(self.model, self.objective, batches[0][0], labels, self.step, self.dist.rank,
-                                   self.dist.world_size, lr=float(lr), optimizer=self.opt)
-            for h in due:
-                with self.precision.context():  # probes see the model as the forward does
-                    h.after_update(ctx)
-            self.opt.zero_grad(set_to_none=True)  # a hook may have run its own backward
+        loss, gnorm = run_step(self.parts, batches, step=self.step, lr=self.lr_sched.get_last_lr()[0],
+                               fixed=self.step_fn)
         self.lr_sched.step()
         self.state.step += 1
         self.state.images += self.images_per_step
         if self.step % self.cfg.diffusion.stats_every == 0:
             self.objective.sync_stats()
         return loss, gnorm
-
-    def _step(self, *tensors: torch.Tensor, before=(), lr: float | None = None):
-        """The step function: forward and backward of each micro-batch (`tensors` = x0, y, x0, y, ...),
-        then the update. No host sync and no host-side state change, so that with one micro-batch and
-        no `before` hooks a CUDA graph can capture it (graphs.py). Returns (loss, grad norm, the first
-        micro-batch's labels after dropout)."""
-        accum = len(tensors) // 2
-        total = torch.zeros((), device=self.device)
-        first = None
-        for m in range(accum):
-            x0, labels = tensors[2 * m], self._labels(tensors[2 * m + 1])
-            first = labels if m == 0 else first
-            with self.precision.context(cache=False):  # no autocast weight cache: a graph replays the casts
-                loss, _ = self.objective(self.model, x0, labels, self.gen)
-            scaled = loss / accum
-            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            total += loss.detach() / accum
-        if self.scaler:
-            self.scaler.unscale_(self.opt)  # true gradients before clipping (fp16)
-        clip = self.cfg.optim.grad_clip
-        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else math.inf)
-        if hasattr(gnorm, "full_tensor"):
-            gnorm = gnorm.full_tensor()  # a DTensor under FSDP
-        finite = torch.isfinite(total) & torch.isfinite(gnorm)
-        if before:  # the look-ahead brackets the optimizer step, not a micro-step
-            ctx = LookAheadContext(self.model, self.objective, tensors[0], first, self.step, self.dist.rank,
-                                   self.dist.world_size, lr=lr, optimizer=self.opt)
-            for h in before:
-                with self.precision.context():
-                    h.before_update(ctx)
-        if self.scaler:  # fp16: the scaler skips an overflowing step itself (found_inf) and adapts its scale
-            self.scaler.step(self.opt)
-            self.scaler.update()
-        else:
-            skip_if_not_finite(self.opt, finite)
-            self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.ema.update(self.model, applied=finite)
-        self.state.skipped += (~finite).long()
-        self.state.skipped_run.copy_((self.state.skipped_run + 1) * (~finite).long())
-        return total, gnorm.detach(), first
 
     # -- the run ---------------------------------------------------------------------------------------
     def fit(self) -> dict:

@@ -3,8 +3,8 @@
   TrainState   progress (steps, images: EDM2 counts images so a change of world size keeps it), the
                skipped-step counters (device tensors: the step never syncs), and the log interval's
                running sums, so that the first metric line after a resume covers the whole interval
-  RankRNG      this process's streams: the trainer's generator (timesteps, label dropout) and torch's
-               global RNGs; on another world size every rank gets a fresh stream derived from the step
+  RankRNG      this process's streams: the step's generators (timesteps; label dropout) and torch's
+               global RNGs; on another world size every rank gets fresh streams derived from the step
 """
 from __future__ import annotations
 
@@ -47,20 +47,27 @@ def _rng_state() -> dict:
 
 
 class RankRNG:
-    """Per-rank random streams. `train` gives the step a resume on another world size reseeds from."""
+    """Per-rank random streams (step.Generators). `train` gives the step a resume on another world size
+    reseeds from."""
 
-    def __init__(self, generator: torch.Generator, seed: int, train: TrainState):
-        self.gen, self.seed, self.train = generator, seed, train
+    def __init__(self, generators, seed: int, train: TrainState):
+        self.gens, self.seed, self.train = generators, seed, train
 
     def rank_state(self) -> dict:
-        return {"gen": self.gen.get_state(), **_rng_state()}
+        return {"gen": self.gens.timesteps.get_state(), "labels": self.gens.labels.get_state(), **_rng_state()}
 
     def load_rank_states(self, states: list[dict], rank: int, world_size: int) -> None:
         if len(states) != world_size:  # another world size: fresh per-rank streams
-            self.gen.manual_seed(seeds.derive(self.seed, "reseed", rank, self.train.step))
+            self.gens.timesteps.manual_seed(seeds.derive(self.seed, "reseed", rank, self.train.step))
+            self.gens.labels.manual_seed(seeds.derive(self.seed, "labels", rank, self.train.step))
             return
         mine = states[rank]
-        self.gen.set_state(mine["gen"])
+        self.gens.timesteps.set_state(mine["gen"])
+        if "labels" in mine:
+            self.gens.labels.set_state(mine["labels"])
+        else:  # a checkpoint from before label dropout had its own stream (it drew from the timesteps'):
+            # a fresh one, derived from the run seed, rank and step, so the resumed run stays deterministic
+            self.gens.labels.manual_seed(seeds.derive(self.seed, "labels", rank, self.train.step))
         torch.set_rng_state(mine["torch"])
         if "cuda" in mine and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(mine["cuda"])

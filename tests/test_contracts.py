@@ -1,12 +1,19 @@
 """The architecture's contracts (docs/architecture.md), each asserted: the kernel backend is decided at
-set-up and an impossible one is one line before any file is written."""
+set-up and an impossible one is one line before any file is written; the step's order is written in
+the step function only."""
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
 from fasttrain.cli import main
+from fasttrain.diffusion.lookahead import LookAhead
 from fasttrain.diffusion.objective import kernel_backend
 from fasttrain.errors import ConfigError, InvalidInput
 from fasttrain.kernels import native
+
+PACKAGE = Path(__file__).resolve().parents[1] / "fasttrain"
 
 TINY = ["train.progress=false", "sample.num=0", "eval.num_samples=0", "eval.bpd=false", "train.threads=1",
         "model.args.ch=8", "train.steps=2"]
@@ -36,3 +43,77 @@ def test_the_backend_is_decided_once_at_the_boundary():
     with pytest.raises(InvalidInput, match="needs CUDA tensors") as e:
         kernel_backend("triton", "cpu")
     assert not isinstance(e.value, ConfigError)
+
+
+# -- the step as one function over named parts ----------------------------------------------------------
+STEP_ORDER = {"backward", "zero_grad", "clip_grad_norm_", "skip_if_not_finite", "before_update", "after_update"}
+
+
+def test_no_step_order_outside_the_step_function():
+    """The step's order (backward, the finite skip, the optimizer step, the EMA, the look-ahead hooks) is
+    written in fasttrain/step.py only: no other module calls these, except the diagnostics that take
+    gradients of their own probes (interference.py: per-bucket gradients) and the modules that train
+    networks of their own: the adaptive sampler's policy (adaptive.py), the digits classifier (features.py)."""
+    own_gradients = {"diffusion/interference.py", "diffusion/adaptive.py", "features.py"}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = str(path.relative_to(PACKAGE))
+        if rel == "step.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            attr, owner = node.func.attr, ast.unparse(node.func.value)
+            if attr in STEP_ORDER and rel not in own_gradients:
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)[:80]}")
+            if attr == "step" and owner.split(".")[-1] in ("opt", "optimizer", "scaler") and rel not in own_gradients:
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)[:80]}")
+            if attr == "update" and owner.split(".")[-1] == "ema":
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert found == []
+
+
+def test_the_step_function_runs_a_step_directly(tmp_path):
+    """Called without a trainer, on named parts: labels dropped from their own stream (not the
+    timesteps'), the optimizer and the EMA stepped once, the skipped-step counters kept."""
+    from fasttrain import diffusion as fd
+    from fasttrain.conditioning import ClassLabels
+    from fasttrain.diffusion.denoiser import Denoiser, PredictionOutput
+    from fasttrain.ema import EMA
+    from fasttrain.models import build_model
+    from fasttrain.step import Generators, StepParts, train_step
+    from fasttrain.train_state import TrainState
+
+    sched = fd.schedule("linear", T=100)
+    net = Denoiser(build_model("mlp", in_channels=2, num_classes=3, hidden=16, depth=1),
+                   PredictionOutput("eps", sched), sched)
+    obj = fd.DiffusionObjective(sched, "eps", backend="torch")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    seen = []
+
+    class Spy(LookAhead):
+        every, acts_before = 1, True
+
+        def before_update(self, ctx):
+            seen.append(("before", ctx.labels.clone(), [p.detach().clone() for p in net.parameters()]))
+
+        def after_update(self, ctx):
+            seen.append(("after", ctx.step))
+
+    def run(label_seed):
+        gens = Generators(torch.Generator().manual_seed(1), torch.Generator().manual_seed(label_seed))
+        parts = StepParts(net, obj, opt, gens, ema=EMA(net), conditioning=ClassLabels(3, 0.5, gens.labels),
+                          counters=TrainState(torch.device("cpu")), hooks=[Spy()])
+        x0, y = torch.randn(8, 2), torch.arange(8) % 3
+        return parts, train_step(parts, [(x0, y)], step=4, lr=0.1), gens
+
+    before = [p.detach().clone() for p in net.parameters()]
+    parts, (loss, gnorm), gens = run(label_seed=2)
+    assert torch.isfinite(loss) and torch.isfinite(gnorm) and parts.ema.n == 1 and int(parts.counters.skipped) == 0
+    kind, labels, at_hook = seen[0]
+    assert kind == "before" and seen[1] == ("after", 4) and (labels == 3).any() and (labels < 3).any()
+    assert all(torch.equal(a, b) for a, b in zip(before, at_hook))  # the hook ran before the update
+    assert not any(torch.equal(a, p) for a, p in zip(before, net.parameters()))  # one update, all weights
+    _, _, other = run(label_seed=3)  # another label-dropout stream: the timestep stream is drawn alike
+    assert torch.equal(gens.timesteps.get_state(), other.timesteps.get_state())
+    assert not torch.equal(gens.labels.get_state(), torch.Generator().manual_seed(2).get_state())
