@@ -1,17 +1,17 @@
-"""The trainer: a model bundle (bundle.py) plus data, optimizer and the step loop.
+"""The trainer: a model bundle (bundle.py) plus data, optimizer, the step's parts and the run loop.
 
-Reads top to bottom: set-up (process group, data, network, parallelism, objective, optimizer),
-checkpoint state out and in, one optimizer step, the run loop, the end of the run. Progress is
-counted in images as well as steps (EDM2). The step never syncs with the host: losses, gradient
-norms and skipped-step counters stay on the device and are read once per `train.log_every` steps
-(the run of skipped steps every min(train.max_nonfinite, log_every) steps); a non-finite step is
-skipped on the device (fused AdamW's `found_inf`, the EMA weight set to 0).
+Reads top to bottom: set-up (the kernel backend, process group, data, network, parallelism, objective,
+optimizer, the step's named parts, the periodic actions), checkpoint state out and in, one optimizer
+step (step.py's function over the parts), the run loop, the end of the run. Progress is counted in
+images as well as steps (EDM2). The step never syncs with the host: losses, gradient norms and
+skipped-step counters stay on the device; what reads them back (the log line, the non-finite stop),
+saves or evaluates is a periodic action with its own period (periodic/), run in its declared order.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
-import time
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
-from . import conditioning, graphs, plots, seeds
+from . import conditioning, graphs, periodic, plots, seeds
 from . import distributed as dist_utils
 from .bundle import DataSpec, ModelBundle, build_network, build_objective
 from .config import plain
@@ -29,8 +29,7 @@ from .cpu import set_threads
 from .data import build_data
 from .diffusion.interference import InterferenceDiagnostic
 from .diffusion.objective import kernel_backend
-from .diffusion.variation import loss_cv
-from .errors import DeviceError, InvalidInput, NonFiniteStop
+from .errors import DeviceError, InvalidInput
 from .evaluate import EvalSettings, reference_for, run_evaluation
 from .logger import MetricLogger
 from .models import count_params, forward_flops
@@ -40,7 +39,7 @@ from .precision import resolve as resolve_precision
 from .step import Generators, StepParts, update
 from .step import train_step as run_step
 from .stopping import GracefulStop
-from .train_state import RankRNG, TrainState
+from .train_state import RankRNG, StepClock, TrainState
 
 
 class Trainer:
@@ -111,8 +110,10 @@ class Trainer:
                                                                   generators.labels),
                                precision=self.precision, grad_clip=o.grad_clip, counters=self.state, hooks=self.hooks,
                                rank=rank, world_size=world)
-        self._skip_marks: list[tuple[int, int]] = []  # (step, skipped so far) at the non-finite checks
         self._eval_reference = None  # read once, at the first evaluation
+        self.actions = periodic.build(cfg)  # logging, checkpoints, evaluation, ... (periodic/): declared, in order
+        self.views = {a: periodic.view(self, a) for a in self.actions}
+        self.clock: StepClock | None = None  # the log interval's training time, kept by fit
         self.images_per_step = d.batch_size * tc.grad_accum * world
         self.checkpoints = ckpt.CheckpointManager(
             self.run_dir, self.dist, meta={"config": OmegaConf.to_container(cfg), "data_spec": asdict(self.spec)},
@@ -159,23 +160,23 @@ class Trainer:
         self.lr_sched.step()
         self.state.step += 1
         self.state.images += self.images_per_step
-        if self.step % self.cfg.diffusion.stats_every == 0:
-            self.objective.sync_stats()
+        self._act(in_step=True)  # the step's bookkeeping actions: the statistics sync
         return loss, gnorm
 
     # -- the run ---------------------------------------------------------------------------------------
     def fit(self) -> dict:
         tc, main, st = self.cfg.train, self.dist.is_main, self.state
-        log = MetricLogger(self.run_dir, purge_step=self.step) if main else _NoLog()
+        self.log = MetricLogger(self.run_dir, purge_step=self.step) if main else _NoLog()
         if main:
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))  # the truth, resumed or not
         if self.step == 0:
-            log.log(0, params=self.num_params, images=0, world_size=self.dist.world_size)
+            self.log.log(0, params=self.num_params, images=0, world_size=self.dist.world_size)
         one = torch.ones((), device=self.device)
-        self._skip_marks = [(self.step, int(self.state.skipped))]  # where the non-finite rate is counted from
-        timed, t0 = 0, time.time()  # steps timed in this process (a resumed interval's earlier steps were not)
-        bar = tqdm(total=tc.steps, initial=self.step, desc="train", unit="step", disable=not (tc.progress and main),
-                   dynamic_ncols=True)
+        self.clock = StepClock()  # steps timed in this process (a resumed interval's earlier steps were not)
+        self.bar = tqdm(total=tc.steps, initial=self.step, desc="train", unit="step",
+                        disable=not (tc.progress and main), dynamic_ncols=True)
+        for action in self.actions:
+            action.start(self.views[action])
         try:
             with GracefulStop(self.dist.world_size) as stop:
                 while self.step < tc.steps:
@@ -183,110 +184,43 @@ class Trainer:
                     ok = torch.isfinite(loss) & torch.isfinite(gnorm)
                     st.interval += torch.stack([loss.double(), gnorm.double(), one.double()]).where(ok, 0.0)
                     st.interval_steps += 1
-                    timed += 1
-                    bar.update(1)
-                    if self.step % tc.log_every == 0 or self.step == tc.steps:
-                        self._log(log, bar, timed, time.time() - t0)
-                        timed, t0 = 0, time.time()
-                    if tc.max_nonfinite and self.step % min(tc.max_nonfinite, tc.log_every) == 0:
-                        self._check_nonfinite()
-                    paused = time.time()  # checkpoints and evaluations do not count as training time
-                    if tc.ckpt_every and self.step % tc.ckpt_every == 0:
-                        self._save_if_good()
-                    if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.step < tc.steps:
-                        self.evaluate(log)
-                    t0 += time.time() - paused
+                    self.clock.tick()
+                    self.bar.update(1)
+                    self._act(in_step=False)  # logging, the non-finite stop, checkpoints, evaluation, ...
                     if stop.should_stop():
-                        self._save_if_good()
+                        self._act_final()
                         raise KeyboardInterrupt
         except BaseException as e:
-            bar.close()
+            self.bar.close()
             # Nothing lost: a signal saves a resumable last.pt (above, at a step boundary); an error
             # saves crash.pt for inspection and keeps the last good last.pt. (Across ranks a collective
             # save could hang on a rank that died, so there the last periodic checkpoint is what resumes.)
             if not isinstance(e, KeyboardInterrupt) and self.dist.world_size == 1:
                 _report_failure("crash.pt not written", lambda: self.save("crash.pt"))
-            _report_failure("the log was not closed cleanly", log.close)  # the original error is the one raised
+            _report_failure("the log was not closed cleanly", self.log.close)  # the original error is the one raised
             raise
-        bar.close()
-        self._save_if_good()  # before the final sync, so that a resumed run continues exactly
+        self.bar.close()
+        self._act_final()  # the last checkpoint, before the final sync, so that a resumed run continues exactly
         self.objective.sync_stats()
-        summary = self.finish(log)
-        log.close()
+        summary = self.finish(self.log)
+        self.log.close()
         return summary
 
-    def _log(self, log, bar, timed: int, dt: float) -> None:
-        # the one host sync per log interval (and one all-reduce across ranks); loss and grad norm are
-        # means over the interval's steps that were not skipped (None when all were)
-        st = self.state
-        loss_sum, gn_sum, n_ok = dist_utils.mean_across_ranks(st.interval).tolist()
-        st.interval.zero_()
-        st.interval_steps = 0
-        mean_loss = loss_sum / n_ok if n_ok else None
-        stats = self.objective.stats
-        buckets = stats.bucketed(10, "raw") if stats is not None else None
-        img_s = timed * self.images_per_step / dt if dt > 0 else None
-        extra = self.objective.metrics()
-        if self.interference is not None:
-            extra.update(self.interference.metrics())
-        hook_s = sum(v for k, v in extra.items() if k.endswith("lookahead_s"))
-        cv = None if stats is None else float(loss_cv(stats, self.cfg.diagnostics.loss_cv_buckets))
-        log.log(self.step, images=self.images, loss=mean_loss, grad_norm=gn_sum / n_ok if n_ok else None,
-                lr=self.lr_sched.get_last_lr()[0], sec_per_step=dt / timed if timed else None, images_per_sec=img_s,
-                mfu=img_s * self.flops_per_image / self.peak_flops if self.peak_flops and img_s else None,
-                skipped_steps=int(st.skipped), loss_by_t_bucket=None if buckets is None else buckets["mean"],
-                loss_cv=cv, lookahead_share=hook_s / dt if self.hooks and dt > 0 else None, **extra)
-        bar.set_postfix(loss=f"{mean_loss:.4f}" if mean_loss is not None else "skipped")
+    def _act(self, in_step: bool) -> None:
+        """The periodic actions (periodic/) due after this step, in their declared order: those of the
+        step's bookkeeping (`in_step`, from train_step) or those of the run loop; actions that pause the
+        clock do not count as training time."""
+        last = self.step == self.cfg.train.steps
+        for action in self.actions:
+            if action.in_step == in_step and action.due(self.step, last):
+                with self.clock.paused() if action.pauses_clock and self.clock else contextlib.nullcontext():
+                    action(self.views[action])
 
-    def _check_nonfinite(self) -> None:
-        """Stop on a run of `max_nonfinite` skipped steps, or when at least `max_nonfinite_frac` of the
-        last max(100, max_nonfinite) steps were skipped (scattered bad batches never make a run)."""
-        tc, st = self.cfg.train, self.state
-        total, run = torch.stack([st.skipped, st.skipped_run]).tolist()  # one host read
-        marks = self._skip_marks
-        marks.append((self.step, total))
-        window = max(100, tc.max_nonfinite)
-        while len(marks) > 1 and marks[1][0] <= self.step - window:
-            marks.pop(0)
-        step0, total0 = marks[0]
-        frac = (total - total0) / max(self.step - step0, 1)
-        if run >= tc.max_nonfinite:
-            why = f"{run} non-finite steps in a row"
-        elif self.step - step0 >= window and frac >= tc.max_nonfinite_frac:
-            why = f"{total - total0} of the last {self.step - step0} steps were not finite"
-        else:
-            return
-        kept = "the last good checkpoint is kept" if self.checkpoints.latest() else "no checkpoint had been written"
-        crash = ", crash.pt holds this state" if self.dist.world_size == 1 else ""  # fit's handler writes it
-        raise NonFiniteStop(f"stopped at step {self.step}: {why} (skipped, weights kept); {kept}{crash} "
-                            f"(try a lower optim.lr, or check the data: `fasttrain data prepare`)")
-
-    def _weights_work(self) -> bool:
-        """Finite weights whose output is finite on a probe (the last update could have made them
-        huge but finite: the next step's loss would tell, the checkpoint must not wait for it)."""
-        if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
-            return False
-        x = torch.zeros((2,) + self.spec.shape, device=self.device)
-        t = torch.full((2,), self.objective.T // 2, device=self.device, dtype=torch.long)
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                out = self.model(x, t)
-        finally:
-            self.model.train()
-        return bool(torch.isfinite(out).all())
-
-    def _save_if_good(self) -> None:
-        """Never save over last.pt from a state whose last steps were not finite or whose weights are
-        not (the previous last.pt stays the one to resume from)."""
-        bad = int(self.state.skipped_run) > 0 or not self._weights_work()
-        if bad:
-            if self.dist.is_main:
-                kept = "the previous last.pt is kept" if self.checkpoints.latest() else "no checkpoint is written"
-                print(f"fasttrain: not saving at step {self.step}: the last steps were not finite ({kept})",
-                      file=sys.stderr)
-            return
-        self.save()
+    def _act_final(self) -> None:
+        """The actions that also act when the run stops or ends (`final`: the checkpoint)."""
+        for action in self.actions:
+            if action.final:
+                action(self.views[action])
 
     # -- the end of a run: samples, evaluation, plots -------------------------------------------------
     def eval_reference(self):

@@ -3,10 +3,14 @@
   TrainState   progress (steps, images: EDM2 counts images so a change of world size keeps it), the
                skipped-step counters (device tensors: the step never syncs), and the log interval's
                running sums, so that the first metric line after a resume covers the whole interval
+  StepClock    the log interval's training time (periodic actions that pause it left out)
   RankRNG      this process's streams: the step's generators (timesteps; label dropout) and torch's
                global RNGs; on another world size every rank gets fresh streams derived from the step
 """
 from __future__ import annotations
+
+import contextlib
+import time
 
 import torch
 
@@ -37,6 +41,31 @@ class TrainState:
         else:
             self.interval.zero_()
             self.interval_steps = 0
+
+
+class StepClock:
+    """The log interval's training time: steps timed in this process and the seconds since the interval
+    began, with the periodic actions that pause it (checkpoints, evaluations) left out."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.timed, self.t0 = 0, time.time()
+
+    def tick(self) -> None:
+        self.timed += 1
+
+    def read(self) -> tuple[int, float]:
+        return self.timed, time.time() - self.t0
+
+    @contextlib.contextmanager
+    def paused(self):
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.t0 += time.time() - start
 
 
 def _rng_state() -> dict:

@@ -1,6 +1,6 @@
 """The architecture's contracts (docs/architecture.md), each asserted: the kernel backend is decided at
 set-up and an impossible one is one line before any file is written; the step's order is written in
-the step function only."""
+the step function only; every periodic action is registered and declared."""
 import ast
 from pathlib import Path
 
@@ -117,3 +117,33 @@ def test_the_step_function_runs_a_step_directly(tmp_path):
     _, _, other = run(label_seed=3)  # another label-dropout stream: the timestep stream is drawn alike
     assert torch.equal(gens.timesteps.get_state(), other.timesteps.get_state())
     assert not torch.equal(gens.labels.get_state(), torch.Generator().manual_seed(2).get_state())
+
+
+# -- periodic actions as declared components ------------------------------------------------------------
+def test_every_periodic_action_is_registered_and_declared(tmp_path):
+    """The five actions the run loop had hard-wired are registered components with a unique order and
+    declared reads and outputs; the trainer runs exactly the registered ones, decides none of their
+    periods, and every attribute an action declares it reads exists on a trainer that has run."""
+    from fasttrain.configure import load_config
+    from fasttrain.periodic import PERIODIC, Periodic, RunView
+    from fasttrain.train import Trainer
+
+    assert {"stats_sync", "log", "nonfinite", "checkpoint", "evaluation"} <= set(PERIODIC.names())
+    source = (PACKAGE / "train.py").read_text()
+    for key in ("log_every", "ckpt_every", "stats_every", "max_nonfinite", "eval.every"):
+        assert key not in source, key
+    tr = Trainer(load_config("default", [f"run_dir={tmp_path}", "train.log_every=1", "train.ckpt_every=1"] + TINY))
+    try:
+        tr.fit()
+        assert sorted(type(a).name for a in tr.actions) == sorted(PERIODIC.names())
+        assert [a.order for a in tr.actions] == sorted({a.order for a in tr.actions})  # unique, in order
+        for a in tr.actions:
+            assert isinstance(a, Periodic) and isinstance(a.reads, tuple) and isinstance(a.saves, tuple)
+            for name in a.reads:
+                getattr(tr, name)
+        log = next(a for a in tr.actions if a.name == "log")
+        with pytest.raises(AttributeError, match="reads 'model' but does not declare it"):
+            RunView(tr, log).model  # noqa: B018
+    finally:
+        tr.close()
+    assert (tmp_path / "last.pt").is_file() and (tmp_path / "metrics.jsonl").is_file()
