@@ -34,7 +34,7 @@ from .models import build_model, weights_from_checkpoint
 @dataclass(frozen=True)
 class DataSpec:
     """What the network was trained on: enough to generate and to judge samples without the data."""
-    name: str                  # the data set (digits, moons, folder, latents, ...)
+    name: str                  # the data kind (data/kinds.py): what it is, its `traits`
     channels: int
     image_size: int | None     # None for 2-D toy data
     num_classes: int           # 0 = unconditional
@@ -51,8 +51,16 @@ class DataSpec:
         return (self.channels,) + ((self.image_size,) * 2 if self.image_size else ())
 
     @property
+    def traits(self):
+        """The data kind's declared traits (data/kinds.py)."""
+        from .data import traits
+
+        return traits(self.name)
+
+    @property
     def is_images(self) -> bool:
-        return self.image_size is not None and self.name not in ("latents", "synthetic")
+        """Image pixels in [-1, 1] (clipped when generated, discrete bits/dim, judged as images)."""
+        return self.image_size is not None and self.traits.pixels
 
 
 def build_network(cfg: DictConfig, spec: DataSpec) -> Denoiser:
@@ -168,7 +176,7 @@ class ModelBundle:
         return self.codec.decode(x)
 
     def image_spec(self, images: torch.Tensor) -> DataSpec:
-        """The data spec of decoded samples (for grids and image metrics)."""
+        """The data spec of decoded samples (the data kind `decoded`: images; for grids and image metrics)."""
         s = self.spec
         return DataSpec("decoded", images.shape[1], images.shape[-1], s.num_classes, s.label_dropout)
 

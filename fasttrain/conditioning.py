@@ -32,6 +32,10 @@ class ClassLabels:
         return torch.where(drop, torch.full_like(y, self.num_classes), y)
 
 
-def for_data(num_classes: int, label_dropout: float, generator: torch.Generator) -> ClassLabels | Unconditional:
-    """The conditioning of a run whose data have `num_classes` classes (0: unconditional)."""
-    return ClassLabels(num_classes, label_dropout, generator) if num_classes else Unconditional()
+def for_data(spec, label_dropout: float, generator: torch.Generator) -> ClassLabels | Unconditional:
+    """The conditioning of a run on data `spec` (bundle.DataSpec): what its data kind declares it
+    conditions on (data/kinds.py, `Traits.conditioning`); class labels where the run has classes (0 when
+    the model is not class-conditional), else none."""
+    if spec.traits.conditioning == "class" and spec.num_classes:
+        return ClassLabels(spec.num_classes, label_dropout, generator)
+    return Unconditional()

@@ -105,11 +105,10 @@ class Trainer:
         generators = Generators(torch.Generator(self.device).manual_seed(seeds.derive(tc.seed, "timesteps", rank)),
                                 torch.Generator(self.device).manual_seed(seeds.derive(tc.seed, "labels", rank)))
         self.state = TrainState(self.device)
+        cond = conditioning.for_data(self.spec, cfg.model.label_dropout, generators.labels)
         self.parts = StepParts(self.model, self.objective, self.opt, generators, ema=self.ema, scaler=self.scaler,
-                               conditioning=conditioning.for_data(self.spec.num_classes, cfg.model.label_dropout,
-                                                                  generators.labels),
-                               precision=self.precision, grad_clip=o.grad_clip, counters=self.state, hooks=self.hooks,
-                               rank=rank, world_size=world)
+                               conditioning=cond, precision=self.precision, grad_clip=o.grad_clip, counters=self.state,
+                               hooks=self.hooks, rank=rank, world_size=world)
         self._eval_reference = None  # read once, at the first evaluation
         self.actions = periodic.build(cfg)  # logging, checkpoints, evaluation, ... (periodic/): declared, in order
         self.views = {a: periodic.view(self, a) for a in self.actions}

@@ -1,6 +1,7 @@
 """The architecture's contracts (docs/architecture.md), each asserted: the kernel backend is decided at
-set-up and an impossible one is one line before any file is written; the step's order is written in
-the step function only; every periodic action is registered and declared."""
+set-up and an impossible one is one line before any file is written; no module outside data/ compares
+data-set names; the step's order is written in the step function only; every periodic action is
+registered and declared."""
 import ast
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from fasttrain.cli import main
+from fasttrain.data import DATA_KINDS, Traits, build_data, data_kind
 from fasttrain.diffusion.lookahead import LookAhead
 from fasttrain.diffusion.objective import kernel_backend
 from fasttrain.errors import ConfigError, InvalidInput
@@ -43,6 +45,47 @@ def test_the_backend_is_decided_once_at_the_boundary():
     with pytest.raises(InvalidInput, match="needs CUDA tensors") as e:
         kernel_backend("triton", "cpu")
     assert not isinstance(e.value, ConfigError)
+
+
+# -- data sets with declared traits ---------------------------------------------------------------------
+def _string_constants(node) -> set[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return set().union(set(), *(_string_constants(e) for e in node.elts))
+    return set()
+
+
+def test_no_module_outside_data_compares_data_set_names():
+    """Outside fasttrain/data/ a data set is asked for its traits (data/kinds.py), never compared by
+    name: no comparison with a data set's name (==, !=, in) and no table keyed by one."""
+    names = set(DATA_KINDS.names())
+    assert {"digits", "folder", "latents", "synthetic", "moons"} <= names
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.relative_to(PACKAGE).parts[0] == "data":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            operands = [node.left, *node.comparators] if isinstance(node, ast.Compare) else []
+            operands += [k for k in node.keys if k is not None] if isinstance(node, ast.Dict) else []
+            for side in operands:
+                named = {n.id for n in ast.walk(side) if isinstance(n, ast.Name)} & {"TOYS", "DATASETS"}
+                if _string_constants(side) & names or named:
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert found == []
+
+
+def test_every_data_kind_declares_its_traits_and_builds_what_they_say():
+    for name in DATA_KINDS.names():
+        kind = data_kind(name)
+        assert isinstance(kind.traits, Traits) and kind.name == name
+        assert kind.traits.conditioning in ("class", "none")
+        assert not (kind.traits.latents and kind.traits.pixels)
+        if kind.traits.resident and kind.trainable:  # built-in: build one batch and check the declaration
+            stream, info = build_data(name, batch_size=4, image_size=8, channels=3)
+            x0, y = next(stream)
+            assert (x0.ndim == 4) == kind.traits.images and (info.image_size is not None) == kind.traits.images
+            assert (info.num_classes > 0) == (kind.traits.conditioning == "class")
 
 
 # -- the step as one function over named parts ----------------------------------------------------------
