@@ -20,7 +20,6 @@ from .kinds import DATA_KINDS, DataArgs, DataInfo, DataKind, Reference, Traits, 
 
 _discover(__name__)  # the data kinds in their own modules (image_folder.py, ...) register themselves
 
-DATASETS = names()
 BACKENDS = ("auto", "torch", "dali")
 
 
@@ -45,13 +44,13 @@ def build_data(name: str, *, batch_size: int, seed: int = 0, image_size: int = 8
                backend: str = "auto", manifest: str | None = None, crop: str = "center", flip: bool = True,
                rank: int = 0, world_size: int = 1, latent_norm: str = "auto"):
     """Return (stream, DataInfo) for the data kind `name` (a built-in set, an image or a latent folder)."""
-    if name not in DATASETS:
-        raise InvalidInput(f"unknown data set {name!r}; choose from {', '.join(DATASETS)}")
+    if name not in names():
+        raise InvalidInput(f"unknown data set {name!r}; choose from {', '.join(names())}")
     reader = resolve_backend(backend, name)
     args = DataArgs(batch_size, seed, image_size, root, channels, holdout, device, num_workers, split, backend,
                     manifest, crop, flip, rank, world_size, latent_norm)
     return data_kind(name).build(args, reader)
 
 
-__all__ = ["BACKENDS", "DATASETS", "DATA_KINDS", "DataArgs", "DataInfo", "DataKind", "Reference", "TOYS", "Traits",
+__all__ = ["BACKENDS", "DATA_KINDS", "DataArgs", "DataInfo", "DataKind", "Reference", "TOYS", "Traits",
            "build_data", "data_kind", "digits", "names", "resolve_backend", "synthetic", "toy", "traits"]
