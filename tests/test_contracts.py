@@ -1,7 +1,7 @@
 """The architecture's contracts (docs/architecture.md), each asserted: the kernel backend is decided at
 set-up and an impossible one is one line before any file is written; no module outside data/ compares
 data-set names; the step's order is written in the step function only; every periodic action is
-registered and declared."""
+registered and declared; the objective declares what its callers use."""
 import ast
 from pathlib import Path
 
@@ -190,3 +190,27 @@ def test_every_periodic_action_is_registered_and_declared(tmp_path):
     finally:
         tr.close()
     assert (tmp_path / "last.pt").is_file() and (tmp_path / "metrics.jsonl").is_file()
+
+
+# -- the objective declares what its callers use --------------------------------------------------------
+def test_every_attribute_callers_use_of_the_objective_is_declared_on_the_base_class():
+    """What the trainer, the step, the periodic actions, the look-aheads, the diagnostics, the plots and
+    the bundle read of an objective exists on `Objective` itself (a method, a property or an attribute
+    its constructor sets), so a new prediction kind sees its whole contract in one class."""
+    from fasttrain import diffusion as fd
+    from fasttrain.diffusion.objective import Objective
+
+    sched = fd.schedule("linear", T=100)
+    base = Objective(sched, torch.ones(100), "uniform", sampler_args=None, stats=True, stat_kinds=("raw", "weighted"),
+                     learned_weighting=False, backend="torch", seed=0)
+    owners = {"objective", "self.objective", "parts.objective", "run.objective", "ctx.objective", "tr.objective"}
+    used = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and ast.unparse(node.value) in owners:
+                used.add(node.attr)
+    assert {"sync_stats", "probe_loss", "effective_weight", "kernels", "metrics"} <= used
+    undeclared = sorted(a for a in used if not hasattr(Objective, a) and not hasattr(base, a))
+    assert undeclared == []
+    for name in ("from_config", "forward", "probe_loss", "effective_weight", "output_head"):
+        assert getattr(Objective, name).__doc__, name

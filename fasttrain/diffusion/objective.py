@@ -84,7 +84,10 @@ def config_options(diffusion, schedule: NoiseSchedule) -> dict:
 
 class Objective(nn.Module):
     """The shared part: tables, sampler, statistics, noise counter, persistence and the trainer's hooks.
-    Subclasses implement `forward` and `probe_loss`, and the class-level network contract."""
+    Everything its callers use is declared here (docs/architecture.md, "Objective"): subclasses implement
+    `from_config`, `forward`, `probe_loss`, `effective_weight` and the class-level network contract
+    (`output_head` at least); `prediction` names the kind (a prediction type, or a registered kind)."""
+    prediction: str
 
     def __init__(self, schedule: NoiseSchedule, weight: torch.Tensor, sampler, *, sampler_args: dict | None,
                  stats: TimestepStats | bool, stat_kinds: tuple[str, ...], learned_weighting: bool, backend: str,
@@ -147,6 +150,13 @@ class Objective(nn.Module):
             self._kernels[device] = kernel_backend(self.backend, device)
         return self._kernels[device]
 
+    @classmethod
+    def from_config(cls, diffusion, schedule: NoiseSchedule, output: nn.Module | None = None, **kw) -> Objective:
+        """The objective of a run's `diffusion` config group on `schedule`, reading its tables from `output`
+        (the network's output head); `kw`: what the bundle decides (weighting and sampler arguments,
+        statistics, learned weighting, the kernel backend, the noise seed)."""
+        raise NotImplementedError
+
     # -- the network contract (class level: the bundle builds the network before any objective) ------
     @classmethod
     def out_channels(cls, diffusion, channels: int) -> int | None:
@@ -168,6 +178,18 @@ class Objective(nn.Module):
         """What this prediction kind needs of the rest of the config (configure.py); InvalidInput."""
 
     # -- one step --------------------------------------------------------------------------------
+    def forward(self, model, x0: torch.Tensor, cond=None, generator: torch.Generator | None = None,
+                t: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """(the batch's loss, info: t, iw, per-sample raw/weighted losses, ...) for the network `model` on
+        data x0 with condition `cond`: the timesteps from the sampler (or `t`, iw = 1), the noise and
+        loss ops, the statistics recorded; the step (step.py) calls it and backpropagates the loss."""
+        raise NotImplementedError
+
+    def probe_loss(self, model, x0: torch.Tensor, t: torch.Tensor, eps: torch.Tensor, cond=None) -> torch.Tensor:
+        """Per-sample loss (iw = 1) at the given t and eps, with no statistics and no noise-counter move,
+        differentiable in the model's parameters: for probes (the interference diagnostic, look-aheads)."""
+        raise NotImplementedError
+
     def noise(self, like: torch.Tensor) -> torch.Tensor:
         """The eps of the next (seed, offset) (what the kernels draw without noise options); advances the offset."""
         eps = philox.randn(like.shape, self.seed, self.offset.to(like.device), like.device)
@@ -239,6 +261,11 @@ class Objective(nn.Module):
     def head_errors(self) -> dict | None:
         """Per-head running x0 error per timestep (mixed prediction's third plot row), or None."""
         return None
+
+    def effective_weight(self, probs: torch.Tensor | None = None) -> torch.Tensor:
+        """T·p(t)·iw(t)·w(t)·c(t): the x0-space weight of each timestep in this objective (plots), for the
+        sampler's marginal or the given `probs`."""
+        raise NotImplementedError
 
     def _effective(self, prediction: str, probs: torch.Tensor | None) -> torch.Tensor:
         p = self.probs() if probs is None else probs
