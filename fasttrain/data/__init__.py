@@ -47,8 +47,8 @@ def build_data(name: str, *, batch_size: int, seed: int = 0, image_size: int = 8
     if name not in names():
         raise InvalidInput(f"unknown data set {name!r}; choose from {', '.join(names())}")
     reader = resolve_backend(backend, name)
-    args = DataArgs(batch_size, seed, image_size, root, channels, holdout, device, num_workers, split, backend,
-                    manifest, crop, flip, rank, world_size, latent_norm)
+    args = DataArgs(batch_size, seed, image_size, root, channels, holdout, device, num_workers, split, manifest, crop,
+                    flip, rank, world_size, latent_norm)
     return data_kind(name).build(args, reader)
 
 

@@ -58,7 +58,6 @@ class DataArgs:
     device: torch.device | str = "cpu"
     num_workers: int = 0
     split: str = "train"
-    backend: str = "auto"
     manifest: str | None = None
     crop: str = "center"
     flip: bool = True
