@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cases import machine
+from interleaved import interleave
 
 from fasttrain import diffusion as fd
 from fasttrain.diffusion import mixed as M
@@ -106,26 +107,9 @@ class Case:
         return self.fused("triton", seed=1, offset=0)
 
 
-def timed(fn, device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
 def run(gate: str, device, names: list[str]) -> dict[str, list[float]]:
-    case = Case(gate, device)
-    for impl in names:  # warm up (allocator, thread pool, Triton compilation)
-        getattr(case, impl)()
-    times = {impl: [] for impl in names}
-    for r in range(ROUNDS):
-        order = names[r % len(names):] + names[: r % len(names)]
-        for impl in order:
-            times[impl].append(timed(getattr(case, impl), case.device))
-    return times
+    case = Case(gate, device)  # each implementation warmed up once (allocator, thread pool, Triton compilation)
+    return interleave({impl: getattr(case, impl) for impl in names}, case.device, ROUNDS)
 
 
 def main():

@@ -3,8 +3,9 @@
     python bench/step_time.py [--steps 200] [--rounds 5] [--threads 2]
 
 The default preset's step (README: tiny UNet on a 16x1x8x8 digits batch, eps-prediction, Min-SNR-5,
-uniform t, AdamW), measured on `fasttrain.diffusion.DiffusionObjective` directly, since the step
-is what changes between backends: forward, loss, backward, optimizer step, per-timestep statistics.
+uniform t, AdamW), measured through the trainer's own step function (fasttrain/step.py) on the
+objective, the model and the optimizer alone, since the step is what changes between backends:
+forward, loss, backward, clip, optimizer step, per-timestep statistics.
 The two backends run in interleaved blocks of `--steps` steps (`--rounds` blocks each, alternating
 which goes first), so that load from other processes hits both alike. Writes
 bench/results/step-cpu[-<threads>thread].{json,md}.
@@ -27,6 +28,7 @@ from cases import machine
 from fasttrain import diffusion as fd
 from fasttrain.data.builtin import digits
 from fasttrain.models import build_model
+from fasttrain.step import Generators, StepParts, train_step
 
 
 class Run:
@@ -37,7 +39,7 @@ class Run:
         self.model = build_model("unet_tiny", in_channels=1, image_size=8, num_classes=10)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.x0, self.labels = x0, labels
-        self.g = torch.Generator().manual_seed(0)
+        self.parts = StepParts(self.model, self.objective, self.opt, Generators(torch.Generator().manual_seed(0)))
         self.i = 0
 
     def steps(self, n: int) -> float:
@@ -47,10 +49,7 @@ class Run:
         for _ in range(n):
             j = (self.i * B) % (len(self.x0) - B)
             self.i += 1
-            loss, _ = self.objective(self.model, self.x0[j:j + B], self.labels[j:j + B], self.g)
-            loss.backward()
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
+            train_step(self.parts, [(self.x0[j:j + B], self.labels[j:j + B])], step=self.i)
         return (time.perf_counter() - t0) / n
 
 

@@ -34,7 +34,7 @@ from .models import build_model, weights_from_checkpoint
 @dataclass(frozen=True)
 class DataSpec:
     """What the network was trained on: enough to generate and to judge samples without the data."""
-    name: str                  # the data set (digits, moons, folder, latents, ...)
+    name: str                  # the data kind (data/kinds.py): what it is, its `traits`
     channels: int
     image_size: int | None     # None for 2-D toy data
     num_classes: int           # 0 = unconditional
@@ -51,8 +51,16 @@ class DataSpec:
         return (self.channels,) + ((self.image_size,) * 2 if self.image_size else ())
 
     @property
+    def traits(self):
+        """The data kind's declared traits (data/kinds.py)."""
+        from .data import traits
+
+        return traits(self.name)
+
+    @property
     def is_images(self) -> bool:
-        return self.image_size is not None and self.name not in ("latents", "synthetic")
+        """Image pixels in [-1, 1] (clipped when generated, discrete bits/dim, judged as images)."""
+        return self.image_size is not None and self.traits.pixels
 
 
 def build_network(cfg: DictConfig, spec: DataSpec) -> Denoiser:
@@ -72,9 +80,11 @@ def build_network(cfg: DictConfig, spec: DataSpec) -> Denoiser:
                     logvar_seed=seeds.derive(cfg.train.seed, "logvar"))
 
 
-def build_objective(cfg: DictConfig, net: Denoiser | None = None, rank: int = 0, stats: bool = True) -> Objective:
+def build_objective(cfg: DictConfig, net: Denoiser | None = None, rank: int = 0, stats: bool = True,
+                    backend: str | None = None) -> Objective:
     """The training objective of the config's prediction kind; `net` is the network it trains (its
-    output head receives what the objective learns for generation, e.g. mixed argmin's choice)."""
+    output head receives what the objective learns for generation, e.g. mixed argmin's choice);
+    `backend` the concrete kernel backend decided at set-up (default: the config's choice)."""
     df = cfg.diffusion
     sched = make_schedule(df.schedule, df.T, df.zero_terminal_snr)
     sampler_args = plain(df.sampler_args)
@@ -83,7 +93,7 @@ def build_objective(cfg: DictConfig, net: Denoiser | None = None, rank: int = 0,
     kind = objective_class(df.prediction)
     return kind.from_config(df, sched, output=None if net is None else net.output,
                             weighting_args=plain(df.weighting_args), sampler_args=sampler_args, stats=stats,
-                            learned_weighting=df.learned_weighting, backend=df.backend,
+                            learned_weighting=df.learned_weighting, backend=backend or df.backend,
                             seed=seeds.derive(cfg.train.seed, "noise", rank))
 
 
@@ -167,7 +177,7 @@ class ModelBundle:
         return self.codec.decode(x)
 
     def image_spec(self, images: torch.Tensor) -> DataSpec:
-        """The data spec of decoded samples (for grids and image metrics)."""
+        """The data spec of decoded samples (the data kind `decoded`: images; for grids and image metrics)."""
         s = self.spec
         return DataSpec("decoded", images.shape[1], images.shape[-1], s.num_classes, s.label_dropout)
 

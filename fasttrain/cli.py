@@ -298,7 +298,7 @@ def _sample(args) -> int:
         spec = b.image_spec(x)
     ref = None if spec.image_size else reference_for(b.cfg, spec).train
     plots.save_samples(out / "grid.png", x, spec, reference=ref)
-    if spec.image_size and spec.name != "latents":
+    if spec.image_size and not spec.traits.latents:
         for i, img in enumerate(x):
             save_image(img * 0.5 + 0.5, out / f"{i:05d}.png")
     else:

@@ -23,7 +23,7 @@ __all__ = ["choices", "load_config", "validate"]
 def choices() -> dict[str, tuple[str, ...]]:
     """Every key whose values come from a registry or a component's fixed set, for --help and checks."""
     from .data import BACKENDS as DATA_BACKENDS
-    from .data import DATASETS
+    from .data import names as data_names
     from .diffusion import SAMPLERS, SCHEDULES, WEIGHTINGS
     from .diffusion.objective import BACKENDS, prediction_kinds
     from .diffusion.solvers import SOLVERS
@@ -32,7 +32,7 @@ def choices() -> dict[str, tuple[str, ...]]:
     from .parallel import AC_MODES, COMPILE, COMPILE_MODES, STRATEGIES
     from .precision import PRECISIONS
 
-    return {"data.name": DATASETS, "data.backend": DATA_BACKENDS, "model.name": MODELS.names(),
+    return {"data.name": data_names(), "data.backend": DATA_BACKENDS, "model.name": MODELS.names(),
             "diffusion.schedule": SCHEDULES, "diffusion.prediction": prediction_kinds(),
             "diffusion.weighting": WEIGHTINGS.names(), "diffusion.sampler": SAMPLERS.names(),
             "diffusion.backend": BACKENDS, "sample.solver": SOLVERS.names(), "eval.extractor": EXTRACTORS,
@@ -69,7 +69,7 @@ class _Key:
 def validate(cfg: DictConfig) -> None:
     """Every choice against its registry, every argument against its component, and the combinations
     that cannot work; one line naming the key."""
-    from .data import TOYS
+    from .data import data_kind
     from .diffusion import PREDICTIONS, SAMPLERS, WEIGHTINGS, loss_weight, timestep_sampler
     from .diffusion import schedule as make_schedule
     from .diffusion.objective import objective_class
@@ -94,20 +94,19 @@ def validate(cfg: DictConfig) -> None:
         if complete is not None:  # e.g. a pretrained folder's architecture: the checkpoint rebuilds without it
             cfg.model.args = complete(args)
             args = plain(cfg.model.args)
-    toy = cfg.data.name in TOYS
-    if toy == is_image_model(cfg.model.name):
-        kind = "2-D points" if toy else "images"
+    data = data_kind(cfg.data.name)  # what the data set is: its declared traits (data/kinds.py)
+    images = data.traits.images
+    if images != is_image_model(cfg.model.name):
+        kind = "images" if images else "2-D points"
         raise ConfigError(f"bad value for 'model.name': {cfg.model.name!r} does not take {kind} "
-                          f"(data.name={cfg.data.name}; {'use mlp' if toy else 'use an image model'})")
-    if cfg.data.name in ("folder", "latents") and not cfg.data.root:
-        raise ConfigError(f"bad value for 'data.root': None (a folder is needed for data.name={cfg.data.name})")
-    if cfg.data.name in ("folder", "latents"):
+                          f"(data.name={cfg.data.name}; {'use an image model' if images else 'use mlp'})")
+    with _Key("data"):
+        data.check(cfg.data)  # its own rules (a folder needs data.root, ...), naming the key
+    if data.traits.needs_root:
         check_run_dir(cfg)
-    if cfg.data.name == "folder" and cfg.data.channels not in (1, 3):
-        raise ConfigError(f"bad value for 'data.channels': {cfg.data.channels!r} (1 (grey) or 3 (RGB))")
     from .diffusion import noise_options
 
-    noise_options.check_config(d.noise, images=not toy)  # the cross-key rules, one line naming the key
+    noise_options.check_config(d.noise, images=images)  # the cross-key rules, one line naming the key
     with _Key("diffusion.noise"):
         noise_options.options(d.noise)
     with _Key("diffusion.T", cfg):
@@ -125,7 +124,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"bad value for 'sample.eta': {s.eta!r} (solver {s.solver} takes no eta)")
     with _Key("sample.eta", cfg):
         check_options(s.solver, sched, eta=s.eta)
-    if cfg.data.name in ("digits", "folder", "synthetic"):  # latents bring their own size
+    if data.traits.sized_by_config:  # latents bring their own size, points have none
         with _Key("data.image_size", cfg):
             MODELS.check(cfg.model.name, image_size=cfg.data.image_size, **args)
         check_memory(cfg)
@@ -146,9 +145,7 @@ def check_run_dir(cfg: DictConfig) -> None:
 
 def check_ranges(cfg: DictConfig) -> None:
     """The ranges that depend on another key (config.py checks each key's own): counts of timesteps at
-    most diffusion.T where they are used, the digits held out, AdamW's decay factor."""
-    from .data.builtin import DIGITS_SIZE
-
+    most diffusion.T where they are used, AdamW's decay factor (a data kind checks its own sizes)."""
     dc, T = cfg.diffusion, cfg.diffusion.T
     per_t = {"sample.steps": cfg.sample.num > 0, "eval.steps": cfg.eval.num_samples > 0,
              "eval.bpd_timesteps": cfg.eval.bpd, "diagnostics.buckets": cfg.diagnostics.interference_every > 0,
@@ -158,13 +155,6 @@ def check_ranges(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if used and value > T:
             raise ConfigError(f"bad value for '{key}': {value!r} (at most diffusion.T = {T})")
-    d = cfg.data
-    if d.name == "digits" and d.batch_size >= DIGITS_SIZE:
-        raise ConfigError(f"bad value for 'data.batch_size': {d.batch_size!r} (digits has {DIGITS_SIZE} images, "
-                          f"data.holdout={d.holdout} of them held out)")
-    if d.name == "digits" and d.holdout > DIGITS_SIZE - d.batch_size:
-        raise ConfigError(f"bad value for 'data.holdout': {d.holdout!r} (digits has {DIGITS_SIZE} images and "
-                          f"one batch of data.batch_size={d.batch_size} must stay for training)")
     o = cfg.optim
     if o.lr * o.weight_decay >= 1:  # AdamW scales the weights by 1 - lr·wd each step (Loshchilov & Hutter, Alg. 2)
         raise ConfigError(f"bad value for 'optim.weight_decay': {o.weight_decay!r} (AdamW multiplies the "
@@ -196,12 +186,12 @@ def check_memory(cfg: DictConfig) -> None:
     built-in data resident on the device; one batch of x0, x_t, the prediction and its gradient in
     fp32) against the device's memory. A lower bound (activations come on top): it refuses sizes that
     cannot fit, in one line, instead of an allocation failure deep inside torch or the OOM killer."""
-    from .data.builtin import DIGITS_SIZE
+    from .data import data_kind
 
     d = cfg.data
-    channels = 1 if d.name == "digits" else d.channels
-    per_image = channels * d.image_size**2 * 4
-    resident = {"digits": DIGITS_SIZE - d.holdout, "synthetic": 4096}.get(d.name, 0) * per_image
+    kind = data_kind(d.name)
+    per_image = kind.channels(d) * d.image_size**2 * 4
+    resident = kind.resident_items(d) * per_image
     need = resident + 4 * d.batch_size * per_image
     have, whose = _memory_bytes(cfg.train.device)
     if need > have:  # the key to change: the image size if a batch of one cannot fit either, else the batch

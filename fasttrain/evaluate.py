@@ -3,17 +3,18 @@ and the negative ELBO in bits/dim (fasttrain/diffusion/nelbo.py).
 
 Feature extractors: "fasttrain-digits" (the project's own digits classifier, offline: features.py) for
 the built-in digits, and torch-fidelity's Inception ("inception-v3-compat") for real images, with
-`weights_path` for machines that cannot download its weights. The reference data come from the
-built-in data sets, or from a folder (the run's `data.root` if it still exists, or `--ref PATH`).
+`weights_path` for machines that cannot download its weights. The reference data come from the run's
+data kind (data/kinds.py: the built-in data sets, or a folder: the run's `data.root` if it still
+exists, or `--ref PATH`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
 
+from .data.kinds import Reference
 from .diffusion.nelbo import nelbo_bits_per_dim
 from .errors import InvalidInput, UserError
 
@@ -86,85 +87,20 @@ def fidelity(samples: torch.Tensor, reference: torch.Tensor, extractor: str = "f
 
 
 # -- reference data --------------------------------------------------------------------------------
-@dataclass
-class Reference:
-    """Real data to compare with: `train` images for FID, `test` (held out where there is one) for bpd."""
-    train: torch.Tensor | None
-    test: torch.Tensor | None
-    source: str
-    test_labels: torch.Tensor | None = None
-
-
 def reference_for(cfg, spec, ref_path: str | None = None, n: int = 5000) -> Reference:
-    """Built-in data from the config; folders from `ref_path`, else the run's data.root if it exists."""
-    from .data import TOYS, digits, toy
+    """The real data evaluations compare with, as the run's data kind provides it (data/kinds.py):
+    built-in data from the config; folders from `ref_path`, else the run's data.root if it exists."""
+    from .data import data_kind
 
-    d = cfg.data
-    if ref_path is None and spec.name == "digits":
-        test, labels = digits(spec.image_size, "test", holdout=d.holdout)
-        return Reference(digits(spec.image_size, "train", holdout=d.holdout)[0][:n], test, "digits", labels)
-    if ref_path is None and spec.name == "synthetic":
-        return Reference(None, None, "none (synthetic data have nothing to compare with)")
-    if ref_path is None and spec.name in TOYS:
-        return Reference(toy(spec.name, n=n, seed=0), toy(spec.name, n=n, seed=1), spec.name)
-    if spec.latents:
-        return _latent_reference(spec, d, ref_path, n)
-    root = ref_path or d.root
-    if not root or not Path(root).is_dir():
-        return Reference(None, None, f"none (the training folder {root!r} is gone: pass --ref PATH)")
-    x = _folder_items(root, spec, d, n)
-    return Reference(x, x, str(root))
-
-
-def _folder_items(root: str, spec, d, n: int) -> torch.Tensor:
-    """The first n items of a folder (images unflipped, resized like the training data)."""
-    from .data.folder import ImageFolderDataset, LatentFolderDataset
-    from .data.manifest import IMAGE_EXTENSIONS, load_manifest, scan
-
-    manifest = load_manifest(root, d.manifest if root == d.root else None)
-    if spec.name == "latents":
-        ds = LatentFolderDataset(root, manifest)
-    else:
-        files = [tuple(f) for f in manifest["files"]] if manifest else scan(root, IMAGE_EXTENSIONS)[0]
-        ds = ImageFolderDataset(root, spec.image_size, spec.channels, files=files)
-    items = [ds[i][0] for i in range(min(n, len(ds)))]
-    if not items:
-        raise InvalidInput(f"reference {root} holds no {'.npy latents' if spec.name == 'latents' else 'images'}")
-    x = torch.stack(items)
-    if tuple(x.shape[1:]) != spec.shape:
-        raise InvalidInput(f"reference {root} holds items of shape {tuple(x.shape[1:])}, the model makes {spec.shape}")
-    return x
-
-
-def _latent_reference(spec, d, ref_path: str | None, n: int) -> Reference:
-    """A VAE-latent run: images for FID (`--ref`, else the folder the latents were encoded from) at the
-    size the VAE decodes to, and the latents' posterior means, normalised as in training, for bits/dim."""
-    from .data.folder import ImageFolderDataset, LatentFolderDataset
-    from .data.latents import prepare_batch
-    from .data.manifest import IMAGE_EXTENSIONS, load_manifest, scan
-
-    rec = spec.latents
-    root = ref_path or rec.get("source")
-    size = rec.get("image_size") or spec.image_size * (rec.get("vae") or {}).get("downsample", 1)
-    train, source = None, f"none (the images {root!r} are gone: pass --ref PATH)"
-    if root and Path(root).is_dir():
-        manifest = load_manifest(root)
-        files = [tuple(f) for f in manifest["files"]] if manifest else scan(root, IMAGE_EXTENSIONS)[0]
-        ds = ImageFolderDataset(root, size, 3, files=files)
-        train, source = torch.stack([ds[i][0] for i in range(min(n, len(ds)))]), str(root)
-    test = None
-    if d.root and Path(d.root).is_dir():
-        lat = LatentFolderDataset(d.root, load_manifest(d.root, d.manifest))
-        test = prepare_batch(torch.stack([lat[i][0] for i in range(min(n, len(lat)))]), rec)
-    return Reference(train, test, source)
+    return data_kind(spec.name).reference(cfg, spec, ref_path, n)
 
 
 # -- evaluating a bundle -------------------------------------------------------------------------
 def resolve_extractor(extractor: str, spec) -> str:
     if extractor != "auto":
         return extractor
-    if spec.name == "digits":
-        return "fasttrain-digits"
+    if spec.traits.extractor:  # the data kind's own (digits: the offline digits extractor)
+        return spec.traits.extractor
     return "inception-v3-compat" if spec.is_images or spec.decodes else "none"
 
 

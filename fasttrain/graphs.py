@@ -16,16 +16,34 @@ LR scheduler fills that tensor in place), warms up on a side stream, captures, a
 Everything outside the step (the scheduler, statistics syncs, sampler updates, the interference
 diagnostic after the replay, logging, checkpoints) stays outside the graph.
 
-This module is the only place that knows about graph mode: `unsupported` says (in one line) why a
-trainer's step cannot be captured, and the trainer keeps the eager step then. Off CUDA (and in tests)
+This module is the only place that knows about graph mode: `step_function` gives the trainer its
+step body (step.py's `update` for one micro-batch), captured where `train.cuda_graph` asks for it and
+it can be, and otherwise eager, saying in one line why (`unsupported`). Off CUDA (and in tests)
 `capture=False` runs the same step function eagerly with the same static buffers and device-side
 state, so everything but the capture itself is checked without a GPU.
 """
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
+
 import torch
 
 WARMUP = 3
+
+
+def step_function(body, parts, enabled: bool, *, device: torch.device, grad_accum: int, announce: bool = True):
+    """The step body to run for one micro-batch: `body` itself, or `body` replayed from a CUDA graph
+    where `enabled` (train.cuda_graph) and the step can be captured; where it cannot, one line on stderr
+    (rank 0: `announce`) says why and the eager body is kept."""
+    if not enabled:
+        return body
+    reason = unsupported(device, parts.world_size, grad_accum, parts.objective, parts.scaler, parts.optimizer)
+    if reason:
+        if announce:
+            print(f"fasttrain: train.cuda_graph: keeping the eager step ({reason})", file=sys.stderr)
+        return body
+    return GraphedStep(body, parts.optimizer, parts.generators.all())
 
 
 def unsupported(device: torch.device, world_size: int, grad_accum: int, objective, scaler, optimizer) -> str | None:
@@ -47,12 +65,13 @@ def unsupported(device: torch.device, world_size: int, grad_accum: int, objectiv
 
 
 class GraphedStep:
-    """`GraphedStep(step_fn, optimizer, generator)(x0, y)` returns what `step_fn(x0, y)` returns (the
-    graph's static outputs after a replay)."""
+    """`GraphedStep(step_fn, optimizer, generators)(x0, y)` returns what `step_fn(x0, y)` returns (the
+    graph's static outputs after a replay); `generators`: every generator the step draws from."""
 
-    def __init__(self, step_fn, optimizer: torch.optim.Optimizer, generator: torch.Generator,
+    def __init__(self, step_fn, optimizer: torch.optim.Optimizer, generators: Sequence[torch.Generator],
                  capture: bool = True):
-        self.step_fn, self.opt, self.gen, self.capture = step_fn, optimizer, generator, capture
+        self.step_fn, self.opt, self.capture = step_fn, optimizer, capture
+        self.gens = [generators] if isinstance(generators, torch.Generator) else list(generators)
         lr = optimizer.param_groups[0]["lr"]
         dev = next(p.device for g in optimizer.param_groups for p in g["params"])
         self.lr = torch.tensor(float(lr), dtype=torch.float32, device=dev)
@@ -92,7 +111,8 @@ class GraphedStep:
             return self.out
         if self.graph is None:
             self.graph = torch.cuda.CUDAGraph()
-            self.graph.register_generator_state(self.gen)
+            for g in self.gens:
+                self.graph.register_generator_state(g)
             with torch.cuda.graph(self.graph):  # recorded, not run: the replay below is this step
                 self.out = self.step_fn(*self.inputs)
         self.graph.replay()

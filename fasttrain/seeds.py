@@ -5,7 +5,7 @@ purpose never shifts an old one.
     weights      model initialisation (the same on every rank)
     data         the order of the data, per epoch (the same on every rank; ranks take their shard)
     augment      per-sample augmentation draws (flips, crops) per epoch and rank
-    timesteps    timestep sampling and label dropout (per rank)
+    timesteps    timestep sampling (per rank)
     noise        the Philox noise stream of the kernels (per rank)
     reseed       fresh per-rank streams when a run resumes on another number of processes (per step)
     policy       learned samplers' own parameters (the same on every rank)
@@ -13,13 +13,14 @@ purpose never shifts an old one.
     probe        the adaptive sampler's look-ahead draws (τ-grid, x0* choice, probe noise per rank)
     posterior    draws from VAE posteriors stored with latents (per rank and data position)
     logvar       the learned log-variance layer's Fourier features and initial weight (the same on every rank)
+    labels       label dropout for classifier-free guidance (per rank; conditioning.py)
 """
 from __future__ import annotations
 
 import hashlib
 
 PURPOSES = ("weights", "data", "augment", "timesteps", "noise", "reseed", "policy", "eval", "probe", "posterior",
-            "logvar")
+            "logvar", "labels")
 
 
 def derive(seed: int, purpose: str, *ids: int) -> int:

@@ -3,10 +3,14 @@
   TrainState   progress (steps, images: EDM2 counts images so a change of world size keeps it), the
                skipped-step counters (device tensors: the step never syncs), and the log interval's
                running sums, so that the first metric line after a resume covers the whole interval
-  RankRNG      this process's streams: the trainer's generator (timesteps, label dropout) and torch's
-               global RNGs; on another world size every rank gets a fresh stream derived from the step
+  StepClock    the log interval's training time (periodic actions that pause it left out)
+  RankRNG      this process's streams: the step's generators (timesteps; label dropout) and torch's
+               global RNGs; on another world size every rank gets fresh streams derived from the step
 """
 from __future__ import annotations
+
+import contextlib
+import time
 
 import torch
 
@@ -39,6 +43,31 @@ class TrainState:
             self.interval_steps = 0
 
 
+class StepClock:
+    """The log interval's training time: steps timed in this process and the seconds since the interval
+    began, with the periodic actions that pause it (checkpoints, evaluations) left out."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.timed, self.t0 = 0, time.time()
+
+    def tick(self) -> None:
+        self.timed += 1
+
+    def read(self) -> tuple[int, float]:
+        return self.timed, time.time() - self.t0
+
+    @contextlib.contextmanager
+    def paused(self):
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.t0 += time.time() - start
+
+
 def _rng_state() -> dict:
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -47,20 +76,27 @@ def _rng_state() -> dict:
 
 
 class RankRNG:
-    """Per-rank random streams. `train` gives the step a resume on another world size reseeds from."""
+    """Per-rank random streams (step.Generators). `train` gives the step a resume on another world size
+    reseeds from."""
 
-    def __init__(self, generator: torch.Generator, seed: int, train: TrainState):
-        self.gen, self.seed, self.train = generator, seed, train
+    def __init__(self, generators, seed: int, train: TrainState):
+        self.gens, self.seed, self.train = generators, seed, train
 
     def rank_state(self) -> dict:
-        return {"gen": self.gen.get_state(), **_rng_state()}
+        return {"gen": self.gens.timesteps.get_state(), "labels": self.gens.labels.get_state(), **_rng_state()}
 
     def load_rank_states(self, states: list[dict], rank: int, world_size: int) -> None:
         if len(states) != world_size:  # another world size: fresh per-rank streams
-            self.gen.manual_seed(seeds.derive(self.seed, "reseed", rank, self.train.step))
+            self.gens.timesteps.manual_seed(seeds.derive(self.seed, "reseed", rank, self.train.step))
+            self.gens.labels.manual_seed(seeds.derive(self.seed, "labels", rank, self.train.step))
             return
         mine = states[rank]
-        self.gen.set_state(mine["gen"])
+        self.gens.timesteps.set_state(mine["gen"])
+        if "labels" in mine:
+            self.gens.labels.set_state(mine["labels"])
+        else:  # a checkpoint from before label dropout had its own stream (it drew from the timesteps'):
+            # a fresh one, derived from the run seed, rank and step, so the resumed run stays deterministic
+            self.gens.labels.manual_seed(seeds.derive(self.seed, "labels", rank, self.train.step))
         torch.set_rng_state(mine["torch"])
         if "cuda" in mine and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(mine["cuda"])

@@ -3,8 +3,9 @@ workspace and the noise counter offset.
 
 Backends: "triton" (compiled Triton kernels on CUDA tensors), "native" (the C++/CUDA ops of
 `fasttrain._C`, native.py), "interpret" (the same Triton kernels in the Triton interpreter on CPU
-tensors: tests), "torch" (the PyTorch reference math, torch_ref.py), "auto" (triton on CUDA, native
-on CPU where it is built, else torch).
+tensors: tests), "torch" (the PyTorch reference math, torch_ref_<op>.py), "auto" (triton on CUDA,
+native on CPU where it is built, else torch). A caller decides once (`resolve_backend`) and passes the
+concrete name to every op; an impossible choice is `BackendUnavailable`.
 
 Triton is imported only when a Triton backend is first used: the ops import their kernel modules
 (triton_noise.py, triton_diffusion_loss.py, triton_mixed_loss.py) inside the op, after `resolve_backend`, so
@@ -24,33 +25,40 @@ from . import native
 BACKENDS = ("auto", "triton", "native", "interpret", "torch")
 
 
+class BackendUnavailable(ValueError):
+    """A backend that cannot run on the given device (or an unknown name), in one line. The one error
+    of the choice, so that a caller can translate it where it decides the backend (fasttrain does at
+    set-up, before a run folder is touched: diffusion/objective.py, `kernel_backend`)."""
+
+
 def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """The concrete backend for tensors on `device`; a one-line error when it cannot run there."""
+    """The concrete backend for tensors on `device`; BackendUnavailable when it cannot run there."""
     if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+        raise BackendUnavailable(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     device = torch.device(device)
     if backend == "auto":
         if device.type == "cuda" and has_triton():
             return "triton"
         return "native" if native.available(device) else "torch"
     if backend == "triton" and (device.type != "cuda" or not has_triton()):
-        raise ValueError("backend 'triton' needs CUDA tensors and triton; use 'interpret' on CPU")
+        raise BackendUnavailable("backend 'triton' needs CUDA tensors and triton; use 'interpret' on CPU")
     if backend == "native" and not native.available(device):
-        raise ValueError(f"backend 'native' is not available for {device.type} tensors: {native.why_not(device)}")
+        raise BackendUnavailable(f"backend 'native' is not available for {device.type} tensors: "
+                                 f"{native.why_not(device)}")
     if backend == "interpret":
         if not has_triton():
-            raise ValueError("backend 'interpret' needs triton installed")
+            raise BackendUnavailable("backend 'interpret' needs triton installed")
         if device.type != "cpu":
-            raise ValueError("backend 'interpret' runs on CPU tensors")
+            raise BackendUnavailable("backend 'interpret' runs on CPU tensors")
         if "triton" not in sys.modules:
             os.environ["TRITON_INTERPRET"] = "1"  # must precede the import (triton jits tl.rand at import)
         elif os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("backend 'interpret' must be chosen before triton is imported "
-                             "(set TRITON_INTERPRET=1 in the environment)")
+            raise BackendUnavailable("backend 'interpret' must be chosen before triton is imported "
+                                     "(set TRITON_INTERPRET=1 in the environment)")
     return backend
 
 

@@ -1,12 +1,12 @@
 """The diffusion loss op: per-sample ℓ_b = w[t_b]·iw_b·mean((pred - target)²) for the target
 coef[0, t]·eps + coef[1, t]·x0, its gradient written in the forward pass, the raw and weighted losses
-scattered into the per-timestep bins (contract: torch_ref.py).
+scattered into the per-timestep bins (contract: torch_ref_diffusion_loss.py).
 
 `fasttrain::diffusion_loss` is an opaque `torch.library.custom_op` with `register_fake`. It mutates
 the statistics bins, so its autograd rule is a `torch.autograd.Function` around the op
 (`register_autograd` accepts functional ops only); a model compiled with `fullgraph=True` can call it.
 Backends (backend.py): the Triton loss kernel (triton_diffusion_loss.py), the native C++/CUDA op
-(native.py), the PyTorch reference (torch_ref.py). eps is regenerated from the stream the noise op drew
+(native.py), the PyTorch reference (torch_ref_diffusion_loss.py). eps is regenerated from the stream the noise op drew
 (philox.py; with the step's noise options, noise_spec.py), unless given. The loss shape (loss_shape.py:
 l2, l1 and the Huber family with a threshold table c(t)) is per element, inside the same pass.
 """
@@ -16,8 +16,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import loss_shape, native, noise_spec, philox
-from . import torch_ref as ref
+from . import loss_shape, native, noise_spec, philox, torch_ref_noise
+from . import torch_ref_diffusion_loss as ref
 from .backend import as_offset, resolve_backend
 from .bins import TimestepBins, scatter_into
 from .noise_spec import NoiseSpec
@@ -37,7 +37,7 @@ def _loss_op(pred: torch.Tensor, x0: torch.Tensor, t: torch.Tensor, weight: torc
                            mean, std, kind, c_table)
     spec = NoiseSpec(tuple(spec_i), table, rows, mean, std) if spec_i else None
     if backend == "torch":
-        e = eps if eps is not None else noise_spec.reference_eps(spec, x0.shape, seed, offset, x0.device)
+        e = eps if eps is not None else torch_ref_noise.reference_eps(spec, x0.shape, seed, offset, x0.device)
         per, raw, grad = ref.loss_and_grad(pred, x0, e, t, weight, iw, coef, kind, c_table)
         wl = weight.float()[t] * raw
         if bins.numel():

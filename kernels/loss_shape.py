@@ -1,4 +1,4 @@
-"""Per-element loss shapes ρ of the loss kernels, and their reference math (torch_ref.py,
+"""Per-element loss shapes ρ of the loss kernels, and their reference math (torch_ref_diffusion_loss.py,
 torch_ref_mixed_loss.py use it; the Triton and C++ kernels compute the same operations).
 
 With d the residual (pred - target) and c > 0 a threshold gathered per sample from a [T] table c(t):

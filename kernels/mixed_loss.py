@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import loss_shape, native, noise_spec, philox
+from . import loss_shape, native, noise_spec, philox, torch_ref_noise
 from . import torch_ref_mixed_loss as ref
 from .backend import as_offset, resolve_backend
 from .bins import TimestepBins, scatter_into
@@ -49,7 +49,7 @@ def _mixed_op(out: torch.Tensor, x0: torch.Tensor, t: torch.Tensor, weight: torc
         _native_on_cuda()  # no CUDA version of the native op: the reference below, explicitly
     spec = NoiseSpec(tuple(spec_i), table, rows, mean, std) if spec_i else None
     if backend in ("torch", "native"):
-        e = eps if eps is not None else noise_spec.reference_eps(spec, x0.shape, seed, offset, x0.device)
+        e = eps if eps is not None else torch_ref_noise.reference_eps(spec, x0.shape, seed, offset, x0.device)
         per, raw, wl, x0e, grad, ggrad = ref.loss_and_grad(out, x0, e, t, weight, iw, tab, gate, kind, c_table)
         if bins.numel():
             scatter_into(bins, pivots, t, torch.cat([raw[None], wl[None], x0e.T]))

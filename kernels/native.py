@@ -56,7 +56,7 @@ def noise(x0, t, alpha, sigma, eps, seed, offset, out_dtype, write_eps, spec, ta
 
 
 def noise_std(x0, seed, offset, spec, table, rows, mean):
-    """The pyramid noise's global std (float32 0-d): noise_spec.reference_std."""
+    """The pyramid noise's global std (float32 0-d): torch_ref_noise_std.reference_std."""
     return torch.ops.fasttrain_C.noise_std(x0, seed, offset, spec, table, rows, mean)
 
 

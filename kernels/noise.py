@@ -4,7 +4,7 @@ schedule is the same with alpha = 1 - t, sigma = t), eps = philox(seed, offset +
 `fasttrain::noise` is an opaque `torch.library.custom_op` with `register_fake`, so a model compiled
 with `fullgraph=True` can call it (a raw Triton launch, or `triton_op`, cannot be traced under the
 interpreter); its autograd rule is ∂x_t/∂x0 = alpha[t]. Backends (backend.py): the Triton kernel
-(triton_noise.py), the native C++/CUDA op (native.py), the PyTorch reference (torch_ref.py).
+(triton_noise.py), the native C++/CUDA op (native.py), the PyTorch reference (torch_ref_noise.py).
 
 Noise options (noise offset, pyramid noise, input perturbation, immiscible rows: noise_spec.py) arrive as
 a `NoiseSpec`; without one every backend runs its plain kernel, unchanged.
@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from . import native, noise_spec, philox
-from . import torch_ref as ref
+from . import torch_ref_noise as ref
 from .backend import as_offset, resolve_backend
 from .noise_spec import NoiseSpec
 
@@ -32,9 +32,9 @@ def _noise_op(x0: torch.Tensor, t: torch.Tensor, alpha: torch.Tensor, sigma: tor
                             std)
     spec = NoiseSpec(tuple(spec_i), table, rows, mean, std) if spec_i else None
     if backend == "torch":
-        e = eps.float() if eps is not None else noise_spec.reference_eps(spec, x0.shape, seed, offset, x0.device)
+        e = eps.float() if eps is not None else ref.reference_eps(spec, x0.shape, seed, offset, x0.device)
         eps_out = e.clone() if write_eps else x0.new_empty(0, dtype=torch.float32)
-        xi = noise_spec.reference_perturbation(spec, x0.shape, seed, offset, x0.device)
+        xi = ref.reference_perturbation(spec, x0.shape, seed, offset, x0.device)
         return ref.noise(x0, t, alpha, sigma, e if xi is None else e + xi, out_dtype), eps_out
     from . import triton_noise  # imports triton: only now, after resolve_backend (backend.py)
 

@@ -1,5 +1,7 @@
-"""The noise options of one step as the noise and loss kernels receive them (the "noise spec"), and
-their PyTorch reference math: the oracle of every backend and the `torch` backend itself.
+"""The noise options of one step as the noise and loss kernels receive them (the "noise spec"): the
+options, their counter layout, the checks and the per-step preparation. Their PyTorch reference math
+(the oracle of every backend and the `torch` backend itself) is torch_ref_noise.py; the pyramid's std,
+an op of its own, is noise_std.py (reference: torch_ref_noise_std.py).
 
 Options (`NoiseOptions`, per run; research note: docs/architecture.md, "Noise and loss options"):
   offset          noise offset (diffusers --noise_offset, sd-scripts noise_offset): ε + s·n, n one normal
@@ -40,12 +42,9 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
-
-from . import philox
 
 OFFSET, OFFSET_RANDOM, ADAPTIVE, PYRAMID, PERTURB, PERTURB_RANDOM = 1, 2, 4, 8, 16, 32
 ROWS = 64  # not in `ints`: the kernels' switch for the rows tensor (Triton constexpr SPEC)
@@ -206,118 +205,7 @@ def prepare(options: NoiseOptions | None, x0: torch.Tensor, *, seed: int, offset
     mean = pixel_mean(x0) if options.flags & ADAPTIVE else None
     spec = NoiseSpec(lay.ints, table, rows, mean, None)
     if options.flags & PYRAMID:
+        from .noise_std import noise_std  # the op builds on this module's spec
+
         spec = spec._replace(std=noise_std(x0, spec, seed=seed, offset=offset, backend=backend))
     return spec, lay.counters
-
-
-# -- the reference math ------------------------------------------------------------------------------
-def rand(seed: int, counters: torch.Tensor) -> torch.Tensor:
-    """`tl.rand(seed, counter)`: float32 U[0, 1) from the first Philox word."""
-    return philox.uniform(philox.philox4x32(seed, counters)[0])
-
-
-def draws(spec: NoiseSpec, seed: int, offset, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(u of the offset, u of the perturbation: float32 0-d, 1 where not random; r_l: float64 [L])."""
-    f, L = spec.ints[FLAGS], spec.ints[LEVELS]
-    ctr = torch.arange(2 + L, dtype=torch.int64, device=device) + spec.ints[K_S] + offset
-    u = rand(seed, ctr)
-    one = torch.ones((), dtype=torch.float32, device=device)
-    return (u[0] if f & OFFSET_RANDOM else one, u[1] if f & PERTURB_RANDOM else one,
-            2.0 + 2.0 * u[2:].double())
-
-
-def level_sizes(r: torch.Tensor, H: int, W: int) -> list[tuple[int, int]]:
-    """The live levels' (h, w): max(1, int(H / r_l^l)) (r_l^l by l-fold float64 multiplication), up to and
-    including the first level with a side of 1 (sd-scripts' break). Reads r on the host."""
-    sizes = []
-    for lv, rl in enumerate(r.tolist()):
-        p = 1.0
-        for _ in range(lv):
-            p *= rl
-        h, w = max(1, int(H / p)), max(1, int(W / p))
-        sizes.append((h, w))
-        if h == 1 or w == 1:
-            break
-    return sizes
-
-
-def pre_std_eps(spec: NoiseSpec, shape, seed: int, offset, device) -> torch.Tensor:
-    """ε before the pyramid's division by its std (float32), for the rows, offset and pyramid of `spec`."""
-    B, D, C, H, W = geometry(shape)
-    f = spec.ints[FLAGS]
-    rows = spec.rows if spec.rows is not None else torch.arange(B, device=device)
-    ctr = rows.to(device, torch.int64)[:, None] * D + torch.arange(D, dtype=torch.int64, device=device) + offset
-    eps = philox.normal(seed, ctr).view(tuple(shape))
-    if not f:
-        return eps
-    u_off, _, r = draws(spec, seed, offset, device)
-    bc = (B, C) + (1,) * (len(shape) - 2)
-    if f & OFFSET:
-        s = (spec.table[T_OFFSET] * u_off).expand(B, C)
-        if f & ADAPTIVE:
-            s = torch.clamp(s + spec.table[T_ADAPTIVE] * spec.mean, min=0)
-        n = philox.randn((B, C), seed, offset + spec.ints[K_N], device)
-        eps = eps + (s * n).reshape(bc)
-    if f & PYRAMID:
-        for lv, (h, w) in enumerate(level_sizes(r, H, W)):
-            z = philox.randn((B, C, h, w), seed, offset + spec.ints[K_L] + lv * B * D, device)
-            eps = eps + F.interpolate(z, size=(H, W), mode="bilinear", align_corners=False) * spec.table[T_LEVELS + lv]
-    return eps
-
-
-def reference_eps(spec: NoiseSpec | None, shape, seed: int, offset, device) -> torch.Tensor:
-    """The ε of the target (and of x_t, before the perturbation), float32 (the spec's std divides the
-    pyramid noise, as the kernels do; the reference std: `reference_std`)."""
-    if spec is None:
-        return philox.randn(shape, seed, offset, device)
-    eps = pre_std_eps(spec, shape, seed, offset, device)
-    return eps / spec.std if spec.ints[FLAGS] & PYRAMID else eps
-
-
-def reference_std(spec: NoiseSpec, shape, seed: int, offset, device) -> torch.Tensor:
-    """float32 0-d: the unbiased std of the pre-division noise over the batch (torch's Tensor.std)."""
-    return pre_std_eps(spec, shape, seed, offset, device).std()
-
-
-def reference_perturbation(spec: NoiseSpec | None, shape, seed: int, offset, device) -> torch.Tensor | None:
-    """γ·u·ξ (float32), added to ε for x_t only; None without a perturbation."""
-    if spec is None or not spec.ints[FLAGS] & PERTURB:
-        return None
-    _, u_ip, _ = draws(spec, seed, offset, device)
-    xi = philox.randn(shape, seed, offset + spec.ints[K_XI], device)
-    return (spec.table[T_GAMMA] * u_ip) * xi
-
-
-# -- the std reduction, an op of its own (before the noise op; every backend) -------------------------
-@torch.library.custom_op("fasttrain::noise_std", mutates_args=())
-def _std_op(x0: torch.Tensor, seed: int, offset: torch.Tensor, spec_i: list[int], table: Optional[torch.Tensor],
-            rows: Optional[torch.Tensor], mean: Optional[torch.Tensor], backend: str, block: int) -> torch.Tensor:
-    spec = NoiseSpec(tuple(spec_i), table, rows, mean, None)
-    if backend == "native":
-        from . import native
-
-        return native.noise_std(x0, seed, offset, spec_i, table, rows, mean)
-    if backend == "torch":
-        return reference_std(spec, x0.shape, seed, offset, x0.device).reshape(())
-    from . import triton_noise_spec  # imports triton: only now, after resolve_backend (backend.py)
-
-    s = triton_noise_spec.moments(x0, seed, offset, spec, backend == "interpret", block)
-    n = x0.numel()
-    return torch.sqrt((s[1] - s[0] * s[0] / n) / (n - 1)).float()
-
-
-@_std_op.register_fake
-def _(x0, seed, offset, spec_i, table, rows, mean, backend, block):
-    return torch.empty((), dtype=torch.float32, device=x0.device)
-
-
-def noise_std(x0: torch.Tensor, spec: NoiseSpec, *, seed: int, offset, backend: str = "auto",
-              block: int = 0) -> torch.Tensor:
-    """The pyramid's global std (float32 0-d on x0's device) of the noise `spec` draws at (seed, offset)
-    for data shaped like x0: one reduction over the regenerated noise, no host sync."""
-    from .backend import as_offset, resolve_backend
-
-    backend = resolve_backend(backend, x0.device)
-    check(spec._replace(std=torch.ones((), device=x0.device)), x0.shape, x0.device)
-    ints, table, rows, mean, _ = op_args(spec)
-    return _std_op(x0, philox.check_seed(seed), as_offset(offset, x0.device), ints, table, rows, mean, backend, block)

@@ -2,7 +2,7 @@
 x0 estimates, mixed by a learned gate): the test oracle of the Triton kernel (triton_mixed_loss.py) and
 of the native op, and the `torch` backend itself (mixed_loss.py).
 
-The network predicts H heads (each a linear prediction type, see `torch_ref.py`) and a gate. Shapes:
+The network predicts H heads (each a linear prediction type, see `torch_ref_diffusion_loss.py`) and a gate. Shapes:
 x0, eps [B, C, *S] (S the spatial dims, possibly none); out [B, H·C + G, *S] with head i in channels
 [i·C, (i+1)·C) and, for a *pixel* gate, G = H gate logits in the last H channels (one logit per head
 and pixel, shared by the C channels, as lucidrains' `WeightedObjectiveGaussianDiffusion`); for a

@@ -1,5 +1,5 @@
 """The loss kernel in Triton: loss, gradient and statistics of one step's prediction (the op:
-diffusion_loss.py; the contract: torch_ref.py).
+diffusion_loss.py; the contract: torch_ref_diffusion_loss.py).
 
 `loss_kernel` regenerates the eps the noise kernel drew (triton_noise.py), forms the target
 coef[0, t]·eps + coef[1, t]·x0 (every linear prediction type is two [T] tables), d = pred - target,
@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import aot
 from . import triton_shared as shared
 from .backend import workspace
 from .loss_shape import LOSSES
@@ -116,28 +117,28 @@ def loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs_e
                           2.0 / (B * D), *args, c_table if c_table is not None else weight,
                           NEEDS_EPS=needs_eps, NEEDS_X0=needs_x0, HAS_EPS=eps is not None,
                           BINS=bins.numel() > 0, SPEC=flags, LOSS=kind, BLOCK=BLOCK, DIV=div_of(D),
-                          **shared.kernel_options(BLOCK, flags))
+                          **shared.kernel_options(BLOCK, bool(flags), pyramid))
     return mean, per, raw, wl, grad
 
 
-STREAMS = ("pred_ptr", "x0_ptr", "eps_ptr", "grad_ptr")  # rows of elements (triton_shared.Spec)
+STREAMS = ("pred_ptr", "x0_ptr", "eps_ptr", "grad_ptr")  # rows of elements (aot.Spec)
 
 
 def specializations():
-    """Every compilation `loss` can launch on a GPU (triton_shared.Spec): each (data, model) dtype pair
+    """Every compilation `loss` can launch on a GPU (aot.Spec): each (data, model) dtype pair
     × eps drawn or given (fp32, as the probes pass it, or in x0's dtype) × the target's terms (eps, x0,
     both: the prediction types) × with and without bins, at a 3×32×32 row; each tile size and
-    alignment class (triton_shared.row_sizes) in each dtype with an int32 and an int64 seed, the other
+    alignment class (aot.row_sizes) in each dtype with an int32 and an int64 seed, the other
     options rotating, some with an unaligned prediction; each loss shape (loss_shape.py) and each group
-    of noise options (triton_shared.NOISE_OPTIONS) in each dtype pair. A new launcher option extends
+    of noise options (aot.NOISE_OPTIONS) in each dtype pair. A new launcher option extends
     this list."""
     T = 1000
 
-    def spec(x_dt, p_dt, D=3072, eps_dt=None, needs=(True, True), bins=True, seed=shared.SEEDS[0], aligned=True,
+    def spec(x_dt, p_dt, D=3072, eps_dt=None, needs=(True, True), bins=True, seed=aot.SEEDS[0], aligned=True,
              kind=0, options=None):
         def launch():
-            shape = shared.IMAGE if options else (2, D)
-            pred = torch.empty(shape, dtype=p_dt) if aligned else shared.unaligned(shape, p_dt)
+            shape = aot.IMAGE if options else (2, D)
+            pred = torch.empty(shape, dtype=p_dt) if aligned else aot.unaligned(shape, p_dt)
             x0 = torch.zeros(shape, dtype=x_dt)
             f64 = dict(dtype=torch.float64)
             piv, data = (torch.zeros(2, T, **f64), torch.zeros(5, T, **f64)) if bins else (
@@ -145,29 +146,29 @@ def specializations():
             eps = None if eps_dt is None else torch.empty(2, D, dtype=eps_dt)
             return loss(pred, x0, torch.zeros(2, dtype=torch.int64), torch.zeros(T), torch.ones(2),
                         torch.zeros(2, T), piv, data, eps, seed, torch.zeros((), dtype=torch.int64), needs[0],
-                        needs[1], shared.noise_spec(x0, options), kind, shared.loss_table(kind, T), False, 0)
-        axes = dict(x0=shared.name(x_dt), pred=shared.name(p_dt), eps=shared.name(eps_dt),
+                        needs[1], aot.noise_spec(x0, options), kind, aot.loss_table(kind, T), False, 0)
+        axes = dict(x0=aot.name(x_dt), pred=aot.name(p_dt), eps=aot.name(eps_dt),
                     target="+".join(n for n, u in zip(("eps", "x0"), needs) if u), bins=bins, D=D,
-                    seed=shared.name(seed), aligned=aligned, loss=LOSSES[kind], noise=options or "plain")
-        return shared.Spec(axes, launch, min(div_of(D), block_size(D, False)), STREAMS)
+                    seed=aot.name(seed), aligned=aligned, loss=LOSSES[kind], noise=options or "plain")
+        return aot.Spec(axes, launch, min(div_of(D), block_size(D, False)), STREAMS)
 
     targets = ((True, True), (True, False), (False, True))  # v and flow, eps, x0 prediction
-    for x_dt, p_dt in shared.DTYPE_PAIRS:
+    for x_dt, p_dt in aot.DTYPE_PAIRS:
         for eps_dt in dict.fromkeys((None, torch.float32, x_dt)):
             for needs in targets:
                 for bins in (True, False):
                     yield spec(x_dt, p_dt, eps_dt=eps_dt, needs=needs, bins=bins)
-    for i, D in enumerate(shared.row_sizes()):
-        for j, dt in enumerate(shared.SAME_DTYPES):
+    for i, D in enumerate(aot.row_sizes()):
+        for j, dt in enumerate(aot.SAME_DTYPES):
             kw = dict(needs=targets[(i + j) % 3], bins=(i + j) % 2 == 0)
-            for seed in shared.SEEDS:
+            for seed in aot.SEEDS:
                 yield spec(dt, dt, D, seed=seed, **kw)
             if (i + j) % 3 == 0:
-                yield spec(dt, dt, D, aligned=False, seed=shared.SEEDS[(i + j) % 2], **kw)
+                yield spec(dt, dt, D, aligned=False, seed=aot.SEEDS[(i + j) % 2], **kw)
     for kind in range(1, len(LOSSES)):
-        for j, (x_dt, p_dt) in enumerate(shared.DTYPE_PAIRS):
+        for j, (x_dt, p_dt) in enumerate(aot.DTYPE_PAIRS):
             yield spec(x_dt, p_dt, kind=kind, needs=targets[(kind + j) % 3], bins=(kind + j) % 2 == 0)
-    for i, options in enumerate(shared.NOISE_OPTIONS):
-        for j, (x_dt, p_dt) in enumerate(shared.DTYPE_PAIRS):
+    for i, options in enumerate(aot.NOISE_OPTIONS):
+        for j, (x_dt, p_dt) in enumerate(aot.DTYPE_PAIRS):
             yield spec(x_dt, p_dt, options=options, kind=(i + j) % len(LOSSES), needs=targets[(i + j) % 2],
                        bins=j % 2 == 0)

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import aot
 from . import triton_shared as shared
 from .backend import workspace
 from .loss_shape import LOSSES
@@ -218,44 +219,44 @@ def mixed_loss(out, x0, t, weight, iw, tab, gate, pivots, bins, eps, seed, offse
     return mean, per, raw, wl, x0e, grad, ggrad
 
 
-STREAMS = ("out_ptr", "x0_ptr", "eps_ptr", "grad_ptr")  # rows of elements (triton_shared.Spec)
+STREAMS = ("out_ptr", "x0_ptr", "eps_ptr", "grad_ptr")  # rows of elements (aot.Spec)
 
 
 def specializations():
-    """Every compilation `mixed_loss` can launch on a GPU (triton_shared.Spec): each (data, model) dtype
+    """Every compilation `mixed_loss` can launch on a GPU (aot.Spec): each (data, model) dtype
     pair × pixel or timestep gate × eps drawn or given (fp32, as the probes pass it, or in x0's dtype)
     × with and without bins × 2 or 3 heads (padded to 2 or 4), on 3×32×32 images; then every tile
     `tile` picks for 2-4 heads, 1, 3, 4 or 16 channels and 4×4 to 256×256 images (and 2-D points, P =
     1), and each alignment class of P, the dtypes and options rotating, some with unaligned outputs;
-    each loss shape (loss_shape.py) and each group of noise options (triton_shared.NOISE_OPTIONS) in
+    each loss shape (loss_shape.py) and each group of noise options (aot.NOISE_OPTIONS) in
     each dtype pair. A new launcher option extends this list."""
     from .torch_ref_mixed_loss import NROWS
 
     T = 1000
 
-    def spec(x_dt, o_dt, H=2, C=3, P=1024, gate=None, eps_dt=None, bins=True, seed=shared.SEEDS[0], aligned=True,
+    def spec(x_dt, o_dt, H=2, C=3, P=1024, gate=None, eps_dt=None, bins=True, seed=aot.SEEDS[0], aligned=True,
              kind=0, options=None):
         def launch():
             V = 2 + H
             shape = (2, H * C + (H if gate is None else 0), P)
-            out = torch.empty(shape, dtype=o_dt) if aligned else shared.unaligned(shape, o_dt)
+            out = torch.empty(shape, dtype=o_dt) if aligned else aot.unaligned(shape, o_dt)
             f64 = dict(dtype=torch.float64)
             piv, data = (torch.zeros(V, T, **f64), torch.zeros(1 + 2 * V, T, **f64)) if bins else (
                 torch.zeros(0, 0, **f64), torch.zeros(0, 0, **f64))
             eps = None if eps_dt is None else torch.empty(2, C, P, dtype=eps_dt)
             g = None if gate is None else torch.empty(2, H, dtype=gate)
             x0 = torch.zeros(2, C, P, dtype=x_dt)
-            spec = shared.noise_spec(x0.view(shared.IMAGE), options) if options else None
+            spec = aot.noise_spec(x0.view(aot.IMAGE), options) if options else None
             return mixed_loss(out, x0, torch.zeros(2, dtype=torch.int64), torch.zeros(T), torch.ones(2),
                               torch.zeros(H, NROWS, T), g, piv, data, eps, seed, torch.zeros((), dtype=torch.int64),
-                              spec, kind, shared.loss_table(kind, T), NROWS, False, 0)
-        axes = dict(x0=shared.name(x_dt), out=shared.name(o_dt),
-                    gate="pixel" if gate is None else f"timestep {shared.name(gate)}", eps=shared.name(eps_dt),
-                    bins=bins, H=H, C=C, P=P, seed=shared.name(seed), aligned=aligned, loss=LOSSES[kind],
+                              spec, kind, aot.loss_table(kind, T), NROWS, False, 0)
+        axes = dict(x0=aot.name(x_dt), out=aot.name(o_dt),
+                    gate="pixel" if gate is None else f"timestep {aot.name(gate)}", eps=aot.name(eps_dt),
+                    bins=bins, H=H, C=C, P=P, seed=aot.name(seed), aligned=aligned, loss=LOSSES[kind],
                     noise=options or "plain")
-        return shared.Spec(axes, launch, min(div_of(P), tile(H, C, P, budget(False))[2]), STREAMS)
+        return aot.Spec(axes, launch, min(div_of(P), tile(H, C, P, budget(False))[2]), STREAMS)
 
-    for x_dt, o_dt in shared.DTYPE_PAIRS:
+    for x_dt, o_dt in aot.DTYPE_PAIRS:
         for gate in (None, o_dt):
             for eps_dt in dict.fromkeys((None, torch.float32, x_dt)):
                 for bins in (True, False):
@@ -271,13 +272,13 @@ def specializations():
                     shapes.append((H, C, P))
     shapes += [(2, 3, 1024 - 16 + d) for d in (8, 4, 2, 1)]  # the alignment classes of P (div_of)
     for i, (H, C, P) in enumerate(shapes):
-        dt = shared.SAME_DTYPES[i % 3]
-        kw = dict(gate=None if i % 2 else dt, bins=i % 4 < 2, seed=shared.SEEDS[i % 5 == 0], aligned=i % 3 != 1)
+        dt = aot.SAME_DTYPES[i % 3]
+        kw = dict(gate=None if i % 2 else dt, bins=i % 4 < 2, seed=aot.SEEDS[i % 5 == 0], aligned=i % 3 != 1)
         yield spec(dt, dt, H, C, P, **kw)
     for kind in range(1, len(LOSSES)):
-        for j, (x_dt, o_dt) in enumerate(shared.DTYPE_PAIRS):
+        for j, (x_dt, o_dt) in enumerate(aot.DTYPE_PAIRS):
             yield spec(x_dt, o_dt, 2 + (kind + j) % 2, gate=None if j % 2 else o_dt, kind=kind)
-    for i, options in enumerate(shared.NOISE_OPTIONS):  # 3×32×32 images (shared.IMAGE)
-        for j, (x_dt, o_dt) in enumerate(shared.DTYPE_PAIRS):
+    for i, options in enumerate(aot.NOISE_OPTIONS):  # 3×32×32 images (aot.IMAGE)
+        for j, (x_dt, o_dt) in enumerate(aot.DTYPE_PAIRS):
             yield spec(x_dt, o_dt, 2 + (i + j) % 2, gate=None if (i + j) % 2 else o_dt, bins=j % 2 == 0,
                        kind=(i + j) % len(LOSSES), options=options)

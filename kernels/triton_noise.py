@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import aot
 from . import triton_shared as shared
 from .noise_spec import PYRAMID
 from .triton_noise_spec import launch_args, spec_eps, spec_perturbation
@@ -66,42 +67,42 @@ def noise(x0, t, alpha, sigma, eps, seed, offset, out_dtype, write_eps, spec, in
     noise_kernel[(B, triton.cdiv(D, BLOCK))](x0c, t, alpha, sigma, eps.contiguous() if eps is not None else x0c,
                                              xt, eps_out, D, seed, offset, *args, HAS_EPS=eps is not None,
                                              WRITE_EPS=write_eps, SPEC=flags, BLOCK=BLOCK, DIV=div_of(D),
-                                             **shared.kernel_options(BLOCK, flags))
+                                             **shared.kernel_options(BLOCK, bool(flags), pyramid))
     return xt, eps_out
 
 
-STREAMS = ("x0_ptr", "eps_ptr", "xt_ptr", "eps_out_ptr")  # rows of elements (triton_shared.Spec)
+STREAMS = ("x0_ptr", "eps_ptr", "xt_ptr", "eps_out_ptr")  # rows of elements (aot.Spec)
 
 
 def specializations():
-    """Every compilation `noise` can launch on a GPU (triton_shared.Spec): each (data, model) dtype
+    """Every compilation `noise` can launch on a GPU (aot.Spec): each (data, model) dtype
     pair with eps drawn, given (fp32, as the probes pass it, or in x0's dtype) and written out, at a
-    3×32×32 row; each tile size and alignment class (triton_shared.row_sizes) in each dtype with an
+    3×32×32 row; each tile size and alignment class (aot.row_sizes) in each dtype with an
     int32 and an int64 seed, some with an unaligned x0; each group of noise options
-    (triton_shared.NOISE_OPTIONS) in each dtype pair. A new launcher option extends this list."""
-    def spec(x_dt, out_dt, D=3072, eps_dt=None, write_eps=False, seed=shared.SEEDS[0], aligned=True, options=None):
+    (aot.NOISE_OPTIONS) in each dtype pair. A new launcher option extends this list."""
+    def spec(x_dt, out_dt, D=3072, eps_dt=None, write_eps=False, seed=aot.SEEDS[0], aligned=True, options=None):
         def launch():
-            shape = shared.IMAGE if options else (2, D)
-            x0 = torch.zeros(shape, dtype=x_dt) if aligned else shared.unaligned(shape, x_dt).zero_()
+            shape = aot.IMAGE if options else (2, D)
+            x0 = torch.zeros(shape, dtype=x_dt) if aligned else aot.unaligned(shape, x_dt).zero_()
             tab = torch.zeros(1000)
             eps = None if eps_dt is None else torch.empty(2, D, dtype=eps_dt)
             return noise(x0, torch.zeros(2, dtype=torch.int64), tab, tab, eps, seed,
-                         torch.zeros((), dtype=torch.int64), out_dt, write_eps, shared.noise_spec(x0, options),
+                         torch.zeros((), dtype=torch.int64), out_dt, write_eps, aot.noise_spec(x0, options),
                          False, 0)
-        axes = dict(x0=shared.name(x_dt), out=shared.name(out_dt), eps=shared.name(eps_dt), write_eps=write_eps,
-                    D=D, seed=shared.name(seed), aligned=aligned, noise=options or "plain")
-        return shared.Spec(axes, launch, min(div_of(D), block_size(D, False)), STREAMS)
+        axes = dict(x0=aot.name(x_dt), out=aot.name(out_dt), eps=aot.name(eps_dt), write_eps=write_eps,
+                    D=D, seed=aot.name(seed), aligned=aligned, noise=options or "plain")
+        return aot.Spec(axes, launch, min(div_of(D), block_size(D, False)), STREAMS)
 
-    for x_dt, out_dt in shared.DTYPE_PAIRS:
+    for x_dt, out_dt in aot.DTYPE_PAIRS:
         for eps_dt in dict.fromkeys((None, torch.float32, x_dt)):
             for write_eps in (False, True):
                 yield spec(x_dt, out_dt, eps_dt=eps_dt, write_eps=write_eps)
-    for i, D in enumerate(shared.row_sizes()):
-        for j, dt in enumerate(shared.SAME_DTYPES):
-            for seed in shared.SEEDS:
+    for i, D in enumerate(aot.row_sizes()):
+        for j, dt in enumerate(aot.SAME_DTYPES):
+            for seed in aot.SEEDS:
                 yield spec(dt, dt, D, seed=seed)
             if (i + j) % 3 == 0:
-                yield spec(dt, dt, D, seed=shared.SEEDS[(i + j) % 2], aligned=False)
-    for i, options in enumerate(shared.NOISE_OPTIONS):
-        for j, (x_dt, out_dt) in enumerate(shared.DTYPE_PAIRS):
+                yield spec(dt, dt, D, seed=aot.SEEDS[(i + j) % 2], aligned=False)
+    for i, options in enumerate(aot.NOISE_OPTIONS):
+        for j, (x_dt, out_dt) in enumerate(aot.DTYPE_PAIRS):
             yield spec(x_dt, out_dt, options=options, write_eps=(i + j) % 2 == 1)

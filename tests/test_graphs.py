@@ -21,11 +21,15 @@ def test_static_buffer_step_equals_the_plain_step(tmp_path):
     plain = Trainer(load_config("default", [f"run_dir={tmp_path / 'a'}", "train.steps=8"] + TINY))
     static = Trainer(load_config("default", [f"run_dir={tmp_path / 'b'}", "train.steps=8"] + TINY))
     try:
-        static.step_fn = graph = graphs.GraphedStep(static._step, static.opt, static.gen, capture=False)
+        static.step_fn = graph = graphs.GraphedStep(static.step_fn, static.opt, static.parts.generators.all(),
+                                                    capture=False)
         assert all(g["lr"] is graph.lr for g in static.opt.param_groups)  # a device tensor the graph reads
         off0 = int(static.objective.offset)
         a, b = _run(plain, 8), _run(static, 8)
-        assert a[0] == b[0]  # bit-identical losses
+        # bit-identical losses until the float32 tensor learning rate's rounding reaches the weights (the
+        # second update), then equal to that rounding
+        assert a[0][:2] == b[0][:2]
+        torch.testing.assert_close(torch.tensor(b[0]), torch.tensor(a[0]), rtol=1e-6, atol=0)
         for x, y in zip(a[1] + a[2], b[1] + b[2]):  # a float32 tensor learning rate rounds differently
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
         assert static.ema.n == plain.ema.n == 8
@@ -44,7 +48,7 @@ def test_interference_on_the_static_buffer_step_equals_the_plain_step(tmp_path):
     plain = Trainer(load_config("default", [f"run_dir={tmp_path / 'a'}", "train.steps=7"] + TINY + diag))
     static = Trainer(load_config("default", [f"run_dir={tmp_path / 'b'}", "train.steps=7"] + TINY + diag))
     try:
-        static.step_fn = graphs.GraphedStep(static._step, static.opt, static.gen, capture=False)
+        static.step_fn = graphs.GraphedStep(static.step_fn, static.opt, static.parts.generators.all(), capture=False)
         for tr in (plain, static):
             for _ in range(7):
                 tr.train_step()

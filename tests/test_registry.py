@@ -1,6 +1,7 @@
 """The extension points are one file each: a new module dropped into fasttrain/diffusion/ or
 fasttrain/models/ registers a weighting, a timestep sampler, a prediction type, a generation solver
-and a model, and the CLI trains, validates and samples with them by name, with no other edit.
+and a model, one dropped into fasttrain/data/ a data kind, one into fasttrain/periodic/ a periodic
+action, and the CLI trains, validates and samples with them by name, with no other edit.
 The files go into extra folders of the packages' __path__ in a child process, so the installed
 package and this process's registries are left as they were."""
 import subprocess
@@ -115,6 +116,79 @@ def test_each_extension_point_is_one_new_file(tmp_path):
     for value in ("ext_convnet", "ext_sqrt_snr", "ext_low_half", "ext_two_v", "ext_ddim_half_eta"):
         assert value in config
     assert list((tmp_path / "samples").glob("*.png")), "sampling with the new solver wrote nothing"
+
+
+DATA_AND_ACTION = {
+    "data/ext_stripes.py": """
+        import torch
+
+        from fasttrain.data.kinds import DataInfo, DataKind, Reference, Traits, register
+        from fasttrain.data.memory import MemoryStream
+
+        @register("ext_stripes")
+        class Stripes(DataKind):
+            traits = Traits(images=True, pixels=True, resident=True)
+
+            def resident_items(self, d):
+                return 64
+
+            def build(self, a, backend):
+                y = torch.arange(64) % 2
+                rows = (torch.arange(a.image_size) % 2 == 0)[None, None, :, None] ^ (y == 1)[:, None, None, None]
+                x = torch.where(rows, 1.0, -1.0).expand(64, 1, a.image_size, a.image_size).contiguous()
+                stream = MemoryStream(x, y, a.batch_size, a.seed, a.device, a.rank, a.world_size)
+                return stream, DataInfo(1, a.image_size, 2, 64)
+
+            def reference(self, cfg, spec, ref_path, n):
+                return Reference(None, None, "none (stripes)")
+    """,
+    "periodic/ext_every_two.py": """
+        import json
+
+        from fasttrain.periodic import Periodic, register
+
+        @register("ext_every_two")
+        class EveryTwo(Periodic):
+            order = 60
+            reads = ("step", "run_dir")
+            saves = ("ext-steps.json",)
+
+            def due(self, step, last):
+                return step % 2 == 0
+
+            def __call__(self, run):
+                path = run.run_dir / "ext-steps.json"
+                path.write_text(json.dumps((json.loads(path.read_text()) if path.exists() else []) + [run.step]))
+    """,
+}
+
+CHILD_DATA = """
+import sys
+import fasttrain.data as d, fasttrain.periodic as p
+from fasttrain.registry import discover
+d.__path__.append(sys.argv[1] + "/data")
+p.__path__.append(sys.argv[1] + "/periodic")
+discover("fasttrain.data"); discover("fasttrain.periodic")  # what the packages do when they are imported
+from fasttrain.cli import main
+run = sys.argv[1] + "/run"
+assert main(["train", "run_dir=" + run, "data.name=ext_stripes", "model.args.ch=8", "train.steps=4", "sample.num=0",
+             "train.progress=false", "eval.num_samples=0", "eval.bpd=false", "train.plots=false"]) == 0
+assert main(["sample", "--ckpt", run, "--n", "4", "--steps", "3", "--out", sys.argv[1] + "/samples"]) == 0
+"""
+
+
+def test_a_data_kind_and_a_periodic_action_are_one_new_file_each(tmp_path):
+    """A data kind dropped into fasttrain/data/ trains and samples by name (its traits decide the rest: an
+    image model, class-conditional, images written as PNGs); an action dropped into fasttrain/periodic/
+    acts at its own period, with no other edit."""
+    for rel, src in DATA_AND_ACTION.items():
+        path = tmp_path / rel
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(textwrap.dedent(src))
+    out = subprocess.run([sys.executable, "-c", CHILD_DATA, str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "run" / "ext-steps.json").read_text() == "[2, 4]"
+    assert len(list((tmp_path / "samples").glob("0*.png"))) == 4
 
 
 def test_registry_names_arguments_and_errors():

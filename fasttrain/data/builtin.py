@@ -1,5 +1,6 @@
 """Built-in data sets that need no download: scikit-learn's bundled handwritten digits, 2-D toys, and
-synthetic Gaussian "latents" of any shape (for throughput benchmarks: no decoding, no files)."""
+synthetic Gaussian "latents" of any shape (for throughput benchmarks: no decoding, no files); each
+registered as a data kind (kinds.py) that lives on the training device (memory.py)."""
 from __future__ import annotations
 
 import math
@@ -9,6 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InvalidInput
+from .kinds import DataArgs, DataInfo, DataKind, Reference, Traits, register
+from .memory import MemoryStream
 
 TOYS = ("moons", "8gaussians", "checkerboard")
 
@@ -63,3 +66,80 @@ def synthetic(channels: int, image_size: int, n: int = 4096, num_classes: int = 
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, channels, image_size, image_size, generator=g), torch.randint(0, num_classes, (n,),
                                                                                         generator=g)
+
+
+# -- the built-in data kinds (kinds.py), resident on the training device ----------------------------------
+def _split_seed(split: str) -> int:
+    return 0 if split == "train" else 1
+
+
+@register("digits")
+class Digits(DataKind):
+    traits = Traits(images=True, pixels=True, resident=True, extractor="fasttrain-digits")
+
+    def channels(self, d) -> int:
+        return 1
+
+    def check(self, d) -> None:
+        super().check(d)
+        if d.batch_size >= DIGITS_SIZE:
+            raise InvalidInput(f"bad value for 'data.batch_size': {d.batch_size!r} (digits has {DIGITS_SIZE} "
+                               f"images, data.holdout={d.holdout} of them held out)")
+        if d.holdout > DIGITS_SIZE - d.batch_size:
+            raise InvalidInput(f"bad value for 'data.holdout': {d.holdout!r} (digits has {DIGITS_SIZE} images and "
+                               f"one batch of data.batch_size={d.batch_size} must stay for training)")
+
+    def resident_items(self, d) -> int:
+        return DIGITS_SIZE - d.holdout
+
+    def build(self, a: DataArgs, backend: str):
+        x, y = digits(a.image_size, split=a.split, holdout=a.holdout, seed=0)
+        return (MemoryStream(x, y, a.batch_size, a.seed, a.device, a.rank, a.world_size),
+                DataInfo(1, a.image_size, 10, len(x)))
+
+    def reference(self, cfg, spec, ref_path, n):
+        if ref_path is not None:
+            return super().reference(cfg, spec, ref_path, n)
+        test, labels = digits(spec.image_size, "test", holdout=cfg.data.holdout)
+        return Reference(digits(spec.image_size, "train", holdout=cfg.data.holdout)[0][:n], test, "digits", labels)
+
+
+@register("synthetic")
+class Synthetic(DataKind):
+    traits = Traits(images=True, pixels=False, resident=True)
+
+    def resident_items(self, d) -> int:
+        return 4096
+
+    def build(self, a: DataArgs, backend: str):
+        x, y = synthetic(a.channels, a.image_size, seed=_split_seed(a.split))
+        return (MemoryStream(x, y, a.batch_size, a.seed, a.device, a.rank, a.world_size),
+                DataInfo(a.channels, a.image_size, 10, len(x)))
+
+    def reference(self, cfg, spec, ref_path, n):
+        if ref_path is not None:
+            return super().reference(cfg, spec, ref_path, n)
+        return Reference(None, None, "none (synthetic data have nothing to compare with)")
+
+
+class Toy(DataKind):
+    """A 2-D toy distribution (`toy`): flat points, no classes; its reference is its own exact sampler."""
+    traits = Traits(images=False, pixels=False, resident=True, sized_by_config=False, conditioning="none")
+
+    def channels(self, d) -> int:
+        return 2
+
+    def build(self, a: DataArgs, backend: str):
+        x = toy(self.name, seed=_split_seed(a.split))
+        y = torch.zeros(len(x), dtype=torch.long)
+        return (MemoryStream(x, y, a.batch_size, a.seed, a.device, a.rank, a.world_size),
+                DataInfo(2, None, 0, len(x)))
+
+    def reference(self, cfg, spec, ref_path, n):
+        if ref_path is not None:
+            return super().reference(cfg, spec, ref_path, n)
+        return Reference(toy(self.name, n=n, seed=0), toy(self.name, n=n, seed=1), self.name)
+
+
+for _toy in TOYS:
+    register(_toy)(type(f"Toy_{_toy}", (Toy,), {}))

@@ -5,8 +5,13 @@ prediction's learned per-timestep gate logits (mixed.py, gate=timestep).
 
     x0 = denoiser.x0_hat(x_t, t, y)     # generation, NELBO, look-aheads: no training objective needed
 
-Output heads: `PredictionOutput` (one prediction type, prediction.py) and `mixed.MixedOutput` (several
-heads and a gate); the objective class of the run's prediction kind provides it (objective.py).
+Output heads (`OutputHead`): `PredictionOutput` (one prediction type, prediction.py) and
+`mixed.MixedOutput` (several heads and a gate); the objective class of the run's prediction kind
+provides it (objective.py). A head owns both directions of its parameterisation: the output → x̂0
+conversion that generation uses, and the coefficient tables the training loss op reads (`coef` of a
+prediction type, the mixed `table`), so a new parameterisation is one head class and the objective
+holds no tables of its own. What a head learns from the training statistics (mixed argmin's choice)
+it learns itself, in `observe`, as a timestep sampler does.
 Keeping u(t), the gate table and the head's persistent state inside the network means they are
 sharded by FSDP, reduced by DDP, averaged by the EMA (parameters) and checkpointed like every other
 weight; the forward returns u and the gate when asked (`return_logvar=True`, `return_gate=True`), as
@@ -30,15 +35,36 @@ def column(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return x.view(-1, *([1] * (like.ndim - 1)))
 
 
-class PredictionOutput(nn.Module):
-    """x̂0 from a single prediction type's output: x̂0 = (ce·x_t − σ·pred)/det (prediction.py)."""
+class OutputHead(nn.Module):
+    """The network's output head: what generation and the training loss read of a parameterisation."""
+
+    def to_x0(self, output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """x̂0 from the network's output at (x_t, t)."""
+        raise NotImplementedError
+
+    def x0_defined(self) -> torch.Tensor:
+        """Bool [T]: where x̂0 can be recovered from the output."""
+        raise NotImplementedError
+
+    def check_sampling(self) -> None:
+        """A one-line InvalidInput where a solver could visit a step without x̂0."""
+
+    def observe(self, stats, **kw) -> None:
+        """Learn from the training statistics after a sync (nothing, unless the head chooses by them)."""
+
+
+class PredictionOutput(OutputHead):
+    """One prediction type (prediction.py): x̂0 = (ce·x_t − σ·pred)/det for generation, and the loss
+    op's target table `coef` = [ce, cx] [2, T] with `uses` (which of ε, x0 the target reads)."""
 
     def __init__(self, prediction: str, schedule: NoiseSchedule):
         super().__init__()
         self.prediction, self.schedule_name = P.check(prediction), schedule.name
         self.pred = P.get(prediction)
+        self.uses = self.pred.uses
         self.register_buffer("alpha", schedule.alpha.float(), persistent=False)
         self.register_buffer("sigma", schedule.sigma.float(), persistent=False)
+        self.register_buffer("coef", self.pred.table(schedule.alpha, schedule.sigma), persistent=False)
         self.register_buffer("defined", P.conditioning(prediction, schedule).to(schedule.alpha.device) > 1e-6,
                              persistent=False)
 

@@ -42,7 +42,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fasttrain.kernels.backend import resolve_backend
 from fasttrain.kernels.noise import noise
 
 
@@ -87,24 +86,16 @@ def lookaheads(*components) -> list[LookAhead]:
 
 def reference_step(model, objective, optimizer, micro_batches, step: int, components=(), *, rank: int = 0,
                    world_size: int = 1, generator: torch.Generator | None = None, before_step=None) -> None:
-    """One optimizer step in the order the trainer calls the hook (tests and benchmarks run this):
-    every micro-batch's loss and backward; `before_step()` (gradient all-reduce, clipping); for each
-    due LookAhead `before_update(ctx)`; `optimizer.step()`; `after_update(ctx)`. `micro_batches` is a
-    list of (x0, labels); ctx carries the first."""
-    for x0, labels in micro_batches:
-        loss, _ = objective(model, x0, labels, generator)
-        (loss / len(micro_batches)).backward()
-    if before_step is not None:
-        before_step()
-    x0, labels = micro_batches[0]
-    ctx = LookAheadContext(model, objective, x0, labels, step, rank, world_size)
-    due = [c for c in lookaheads(*components) if c.due(step)]
-    for c in due:
-        c.before_update(ctx)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    for c in due:
-        c.after_update(ctx)
+    """One optimizer step of the trainer's own step function (fasttrain/step.py) with only these parts, for
+    tests and benchmarks: every micro-batch's loss and backward; `before_step()` (a hand-written gradient
+    all-reduce, clipping); for each due LookAhead `before_update(ctx)`; `optimizer.step()`;
+    `after_update(ctx)`. `micro_batches` is a list of (x0, labels), the labels used as they are; ctx
+    carries the first."""
+    from ..step import Generators, StepParts, train_step  # the step is built on this module's hook
+
+    parts = StepParts(model, objective, optimizer, Generators(generator), hooks=lookaheads(*components),
+                      after_backward=before_step, skip_nonfinite=False, rank=rank, world_size=world_size)
+    train_step(parts, micro_batches, step=step)
 
 
 # -- probes with common random numbers -----------------------------------------------------------
@@ -120,7 +111,7 @@ class Probe:
              seed: int, offset: int) -> Probe:
         """x_t = a[t]·x0 + s[t]·ε with ε of element i, dimension d at counter offset + i·D + d of the
         Philox stream `seed` (the noise op: the training step's own noise path and backend)."""
-        backend = resolve_backend(objective.backend, x0.device)
+        backend = objective.kernels(x0.device)
         x_t = noise(x0, t, objective.alpha, objective.sigma, seed=seed, offset=offset, backend=backend)
         return cls(x0, t, x_t, labels)
 

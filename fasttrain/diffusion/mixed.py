@@ -42,15 +42,14 @@ flow step), σ for v on VP schedules and for flow on the flow schedule. Three ru
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from fasttrain.kernels import torch_ref_mixed_loss as mixed_ref
-from fasttrain.kernels.backend import resolve_backend
 from fasttrain.kernels.mixed_loss import mixed_loss
 from fasttrain.kernels.noise import noise
 
 from ..errors import ConfigError, InvalidInput
 from . import prediction as P
+from .denoiser import OutputHead
 from .objective import Objective, config_options
 from .objective import register as register_objective
 from .schedule import NoiseSchedule
@@ -156,23 +155,28 @@ def argmin_heads(errors: torch.Tensor, usable: torch.Tensor, n_buckets: int) -> 
     return best[bucket]
 
 
-class MixedOutput(nn.Module):
-    """The network wrapper's output → x̂0 conversion for a mixed prediction (denoiser.py): the gated mix
+class MixedOutput(OutputHead):
+    """The network wrapper's output head for a mixed prediction (denoiser.py). Generation: the gated mix
     Σ π ⊙ x̂0⁽ⁱ⁾ (mode=gate), or the head with the lowest running x0 error per timestep where the
-    training statistics have chosen one (mode=argmin; `choice`, a persistent buffer of the network
-    that MixedObjective writes at every statistics sync, so a loaded model generates as trained).
-    The output has H·C + H channels (the timestep gate's wrapper appends its logits)."""
+    training statistics have chosen one (mode=argmin; `choice`, a persistent buffer of the network that
+    the head updates itself when it observes the synced statistics, so a loaded model generates as
+    trained). Training: the mixed loss op's per-head `table` [H, NROWS, T] (head_table: the heads'
+    targets, x0 conversions, the prior and the aux weight). The output has H·C + H channels (the
+    timestep gate's wrapper appends its logits)."""
 
-    def __init__(self, heads, schedule: NoiseSchedule, gate: str = "pixel", mode: str = "gate", prior: bool = True):
+    def __init__(self, heads, schedule: NoiseSchedule, gate: str = "pixel", mode: str = "gate", prior: bool = True,
+                 aux_weight: float = 0.1):
         super().__init__()
         self.heads = check_heads(heads, schedule)
         self.gate = check_choice("gate", gate, GATES)
         self.mode = check_choice("mode", mode, MODES)
+        self.prior, self.aux_weight = bool(prior), float(aux_weight)
         k1, k2, ok = conversion(self.heads, schedule)
         dev = schedule.device
         self.register_buffer("k12", torch.stack([k1, k2]).float().to(dev), persistent=False)
         self.register_buffer("bias", prior_bias(self.heads, schedule, prior).float().to(dev), persistent=False)
         self.register_buffer("usable", ok.to(dev), persistent=False)
+        self.register_buffer("table", head_table(self.heads, schedule, aux_weight, prior), persistent=False)
         self.register_buffer("choice", torch.full((schedule.T,), -1, dtype=torch.long, device=dev))
         self._register_load_state_dict_pre_hook(self._default_choice)
 
@@ -218,13 +222,32 @@ class MixedOutput(nn.Module):
     def check_sampling(self) -> None:
         """Heads that cannot recover x0 at a timestep are masked there: every step can be sampled."""
 
+    # -- what the head learns from the training statistics (mode=argmin) ------------------------------
+    def error_table(self, stats) -> torch.Tensor:
+        """[H, T]: each head's running (EMA) x0 error per timestep in `stats` (kinds x0_error_<head>); NaN
+        where unseen, and where the head cannot recover x0 (the kernel's residual there is −x0, not an
+        error of the head)."""
+        T = self.choice.shape[0]
+        if stats is None:
+            return torch.full((self.H, T), torch.nan, dtype=torch.float64, device=self.usable.device)
+        err = torch.stack([stats.ema_view(f"x0_error_{h}") for h in self.heads])
+        return torch.where(self.usable.to(err.device).reshape(err.shape), err, torch.nan)
+
+    def observe(self, stats, *, buckets: int) -> None:
+        """mode=argmin: choose, per timestep, the head with the lowest x0 error over its bucket of
+        `buckets` timestep buckets (argmin_heads; -1: the gate where unseen). No host sync."""
+        if self.mode == "argmin" and stats is not None:
+            errors = self.error_table(stats).to(self.usable.device)
+            self.choice.copy_(argmin_heads(errors, self.usable, buckets).to(self.choice.device))
+
 
 @register_objective("mixed")
 class MixedObjective(Objective):
     """The objective for prediction="mixed": the same call and info as DiffusionObjective (plus
     "x0_error" [B, H]), the fused mixed loss (kernels/mixed_loss.py) and statistics with one x0-error
-    kind per head. With `output` (the network wrapper's MixedOutput) and mode=argmin, every
-    statistics sync writes the per-timestep head choice into the network.
+    kind per head. The loss op reads its table from `output`, the network wrapper's MixedOutput (or
+    the objective's own when built without a network); with mode=argmin the head chooses its
+    per-timestep head from the statistics at every sync (MixedOutput.observe).
 
     `weighting` is an x0-space weighting (loss_weight(name, schedule, "x0"): "simple" and "constant"
     are the plain x0-MSE). The network is called as model(x_t, t[, y]); with gate="timestep" as
@@ -249,10 +272,17 @@ class MixedObjective(Objective):
         if not 1 <= int(argmin_buckets) <= schedule.T:
             raise InvalidInput(f"mixed.argmin_buckets must lie in [1, T={schedule.T}], got {argmin_buckets!r}")
         self.argmin_buckets = int(argmin_buckets)
-        self.output = output  # not a submodule: the network owns it
-        _, _, ok = conversion(self.heads, schedule)
-        self.register_buffer("tab", head_table(self.heads, schedule, aux_weight, prior), persistent=False)
-        self.register_buffer("usable", ok.to(schedule.device), persistent=False)
+        if output is None:  # an objective without a network: its own head (the trainer's is the network's)
+            output = MixedOutput(self.heads, schedule, gate, mode, prior, aux_weight)
+        elif (output.heads, output.prior, output.aux_weight) != (self.heads, bool(prior), float(aux_weight)):
+            raise InvalidInput(f"the output head was built for heads {list(output.heads)}, prior={output.prior}, "
+                               f"aux_weight={output.aux_weight}, not {list(self.heads)}, {prior}, {aux_weight}")
+        self.output = output  # a submodule: its persistent `choice` is saved with the objective's state too
+
+    @property
+    def tab(self) -> torch.Tensor:
+        """The mixed loss op's per-head table [H, NROWS, T], read from the output head."""
+        return self.output.table
 
     # -- the network contract ----------------------------------------------------------------------
     @classmethod
@@ -269,7 +299,7 @@ class MixedObjective(Objective):
     @classmethod
     def output_head(cls, diffusion, schedule: NoiseSchedule) -> MixedOutput:
         m = diffusion.mixed
-        return MixedOutput(list(m.heads), schedule, m.gate, m.mode, m.prior)
+        return MixedOutput(list(m.heads), schedule, m.gate, m.mode, m.prior, m.aux_weight)
 
     @classmethod
     def gate_heads(cls, diffusion) -> int:
@@ -325,7 +355,7 @@ class MixedObjective(Objective):
     def probe_loss(self, model, x0, t, eps, cond=None) -> torch.Tensor:
         """Per-sample loss (iw = 1) at the given t and eps, with no statistics and no noise-counter
         move: for probes (diagnostics, look-aheads)."""
-        backend = resolve_backend(self.backend, x0.device)
+        backend = self.kernels(x0.device)
         x_t = noise(x0, t, self.alpha, self.sigma, eps=eps, backend=backend)
         out, logvar, gate = self._network(model, x_t, t, cond)
         iw = torch.ones(x0.shape[0], device=x0.device)
@@ -333,33 +363,19 @@ class MixedObjective(Objective):
                          **self.loss_args).per_sample
         return self._with_uncertainty(None, per, logvar)[1]
 
-    # -- statistics, argmin, persistence ---------------------------------------------------------
-    def head_error_table(self) -> torch.Tensor:
-        """[H, T]: each head's running (EMA) x0 error per timestep; NaN where unseen, and where the head
-        cannot recover x0 (the kernel's residual there is −x0, not an error of the head)."""
-        if self.stats is None:
-            return torch.full((self.H, self.T), torch.nan, dtype=torch.float64, device=self.alpha.device)
-        err = torch.stack([self.stats.ema_view(f"x0_error_{h}") for h in self.heads])
-        return torch.where(self.usable.to(err.device).reshape(err.shape), err, torch.nan)
-
+    # -- statistics, persistence -------------------------------------------------------------------
     def head_errors(self) -> dict:
-        return dict(zip(self.heads, self.head_error_table()))
-
-    def choice(self) -> torch.Tensor:
-        """Long[T]: the argmin head per timestep from the statistics (-1: the gate)."""
-        return argmin_heads(self.head_error_table().to(self.usable.device), self.usable, self.argmin_buckets)
-
-    def _publish_choice(self) -> None:
-        if self.output is not None and self.mode == "argmin":
-            self.output.choice.copy_(self.choice().to(self.output.choice.device))
+        """Each head's running x0 error per timestep (the output head's view of the statistics)."""
+        return dict(zip(self.heads, self.output.error_table(self.stats)))
 
     def sync_stats(self) -> None:
         super().sync_stats()
-        self._publish_choice()
+        self.output.observe(self.stats, buckets=self.argmin_buckets)  # mode=argmin: the head chooses
 
     def set_extra_state(self, state: dict) -> None:
         super().set_extra_state(state)
-        self._publish_choice()  # derived from the restored statistics: a resumed run chooses the same heads
+        # the head's choice from the restored statistics: a resumed run chooses the same heads
+        self.output.observe(self.stats, buckets=self.argmin_buckets)
 
     def effective_weight(self, probs: torch.Tensor | None = None) -> torch.Tensor:
         """T·p(t)·iw(t)·w_x0(t) of the main (mixed x0-space) term."""

@@ -2,7 +2,8 @@
 immiscible noise assignment's row map.
 
 Per-step diffusion math that practitioners use through diffusers' example scripts and kohya-ss/sd-scripts,
-fused into the noise and loss kernels on the one Philox stream (formulas: kernels/noise_spec.py):
+fused into the noise and loss kernels on the one Philox stream (formulas: kernels/noise_spec.py and
+kernels/torch_ref_noise.py):
 
   key                              diffusers                sd-scripts
   offset                           --noise_offset           --noise_offset

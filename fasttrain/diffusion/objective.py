@@ -7,8 +7,10 @@ their sync with the sampler, persistence, and the hooks the trainer calls (decla
 discovered by attribute). Two objectives are registered by prediction kind (`OBJECTIVES`):
 `DiffusionObjective` below for a single prediction type (every name of the prediction registry),
 and `MixedObjective` (mixed.py) for several heads mixed by a gate. Each also says what the network
-must output (`out_channels`) and gives the network wrapper its output → x̂0 conversion
-(`output_head`, held by `Denoiser`): generation never builds an objective.
+must output (`out_channels`) and gives the network wrapper its output head (`output_head`, held by
+`Denoiser`: the output → x̂0 conversion generation uses, and the coefficient tables the loss op reads),
+so generation never builds an objective and the objective holds no tables of a parameterisation: it
+reads them from the head it is given (`output`: the network's; its own when built without one).
 
 One step (docs/architecture.md): t, iw ~ sampler; the noise kernel: x_t = alpha[t]·x0 + sigma[t]·eps
 with eps from the counter-based stream (seed, offset); pred = model(x_t, t, cond); the loss kernel:
@@ -29,15 +31,15 @@ import torch
 from torch import nn
 
 from fasttrain.kernels import noise_spec, philox
-from fasttrain.kernels.backend import BACKENDS, resolve_backend
+from fasttrain.kernels.backend import BACKENDS, BackendUnavailable, resolve_backend
 from fasttrain.kernels.diffusion_loss import diffusion_loss
 from fasttrain.kernels.noise import noise
 from fasttrain.kernels.noise_spec import NoiseOptions, NoiseSpec
 
-from ..errors import InvalidInput
+from ..errors import ConfigError, InvalidInput
 from ..registry import Registry
 from . import prediction as P
-from .denoiser import PredictionOutput
+from .denoiser import OutputHead, PredictionOutput
 from .loss_shapes import LossShape
 from .noise_options import Immiscible
 from .samplers import TimestepSampler, timestep_sampler
@@ -60,6 +62,19 @@ class Draw(NamedTuple):
     spec: NoiseSpec | None
 
 
+def kernel_backend(backend: str, device, key: str | None = None) -> str:
+    """The concrete kernel backend for data on `device` (`auto` decides here): the one boundary between
+    fasttrain and the kernels' choice. A choice that cannot run there (triton without CUDA, native
+    where fasttrain._C is not built, interpret with CUDA data) is one line: a ConfigError naming `key`
+    when given (the trainer checks before its run folder is touched), else an InvalidInput."""
+    try:
+        return resolve_backend(backend, device)
+    except BackendUnavailable as e:
+        if key is not None:
+            raise ConfigError(f"bad value for '{key}': {backend!r} ({e})") from None
+        raise InvalidInput(str(e)) from None
+
+
 def config_options(diffusion, schedule: NoiseSchedule) -> dict:
     """The objective's noise options and loss shape from the `diffusion.noise` and `diffusion.loss` groups."""
     from .noise_options import from_config
@@ -69,17 +84,22 @@ def config_options(diffusion, schedule: NoiseSchedule) -> dict:
 
 class Objective(nn.Module):
     """The shared part: tables, sampler, statistics, noise counter, persistence and the trainer's hooks.
-    Subclasses implement `forward` and `probe_loss`, and the class-level network contract."""
+    Everything its callers use is declared here (docs/architecture.md, "Objective"): subclasses implement
+    `from_config`, `forward`, `probe_loss`, `effective_weight` and the class-level network contract
+    (`output_head` at least); `prediction` names the kind (a prediction type, or a registered kind)."""
+    prediction: str
 
     def __init__(self, schedule: NoiseSchedule, weight: torch.Tensor, sampler, *, sampler_args: dict | None,
                  stats: TimestepStats | bool, stat_kinds: tuple[str, ...], learned_weighting: bool, backend: str,
                  seed: int, noise: NoiseOptions | None = None, immiscible: Immiscible | None = None,
                  loss: LossShape | None = None):
         super().__init__()
+        self.output: OutputHead  # the network's output head, set by the subclass: the loss op reads its tables
         self.schedule = schedule
         if backend not in BACKENDS:
             raise InvalidInput(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
-        self.backend = backend  # resolved per call against the data's device
+        self.backend = backend  # the choice; `kernels(device)` is the concrete backend, decided once per device
+        self._kernels: dict[torch.device, str] = {}
         # fp32 copies of the tables: what the kernels gather by t
         self.register_buffer("weight", weight.to(torch.float32), persistent=False)
         self.register_buffer("weight64", weight.to(torch.float64), persistent=False)  # for plots
@@ -122,6 +142,21 @@ class Objective(nn.Module):
     def T(self) -> int:
         return self.schedule.T
 
+    def kernels(self, device) -> str:
+        """The concrete kernel backend for data on `device`, decided on first use there (`auto` once);
+        the trainer passes a concrete one, checked at set-up (`kernel_backend`)."""
+        device = torch.device(device)
+        if device not in self._kernels:
+            self._kernels[device] = kernel_backend(self.backend, device)
+        return self._kernels[device]
+
+    @classmethod
+    def from_config(cls, diffusion, schedule: NoiseSchedule, output: nn.Module | None = None, **kw) -> Objective:
+        """The objective of a run's `diffusion` config group on `schedule`, reading its tables from `output`
+        (the network's output head); `kw`: what the bundle decides (weighting and sampler arguments,
+        statistics, learned weighting, the kernel backend, the noise seed)."""
+        raise NotImplementedError
+
     # -- the network contract (class level: the bundle builds the network before any objective) ------
     @classmethod
     def out_channels(cls, diffusion, channels: int) -> int | None:
@@ -143,6 +178,18 @@ class Objective(nn.Module):
         """What this prediction kind needs of the rest of the config (configure.py); InvalidInput."""
 
     # -- one step --------------------------------------------------------------------------------
+    def forward(self, model, x0: torch.Tensor, cond=None, generator: torch.Generator | None = None,
+                t: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """(the batch's loss, info: t, iw, per-sample raw/weighted losses, ...) for the network `model` on
+        data x0 with condition `cond`: the timesteps from the sampler (or `t`, iw = 1), the noise and
+        loss ops, the statistics recorded; the step (step.py) calls it and backpropagates the loss."""
+        raise NotImplementedError
+
+    def probe_loss(self, model, x0: torch.Tensor, t: torch.Tensor, eps: torch.Tensor, cond=None) -> torch.Tensor:
+        """Per-sample loss (iw = 1) at the given t and eps, with no statistics and no noise-counter move,
+        differentiable in the model's parameters: for probes (the interference diagnostic, look-aheads)."""
+        raise NotImplementedError
+
     def noise(self, like: torch.Tensor) -> torch.Tensor:
         """The eps of the next (seed, offset) (what the kernels draw without noise options); advances the offset."""
         eps = philox.randn(like.shape, self.seed, self.offset.to(like.device), like.device)
@@ -158,7 +205,7 @@ class Objective(nn.Module):
             t, iw = self.sampler.sample(B, generator, x0)
         else:
             iw = torch.ones(B, device=x0.device)
-        backend = resolve_backend(self.backend, x0.device)
+        backend = self.kernels(x0.device)
         offset = self.offset.clone()
         spec = None
         if not self._plain_noise:
@@ -215,6 +262,11 @@ class Objective(nn.Module):
         """Per-head running x0 error per timestep (mixed prediction's third plot row), or None."""
         return None
 
+    def effective_weight(self, probs: torch.Tensor | None = None) -> torch.Tensor:
+        """T·p(t)·iw(t)·w(t)·c(t): the x0-space weight of each timestep in this objective (plots), for the
+        sampler's marginal or the given `probs`."""
+        raise NotImplementedError
+
     def _effective(self, prediction: str, probs: torch.Tensor | None) -> torch.Tensor:
         p = self.probs() if probs is None else probs
         iw = None if self.sampler.biased else 1.0 / (self.T * p)
@@ -255,22 +307,31 @@ class DiffusionObjective(Objective):
     def __init__(self, schedule: NoiseSchedule, prediction: str = "eps", weighting="simple",
                  sampler="uniform", *, weighting_args: dict | None = None, sampler_args: dict | None = None,
                  stats: TimestepStats | bool = True, learned_weighting: bool = False,
-                 backend: str = "auto", seed: int = 0, **options):
-        """`options`: noise (NoiseOptions), immiscible (Immiscible), loss (LossShape); see `Objective`."""
+                 backend: str = "auto", seed: int = 0, output: PredictionOutput | None = None, **options):
+        """`output`: the network's output head (PredictionOutput), whose `coef` table the loss op reads (an
+        objective built without a network makes its own); `options`: noise (NoiseOptions), immiscible
+        (Immiscible), loss (LossShape); see `Objective`."""
         self.prediction = P.check(prediction)
         if isinstance(weighting, str):
             weighting = loss_weight(weighting, schedule, prediction, **(weighting_args or {}))
         super().__init__(schedule, weighting, sampler, sampler_args=sampler_args, stats=stats,
                          stat_kinds=("raw", "weighted"), learned_weighting=learned_weighting, backend=backend,
                          seed=seed, **options)
-        self.pred = P.get(prediction)
-        self.register_buffer("coef", self.pred.table(schedule.alpha, schedule.sigma), persistent=False)
+        if output is None:
+            output = PredictionOutput(prediction, schedule)
+        elif output.prediction != prediction:
+            raise InvalidInput(f"the output head predicts {output.prediction!r}, the objective {prediction!r}")
+        self.output = output  # a submodule without persistent state: the objective's checkpoint keys are unchanged
+
+    @property
+    def coef(self) -> torch.Tensor:
+        """The loss op's target table [2, T] (ce, cx), read from the output head."""
+        return self.output.coef
 
     @classmethod
     def from_config(cls, diffusion, schedule: NoiseSchedule, output: nn.Module | None = None,
                     **kw) -> DiffusionObjective:
-        """`output` (the network's output head) is not needed: a single prediction learns nothing for it."""
-        return cls(schedule, diffusion.prediction, diffusion.weighting, diffusion.sampler,
+        return cls(schedule, diffusion.prediction, diffusion.weighting, diffusion.sampler, output=output,
                    **config_options(diffusion, schedule), **kw)
 
     @classmethod
@@ -295,7 +356,7 @@ class DiffusionObjective(Objective):
         t, iw, backend, offset, x_t, spec = self.draw(x0, generator, t)
         pred, logvar = self._call(model, x_t, t, cond)
         st = self.stats
-        loss, per_sample, raw, weighted = diffusion_loss(pred, x0, t, self.weight, iw, self.coef, uses=self.pred.uses,
+        loss, per_sample, raw, weighted = diffusion_loss(pred, x0, t, self.weight, iw, self.coef, uses=self.output.uses,
                                                          seed=self.seed, offset=offset, spec=spec, backend=backend,
                                                          bins=st.window if st is not None else None, **self.loss_args)
         if st is not None:
@@ -309,11 +370,11 @@ class DiffusionObjective(Objective):
         """Per-sample loss ℓ_b (iw = 1) at the given t and eps, with no statistics and no noise-counter
         move: for probes (diagnostics, look-aheads). Differentiable in the model's parameters. The loss
         shape applies; the noise options do not (the probe's eps is given)."""
-        backend = resolve_backend(self.backend, x0.device)
+        backend = self.kernels(x0.device)
         x_t = noise(x0, t, self.alpha, self.sigma, eps=eps, backend=backend)
         pred, logvar = self._call(model, x_t, t, cond)
         iw = torch.ones(x0.shape[0], device=x0.device)
-        per = diffusion_loss(pred, x0, t, self.weight, iw, self.coef, uses=self.pred.uses, eps=eps,
+        per = diffusion_loss(pred, x0, t, self.weight, iw, self.coef, uses=self.output.uses, eps=eps,
                              backend=backend, **self.loss_args).per_sample
         return self._with_uncertainty(None, per, logvar)[1]
 

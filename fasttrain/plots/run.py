@@ -104,7 +104,7 @@ def save_samples(path, x: torch.Tensor, spec, reference: torch.Tensor | None = N
     path = Path(path)
     if not spec.image_size:
         return plot_points(path, x, reference if reference is not None else x[:0], title=spec.name)
-    if spec.name == "latents":
+    if spec.traits.latents:
         torch.save(x.cpu(), path.with_suffix(".pt"))
         x = x[:, :1] / x[:, :1].abs().amax().clamp_min(1e-8)
     nrow = nrow or spec.num_classes or int(math.sqrt(len(x))) or 1

@@ -47,13 +47,37 @@ def test_mixed_loss_bench_cases_run_on_tiny_shapes():
         assert case.bins.data[0].sum().item() == 3 * len(runs)
 
 
+def test_noise_and_noise_std_bench_cases_run_on_tiny_shapes():
+    """bench_noise.py and bench_noise_std.py: every implementation of the device, and the interpreter
+    (what their Triton variant calls on CUDA), on tiny shapes; the fused noise_std equals the reference's
+    std of the same noise, the eager baseline a std of the same order (its own torch.randn draws)."""
+    import bench_noise
+    import bench_noise_std
+    from cases import impls
+
+    from fasttrain.kernels.torch_ref_noise_std import reference_std
+
+    case = bench_noise.Case((3, 2, 4, 5), "cpu")
+    outs = [getattr(case, impl)() for impl in impls("cpu")] + [case.fused("interpret")]
+    assert all(o.shape == (3, 2, 4, 5) and o.dtype == torch.bfloat16 and torch.isfinite(o.float()).all() for o in outs)
+    torch.testing.assert_close(outs[-1].float(), case.fused("torch").float(), rtol=1e-2, atol=1e-2)
+    assert case.floor_bytes == 3 * 2 * 4 * 5 * (4 + 2)
+    case = bench_noise_std.Case((2, 3, 8, 8), "cpu")
+    want = reference_std(case.spec, (2, 3, 8, 8), 1, 0, "cpu")
+    for impl in impls("cpu"):
+        std = getattr(case, impl)()
+        assert std.shape == () and 0.5 < float(std) < 2
+    for backend in ["interpret"] + (["native"] if "native" in impls("cpu") else []):
+        torch.testing.assert_close(case.fused(backend), want.reshape(()), rtol=1e-5, atol=0)
+
+
 def test_every_benchmark_script_imports():
     """A script that imports a module a refactor removed fails here, not in the next benchmark run."""
     import importlib
 
     scripts = sorted(p.stem for p in (Path(__file__).parents[2] / "bench").glob("*.py") if p.stem != "conftest")
-    assert {"bench_diffusion_loss", "bench_mixed_loss", "convergence", "throughput", "presets",
-            "adaptive_digits"} <= set(scripts)
+    assert {"bench_diffusion_loss", "bench_mixed_loss", "bench_noise", "bench_noise_std", "convergence",
+            "throughput", "presets", "adaptive_digits"} <= set(scripts)
     for name in scripts:
         mod = importlib.import_module(name)
         assert mod.__file__.endswith(f"bench/{name}.py")

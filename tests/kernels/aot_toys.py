@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fasttrain.kernels.triton_shared import Spec, div_of
+from fasttrain.kernels.aot import Spec
+from fasttrain.kernels.triton_shared import div_of
 
 
 @triton.jit

@@ -11,7 +11,7 @@ from harness import DTYPES, TOL, backends, filled_bins, inputs, tables
 from mixed_harness import close, leaf
 
 from fasttrain.diffusion import prediction as P
-from fasttrain.kernels import TimestepBins, loss_shape, philox, torch_ref
+from fasttrain.kernels import TimestepBins, loss_shape, philox, torch_ref, torch_ref_noise
 from fasttrain.kernels import noise_spec as ns
 from fasttrain.kernels import torch_ref_mixed_loss as mixed_ref
 from fasttrain.kernels.diffusion_loss import diffusion_loss
@@ -108,7 +108,7 @@ def test_loss_op_dtypes_and_drawn_noise_with_every_option(backend, dtype, kind):
     out = diffusion_loss(p, x0, t, w, iw, coef, seed=3, offset=55, spec=spec, loss=kind, c_table=c,
                          backend=backend.name)
     out.loss.backward()
-    e = ns.reference_eps(spec, shape, 3, 55, dev)
+    e = torch_ref_noise.reference_eps(spec, shape, 3, 55, dev)
     r_per, r_raw, r_grad = torch_ref.loss_and_grad(p.detach(), x0, e, t, w, iw, coef, loss_shape.code(kind), c)
     torch.testing.assert_close(out.raw, r_raw, **DRAWN)
     torch.testing.assert_close(out.per_sample, r_per, **DRAWN)
@@ -187,7 +187,7 @@ def test_mixed_loss_low_precision_with_noise_options(backend, dtype):
     res = mixed_loss(o, x0, t, w, iw, tab, seed=2, offset=9, spec=spec, loss="pseudo_huber", c_table=c,
                      backend=backend.name)
     res.loss.backward()
-    e = ns.reference_eps(spec, shape, 2, 9, dev)
+    e = torch_ref_noise.reference_eps(spec, shape, 2, 9, dev)
     per, raw, wl, x0e, grad, _ = mixed_ref.loss_and_grad(out, x0, e, t, w, iw, tab, None, loss_shape.PSEUDO_HUBER, c)
     torch.testing.assert_close(res.raw, raw, **DRAWN)
     torch.testing.assert_close(res.per_sample, per, **DRAWN)

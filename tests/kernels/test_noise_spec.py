@@ -12,9 +12,12 @@ import torch.nn.functional as F
 from harness import DTYPES, backends, inputs, tables
 
 from fasttrain.kernels import noise_spec as ns
+from fasttrain.kernels import noise_std as noise_std_module
 from fasttrain.kernels import philox, torch_ref
+from fasttrain.kernels import torch_ref_noise as rn
 from fasttrain.kernels.diffusion_loss import diffusion_loss
 from fasttrain.kernels.noise import noise, randn
+from fasttrain.kernels.torch_ref_noise_std import reference_std
 
 SEED, OFF = 7, 1234
 DRAWN = dict(rtol=1e-5, atol=2e-5)  # normals to the rounding of log/cos, sums of a few of them
@@ -58,7 +61,7 @@ def test_adaptive_and_random_offset_are_sd_scripts(backend):
     for adaptive in (0.7, -3.0):
         opts = ns.NoiseOptions(offset=0.2, offset_random=True, adaptive_scale=adaptive)
         x0, _, _, spec, _, e, _ = draw(backend, opts, shape)
-        u = ns.rand(SEED, torch.tensor([OFF + spec.ints[ns.K_S]]))[0].to(backend.device)
+        u = rn.rand(SEED, torch.tensor([OFF + spec.ints[ns.K_S]]))[0].to(backend.device)
         off = u * 0.2
         off = torch.clamp(off + adaptive * x0.mean(dim=(2, 3), keepdim=True).abs(), min=0)
         want = base(shape, device=backend.device) + off * philox.randn((4, 3), SEED, OFF + spec.ints[ns.K_N],
@@ -92,7 +95,7 @@ def test_pyramid_is_sd_scripts_pyramid_noise_like(backend, shape, iterations, di
     opts = ns.NoiseOptions(pyramid_iterations=iterations, pyramid_discount=discount)
     _, _, _, spec, n, e, _ = draw(backend, opts, shape)
     dev = backend.device
-    u = ns.rand(SEED, torch.arange(iterations) + OFF + spec.ints[ns.K_S] + 2)
+    u = rn.rand(SEED, torch.arange(iterations) + OFF + spec.ints[ns.K_S] + 2)
     rs = [2.0 + 2.0 * float(v) for v in u]
     N = math.prod(shape)
 
@@ -101,7 +104,7 @@ def test_pyramid_is_sd_scripts_pyramid_noise_like(backend, shape, iterations, di
 
     want = sd_scripts_pyramid(base(shape, device=dev), rs, iterations, discount, level_noise)
     torch.testing.assert_close(e, want, **DRAWN)
-    torch.testing.assert_close(spec.std, ns.reference_std(spec, shape, SEED, OFF, dev), rtol=2e-6, atol=0)
+    torch.testing.assert_close(spec.std, reference_std(spec, shape, SEED, OFF, dev), rtol=2e-6, atol=0)
     assert n == N + 2 + iterations + iterations * N
 
 
@@ -112,9 +115,9 @@ def test_pyramid_draws_and_sizes_have_the_sources_distribution():
     spec = ns.NoiseSpec(ns.layout(opts, (1, 1, 8, 8)).ints, opts.table(), None, None, torch.ones(()))
     rs, lives = [], []
     for step in range(400):
-        _, _, r = ns.draws(spec, 3, step * 10_000, "cpu")
+        _, _, r = rn.draws(spec, 3, step * 10_000, "cpu")
         rs.append(r)
-        lives.append(len(ns.level_sizes(r, 8, 8)))
+        lives.append(len(rn.level_sizes(r, 8, 8)))
     r = torch.stack(rs)
     assert ((r >= 2) & (r < 4)).all()
     assert abs(r.mean().item() - 3) < 0.02 and abs(r.var().item() - 1 / 3) < 0.02
@@ -130,7 +133,7 @@ def test_input_perturbation_builds_x_t_only(backend, random_strength):
     opts = ns.NoiseOptions(perturbation=0.1, perturbation_random=random_strength)
     x0, t, (a, s), spec, n, e, xt = draw(backend, opts, shape)
     dev = backend.device
-    g = 0.1 * (ns.rand(SEED, torch.tensor([OFF + spec.ints[ns.K_S] + 1]))[0].item() if random_strength else 1.0)
+    g = 0.1 * (rn.rand(SEED, torch.tensor([OFF + spec.ints[ns.K_S] + 1]))[0].item() if random_strength else 1.0)
     xi = philox.randn(shape, SEED, OFF + spec.ints[ns.K_XI], dev)
     eps = base(shape, device=dev)
     torch.testing.assert_close(e, eps, **DRAWN)
@@ -146,7 +149,7 @@ def test_random_strengths_have_the_sources_distribution():
     """One U[0, 1) per batch, as torch.rand(1) in sd-scripts: moments over many steps."""
     opts = ns.NoiseOptions(offset=0.1, offset_random=True, perturbation=0.1, perturbation_random=True)
     spec = ns.NoiseSpec(ns.layout(opts, (2, 3)).ints, opts.table(), None, None, None)
-    u = torch.stack([torch.stack(ns.draws(spec, 5, step * 977, "cpu")[:2]) for step in range(2000)])
+    u = torch.stack([torch.stack(rn.draws(spec, 5, step * 977, "cpu")[:2]) for step in range(2000)])
     assert ((u >= 0) & (u < 1)).all()
     for col in u.T:
         assert abs(col.mean().item() - 0.5) < 0.02 and abs(col.var().item() - 1 / 12) < 0.01
@@ -189,10 +192,10 @@ def test_all_options_match_the_reference(backend, shape, dtype):
     B = shape[0]
     rows = torch.arange(B - 1, -1, -1, device=dev)
     x0, t, (a, s), spec, _, e, _ = draw(backend, ALL, shape, dtype, rows=rows)
-    want = ns.reference_eps(spec, shape, SEED, OFF, dev)
+    want = rn.reference_eps(spec, shape, SEED, OFF, dev)
     torch.testing.assert_close(e, want, **DRAWN)
-    torch.testing.assert_close(spec.std, ns.reference_std(spec, shape, SEED, OFF, dev), rtol=2e-6, atol=0)
-    xi = ns.reference_perturbation(spec, shape, SEED, OFF, dev)
+    torch.testing.assert_close(spec.std, reference_std(spec, shape, SEED, OFF, dev), rtol=2e-6, atol=0)
+    xi = rn.reference_perturbation(spec, shape, SEED, OFF, dev)
     for out in DTYPES:
         junk = [torch.full(shape, float("nan"), dtype=out, device=dev) for _ in range(3)]  # poisoned memory
         del junk
@@ -295,7 +298,7 @@ def test_options_inside_fullgraph_compile_and_opcheck(backend):
     args = ns.op_args(spec)
     torch.library.opcheck(noise_module._noise_op, (x0, t, a, s, None, SEED, off, torch.float32, True, *args,
                                                    backend.name, 0), test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(ns._std_op, (x0, SEED, off, *args[:4], backend.name, 0),
+    torch.library.opcheck(noise_std_module._std_op, (x0, SEED, off, *args[:4], backend.name, 0),
                           test_utils=("test_schema", "test_faketensor"))
     bins = torch.zeros(5, 1000, dtype=torch.float64, device=dev)
     piv = torch.zeros(2, 1000, dtype=torch.float64, device=dev)

@@ -1,0 +1,131 @@
+"""Data kinds: what each `data.name` is, declared once, in a registry like the samplers and weightings.
+Every module outside `fasttrain/data/` asks a kind's traits, never its name (tests/test_contracts.py).
+
+    kind = data_kind("digits")
+    kind.traits.images, kind.traits.resident, kind.traits.conditioning     # what it is
+    stream, info = kind.build(DataArgs(...))                              # batches on the device
+    kind.reference(cfg, spec, ref_path, n)                                 # what evaluation compares with
+
+Traits (`Traits`):
+  images          samples are [C, S, S] arrays (else flat points: the 2-D toys)
+  pixels          their values are image pixels in [-1, 1]: generated samples are clipped to it, bits/dim
+                  are discrete (256 levels), FID judges them as images (not latents, not synthetic noise)
+  latents         VAE latents: samples are decoded for viewing and judging (the run records the VAE)
+  resident        the whole set lives on the training device (memory.py); else streamed from files
+                  (DataLoader or DALI), which `data.backend` chooses
+  needs_root      read from `data.root`
+  sized_by_config the image size is `data.image_size` (else the files decide it)
+  conditioning    what a batch's labels are: "class" (class labels; a set without classes has 0 of them)
+  extractor       the feature extractor `eval.extractor=auto` takes for it (None: by `pixels`)
+A new data kind (WebDataset shards, packed latents, text–image pairs) is one module in this package:
+a `DataKind` subclass with its traits, `build`, `reference` and `check`, registered with `@register`.
+`trainable = False` marks a kind that only describes outputs (decoded VAE samples), not a `data.name`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InvalidInput
+from ..registry import Registry
+
+DATA_KINDS = Registry("data set")
+register = DATA_KINDS.register
+
+
+@dataclass(frozen=True)
+class Traits:
+    images: bool
+    pixels: bool
+    resident: bool
+    needs_root: bool = False
+    latents: bool = False
+    sized_by_config: bool = True
+    conditioning: str = "class"
+    extractor: str | None = None
+
+
+@dataclass
+class DataArgs:
+    """What building a data stream takes (the `data` config group, the seed and the process layout)."""
+    batch_size: int
+    seed: int = 0
+    image_size: int = 8
+    root: str | None = None
+    channels: int = 3
+    holdout: int = 400
+    device: torch.device | str = "cpu"
+    num_workers: int = 0
+    split: str = "train"
+    manifest: str | None = None
+    crop: str = "center"
+    flip: bool = True
+    rank: int = 0
+    world_size: int = 1
+    latent_norm: str = "auto"
+
+
+@dataclass
+class DataInfo:
+    channels: int
+    image_size: int | None  # None for 2-D toy data
+    num_classes: int
+    size: int
+    latents: dict | None = None  # a latent folder's VAE, normalisation and statistics (vae.latent_record)
+
+
+@dataclass
+class Reference:
+    """Real data to compare with: `train` images for FID, `test` (held out where there is one) for bpd."""
+    train: torch.Tensor | None
+    test: torch.Tensor | None
+    source: str
+    test_labels: torch.Tensor | None = None
+
+
+class DataKind:
+    """A data set kind (module docstring). Subclasses declare `traits` and implement `build`."""
+    name: str = ""
+    traits: Traits
+    trainable: bool = True
+
+    def check(self, d) -> None:
+        """What this kind needs of the `data` config group beyond the field types: InvalidInput naming
+        the key (configure.py turns it into the config error)."""
+        if self.traits.needs_root and not d.root:
+            raise InvalidInput(f"bad value for 'data.root': None (a folder is needed for data.name={self.name})")
+
+    def channels(self, d) -> int:
+        """The channels of a sample, as far as the config tells (memory estimates)."""
+        return d.channels
+
+    def resident_items(self, d) -> int:
+        """How many samples live on the training device at once (0 for streamed kinds)."""
+        return 0
+
+    def build(self, args: DataArgs, backend: str):
+        """(stream of (x0, labels) batches on the device, DataInfo); `backend`: "memory" for a resident
+        kind, else the file reader `data.backend` resolved to ("dali" or "torch")."""
+        raise NotImplementedError
+
+    def reference(self, cfg, spec, ref_path: str | None, n: int) -> Reference:
+        """The real data evaluations compare with: `ref_path` when given (a folder of images), else the
+        kind's own (folder kinds: data.root when it still exists)."""
+        from .reference import folder_reference
+
+        return folder_reference(cfg, spec, ref_path or cfg.data.root, n)
+
+
+def data_kind(name: str) -> DataKind:
+    """The registered kind `name` (a one-line InvalidInput for an unknown one)."""
+    return DATA_KINDS.get(name)()
+
+
+def traits(name: str) -> Traits:
+    return data_kind(name).traits
+
+
+def names() -> tuple[str, ...]:
+    """Every value `data.name` can take."""
+    return tuple(n for n in DATA_KINDS if DATA_KINDS.get(n).trainable)

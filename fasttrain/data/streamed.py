@@ -1,0 +1,68 @@
+"""What the folder kinds share (image_folder.py, latent_folder.py): the checked file list of a folder
+(its manifest, manifest.py) and the stream that reads it, NVIDIA DALI (dali.py) or a torch DataLoader
+(loader.py), in the same seeded order (order.py)."""
+from __future__ import annotations
+
+import sys
+
+from ..cpu import check_workers
+from ..errors import DataError, InvalidInput
+from . import dali
+from .kinds import DataArgs
+from .loader import LoaderStream
+from .manifest import build_manifest, left_out, load_manifest, summary
+
+
+def check_folder_args(a: DataArgs, name: str) -> None:
+    if not a.root:
+        raise InvalidInput(f"data.root must name a folder when data.name={name}")
+    if a.channels not in (1, 3):
+        raise InvalidInput(f"data.channels must be 1 (grey) or 3 (RGB) for image folders, got {a.channels}")
+
+
+def folder_manifest(a: DataArgs) -> dict:
+    """The folder's manifest (built now if it has none) and its file list checked against the batch; what it
+    decided and what it leaves out said once, by rank 0 (the other ranks read the same folder)."""
+    say = _stderr if a.rank == 0 else _quiet
+    if a.rank == 0:
+        check_workers(a.num_workers)
+    m = load_manifest(a.root, a.manifest)
+    if m is None:
+        say(f"fasttrain: checking {a.root} (run `fasttrain data prepare {a.root}` once to cache this)")
+        m = build_manifest(a.root)
+    say(f"fasttrain: data: {summary(m)}")
+    odd = set(m.get("other_layout_files", []))
+    unreadable = [b[0] for b in m["bad"] if b[0] not in odd]
+    if unreadable:
+        shown = ", ".join(unreadable[:3])
+        say(f"fasttrain: skipping {len(unreadable)} unreadable file(s): {shown}{' ...' if len(unreadable) > 3 else ''}")
+    if odd:
+        shown = ", ".join(sorted(odd)[:3])
+        say(f"fasttrain: leaving out {len(odd)} file(s) whose shape or dtype differs from the folder's: {shown}"
+            f"{' ...' if len(odd) > 3 else ''} (`fasttrain data prepare {a.root}` lists each)")
+    if not m["files"]:
+        raise DataError(f"data.root {a.root!r} holds no readable files")
+    n = len(m["files"])
+    if n // a.world_size < a.batch_size:  # before a loader says so without the files left out
+        left = f"; left out: {left_out(m)}" if m["bad"] else ""
+        raise DataError(f"data.batch_size {a.batch_size} is larger than one rank's share of {a.root}: {n} "
+                        f"usable file(s) over {a.world_size} rank(s){left}")
+    return m
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def _quiet(line: str) -> None:
+    pass
+
+
+def stream(what: str, ds, files: list, a: DataArgs, backend: str, augment):
+    """Batches of `ds` (DataLoader) or of `files` (DALI, `backend` = "dali"); `what`: DALI's reader,
+    "images" or "latents"; `augment`: (flip, random crop) for the DataLoader, None for none."""
+    if backend == "dali":
+        return dali.DaliStream(what, a.root, files, a.batch_size, image_size=a.image_size, channels=a.channels,
+                               seed=a.seed, rank=a.rank, world_size=a.world_size, device=a.device,
+                               num_threads=max(1, a.num_workers), crop=a.crop, flip=a.flip)
+    return LoaderStream(ds, a.batch_size, a.seed, a.device, a.num_workers, a.rank, a.world_size, augment)
