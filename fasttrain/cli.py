@@ -78,7 +78,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .diffusion.solvers import SOLVERS
+    from .diffusion.solvers import SOLVERS, SPACINGS
     from .evaluate import EXTRACTORS
 
     p = _Parser(prog="fasttrain", description="Fast diffusion-model training.")
@@ -98,6 +98,9 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--n", type=_positive("--n"), default=64, help="number of samples")
     sm.add_argument("--steps", type=_positive("--steps"), default=None, help="solver steps (default: the run's)")
     sm.add_argument("--solver", choices=SOLVERS.names(), default=None, help="generation solver (default: the run's)")
+    sm.add_argument("--spacing", choices=SPACINGS, default=None,
+                    help="which timesteps the steps visit (default: the run's sample.spacing; an exported pipeline: "
+                         "trailing)")
     sm.add_argument("--eta", type=_finite("--eta"), default=None, help="DDIM eta")
     sm.add_argument("--guidance", type=_finite("--guidance"), default=None, help="classifier-free guidance scale")
     sm.add_argument("--label", type=int, default=None, help="generate only this class (conditional runs)")
@@ -284,7 +287,7 @@ def _sample(args) -> int:
         raise InvalidInput(f"--eta/--solver: {e}") from None
     x = b.generate(args.n, labels, seed=args.seed, steps=args.steps or sc.steps, solver=solver,
                    guidance=sc.guidance if args.guidance is None else args.guidance, ema=not args.raw, eta=eta,
-                   progress=True)
+                   progress=True, spacing=args.spacing)
     spec = b.spec
     if b.decodes:  # VAE latents: the images they decode into (the latents themselves beside them)
         torch.save(x.cpu(), out / "samples.pt")
