@@ -195,10 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from .configure import load_config
 
-        cfg = load_config(preset, overrides)
-    except ConfigError as e:
-        print(f"fasttrain: error: {e}", file=sys.stderr)
-        return 2
+        cfg = load_config(preset, overrides, resume=args.resume)
+    except UserError as e:  # a config key (2), or a folder or checkpoint the config names (1)
+        print(f"fasttrain: error: {_first_line(e)}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
     if args.print_config:
         from omegaconf import OmegaConf
 

@@ -9,6 +9,7 @@ skipped on the device (fused AdamW's `found_inf`, the EMA weight set to 0).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -33,7 +34,7 @@ from .diffusion.variation import loss_cv
 from .errors import DeviceError, InvalidInput, NonFiniteStop
 from .evaluate import EvalSettings, reference_for, run_evaluation
 from .logger import MetricLogger
-from .models import count_params, forward_flops
+from .models import count_params, forward_flops, weights_from_checkpoint
 from .optim import apply_optimizer_config, make_optimizer, skip_if_not_finite
 from .parallel import parallelize
 from .precision import resolve as resolve_precision
@@ -56,7 +57,9 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.lock = ckpt.claim(self.run_dir, resume, restart) if self.dist.is_main else None
         try:
-            self._set_up(cfg, rank, world, want_cuda)
+            # a resumed run's weights come from its checkpoint: a fine-tune's pretrained folder is not read
+            with weights_from_checkpoint() if resume else contextlib.nullcontext():
+                self._set_up(cfg, rank, world, want_cuda)
         except BaseException:
             self.close()  # a failed set-up leaves the run directory free
             raise
