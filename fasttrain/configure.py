@@ -43,11 +43,20 @@ def choices() -> dict[str, tuple[str, ...]]:
 
 
 def load_config(preset: str = "default", overrides: list[str] | None = None, resume: bool = False) -> DictConfig:
-    """Defaults ← preset ← overrides (config.read_config), then what a resumed run's checkpoint records
-    and the command line does not say (`resumed`); then `validate`."""
+    """Defaults ← preset ← overrides (config.read_config), then what the run's sources decide and the
+    command line does not say: a resumed run's checkpoint (`resumed`), or a fine-tune's pipeline
+    scheduler (scheduler_config.adopt); then `validate`."""
+    import sys
+
+    from .scheduler_config import adopt
+
     cfg = read_config(preset, overrides)
     given = {item.split("=", 1)[0].strip() for item in overrides or []}
     resumed_from = resumed(cfg, given) if resume else None
+    if resumed_from is None:
+        changed = adopt(cfg, given)
+        if changed:
+            print(f"fasttrain: note: the pretrained pipeline's scheduler sets {', '.join(changed)}", file=sys.stderr)
     validate(cfg, from_checkpoint=resumed_from is not None)
     return cfg
 
@@ -55,10 +64,11 @@ def load_config(preset: str = "default", overrides: list[str] | None = None, res
 def resumed(cfg: DictConfig, given: set[str] = frozenset()):
     """A resumed run takes from its checkpoint what the checkpoint records and the command line (`given`)
     does not set: the model arguments its model declares `recorded` (a convention older checkpoints
-    used, a pretrained architecture: the folder may be gone) and sample.spacing. Returns the
-    checkpoint's path (None: no checkpoint, nothing taken)."""
+    used, a pretrained architecture: the folder may be gone), a fine-tune's scheduler keys, and
+    sample.spacing. Returns the checkpoint's path (None: no checkpoint, nothing taken)."""
     from .checkpoint import latest, read_plain
     from .models import MODELS
+    from .scheduler_config import KEYS
 
     path = latest(cfg.run_dir)
     if path is None:
@@ -76,7 +86,8 @@ def resumed(cfg: DictConfig, given: set[str] = frozenset()):
             elif mine is None and f"model.args.{key}" not in given:
                 args[key] = value
         cfg.model.args = args
-    for key in ("sample.spacing",):
+    keys = (KEYS if theirs.get("pretrained") else ()) + ("sample.spacing",)
+    for key in dict.fromkeys(keys):
         value = OmegaConf.select(OmegaConf.create(saved), key)
         if key not in given and value is not None:
             OmegaConf.update(cfg, key, value)
