@@ -17,7 +17,7 @@ import contextlib
 from omegaconf import DictConfig, OmegaConf
 
 from .config import plain, read_config
-from .errors import ConfigError, UserError
+from .errors import ConfigError, MissingDependency, UserError
 
 __all__ = ["choices", "load_config", "validate"]
 
@@ -96,7 +96,7 @@ def resumed(cfg: DictConfig, given: set[str] = frozenset()):
 
 class _Key:
     """Turns a component's one-line user error (a bad value, a folder it names) into a ConfigError
-    naming the key."""
+    naming the key (a missing extra stays what it is: its message names the extra)."""
 
     def __init__(self, key: str, cfg=None):
         self.key, self.cfg = key, cfg
@@ -105,7 +105,7 @@ class _Key:
         return self
 
     def __exit__(self, kind, e, tb):
-        if kind is not None and issubclass(kind, UserError) and not issubclass(kind, ConfigError):
+        if kind is not None and issubclass(kind, UserError) and not issubclass(kind, (ConfigError, MissingDependency)):
             value = "" if self.cfg is None else f"{OmegaConf.select(self.cfg, self.key)!r} "
             msg = str(e).replace("unknown argument", "unknown config key")
             if msg.startswith(("unknown config key", "bad value for")):
