@@ -40,6 +40,7 @@ class DataSpec:
     num_classes: int           # 0 = unconditional
     label_dropout: float       # > 0: the null label (num_classes) gives the unconditional model
     latents: dict | None = None  # latent data: VAE identity, normalisation, statistics (vae.latent_record)
+    class_names: list | None = None  # by label, where the data name them (an export's id2label)
 
     @property
     def decodes(self) -> bool:

@@ -354,8 +354,9 @@ def _export(args) -> int:
 
     res = export_diffusers(args.run, args.out, vae=args.vae, ema=not args.raw)
     print(f"wrote {res['out']}: {res['network']} ({res['weights']} weights of step {res['step']}, equal to the run's "
-          f"network to {res['max_abs_diff']:.1g}), {res['scheduler']}{', the VAE' if res['vae'] else ''}; load it with "
-          f"diffusers.DiffusionPipeline.from_pretrained({res['out']!r}, trust_remote_code=True)")
+          f"network to {res['max_abs_diff']:.1g}), {res['scheduler']}{', the VAE' if res['vae'] else ''} as a "
+          f"{res['pipeline']}; load it with diffusers.DiffusionPipeline.from_pretrained({res['out']!r}"
+          f"{', trust_remote_code=True' if res['remote_code'] else ''})")
     return 0
 
 

@@ -71,9 +71,9 @@ class Trainer:
                                      root=d.root, channels=d.channels, holdout=d.holdout, device=self.device,
                                      num_workers=d.num_workers, backend=d.backend, manifest=d.manifest,
                                      crop=d.crop, flip=d.flip, rank=rank, world_size=world, latent_norm=d.latent_norm)
-        self.spec = DataSpec(d.name, info.channels, info.image_size,
-                             info.num_classes if cfg.model.class_conditional else 0, cfg.model.label_dropout,
-                             info.latents)
+        conditional = cfg.model.class_conditional and info.num_classes > 0
+        self.spec = DataSpec(d.name, info.channels, info.image_size, info.num_classes if conditional else 0,
+                             cfg.model.label_dropout, info.latents, info.class_names if conditional else None)
         with torch.random.fork_rng(devices=[]):  # the same initial weights on every rank
             torch.manual_seed(seeds.derive(tc.seed, "weights"))
             net = build_network(cfg, self.spec).to(self.device)

@@ -35,6 +35,7 @@ class DataInfo:
     num_classes: int
     size: int
     latents: dict | None = None  # a latent folder's VAE, normalisation and statistics (vae.latent_record)
+    class_names: list | None = None  # the classes' names (folders: the class subfolders), by label
 
 
 def _folder_manifest(root: str, manifest_path: str | None) -> dict:
@@ -77,7 +78,7 @@ def build_data(name: str, *, batch_size: int, seed: int = 0, image_size: int = 8
     if name == "digits":
         x, y = digits(image_size, split=split, holdout=holdout, seed=0)
         return (MemoryStream(x, y, batch_size, seed, device, rank, world_size),
-                DataInfo(1, image_size, 10, len(x)))
+                DataInfo(1, image_size, 10, len(x), class_names=[str(i) for i in range(10)]))
     if name == "synthetic":
         x, y = synthetic(channels, image_size, seed=0 if split == "train" else 1)
         return (MemoryStream(x, y, batch_size, seed, device, rank, world_size),
@@ -105,10 +106,10 @@ def build_data(name: str, *, batch_size: int, seed: int = 0, image_size: int = 8
         if record and shape[0] != c * (2 if record["posterior"] else 1):
             raise DataError(f"{ds.files[0][0]} has {shape[0]} channels, the manifest records {c} latent channels"
                             f"{' (mean and std)' if record['posterior'] else ''}: run `fasttrain data prepare` again")
-        info = DataInfo(c, shape[1], len(m["classes"]), len(files), record)
+        info = DataInfo(c, shape[1], len(m["classes"]), len(files), record, list(m["classes"]))
     else:
         ds = ImageFolderDataset(root, image_size, channels, manifest=m)
-        info = DataInfo(channels, image_size, len(m["classes"]), len(files))
+        info = DataInfo(channels, image_size, len(m["classes"]), len(files), class_names=list(m["classes"]))
     if kind == "dali":
         stream = dali.DaliStream("latents" if name == "latents" else "images", root, files, batch_size,
                                  image_size=image_size, channels=channels, seed=seed, rank=rank, world_size=world_size,

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from diffusers_fixtures import TINY_UNET, save_tiny_unet
+from diffusers_fixtures import DIT, TINY_UNET, save_tiny_unet
 
 from fasttrain.bundle import ModelBundle
 from fasttrain.cli import main
@@ -20,7 +20,6 @@ pytest.importorskip("diffusers")
 
 TINY = ["train.progress=false", "sample.num=0", "eval.num_samples=0", "eval.bpd=false", "train.threads=1",
         "optim.warmup_steps=2", "train.log_every=1", "train.ckpt_every=0", "data.batch_size=8"]
-DIT = {"num_attention_heads": 2, "attention_head_dim": 8, "num_layers": 2}
 
 
 def _finetune(run, pre, steps, *over):
