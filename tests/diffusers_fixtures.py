@@ -54,9 +54,10 @@ def perturbed_run(src, dst, scale: float = 0.05, seed: int = 0):
     return dst
 
 
-def fake_run(path, overrides, latents: dict | None = None, scale: float = 0.05, seed: int = 0):
+def fake_run(path, overrides, latents: dict | None = None, scale: float = 0.05, seed: int = 0, classes: int = 10):
     """A run folder whose last.pt holds a freshly built network of the config `overrides` (digits-shaped
-    1×8×8 data, or the 4×8×8 latents of the record `latents`), its weights moved off the zero
+    1×8×8 data, or the 4×8×8 latents of the record `latents`; `classes` classes unless the config
+    says model.class_conditional=false), its weights moved off the zero
     initialisation by `scale`·N(0, 1), without training: for the tests that export or load many
     configurations."""
     from dataclasses import asdict
@@ -69,7 +70,7 @@ def fake_run(path, overrides, latents: dict | None = None, scale: float = 0.05, 
     from fasttrain.ema import clean_name
 
     cfg = load_config("default", [f"run_dir={path}"] + list(overrides))
-    classes = 10 if cfg.model.class_conditional else 0
+    classes = classes if cfg.model.class_conditional else 0
     names = [f"class {i}" for i in range(classes)] if classes else None
     spec = (DataSpec("latents", latents["channels"], 8, classes, 0.1, latents, names) if latents
             else DataSpec("digits", 1, 8, classes, 0.1, None, names))

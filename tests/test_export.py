@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from diffusers_fixtures import TINY_UNET, fake_run, perturbed_run
+from diffusers_fixtures import TINY_UNET, fake_run, perturbed_run, save_tiny_vae
 
 from fasttrain.bundle import ModelBundle
 from fasttrain.cli import main
@@ -176,6 +176,25 @@ def test_an_export_finetunes_from_where_the_run_stopped(tmp_path, capsys):
     with b.averaged() as net, torch.no_grad():
         ref = net.net(x, t, y)
         torch.testing.assert_close(tuned.net(x, t, y), ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_a_latent_imagenet_class_dit_is_a_stock_ditpipeline(tmp_path):
+    """fasttrain's own DiT with 1000 classes on VAE-normalised latents: DiTPipeline (its null label is
+    1000) drives it without remote code, and equals fasttrain's sampler with guidance."""
+    from fasttrain.vae import identity, latent_record, load_vae
+
+    folder = save_tiny_vae(tmp_path / "vae")
+    rec = latent_record({"channels": 4, "posterior": "mean_std", "vae": identity(load_vae(folder), folder)}, "vae")
+    run = fake_run(tmp_path / "run", DIT + ["data.name=latents", "data.root=x"], latents=rec, classes=1000)
+    res = export_diffusers(str(run), str(tmp_path / "out"))
+    assert res["pipeline"] == "DiTPipeline" and not res["remote_code"]
+    pipe = _load(tmp_path / "out", remote=False)
+    assert len(pipe.labels) == 1000 and pipe.get_label_ids(["class 999"]) == [999]
+    b = ModelBundle.load(run, device="cpu")
+    x = b.decode(b.generate(2, torch.tensor([5, 999]), seed=2, steps=4, guidance=3.0))
+    got = pipe(class_labels=[5, 999], guidance_scale=3.0, num_inference_steps=4,
+               generator=torch.Generator().manual_seed(2), output_type="pt").images
+    torch.testing.assert_close(got, (x * 0.5 + 0.5).clamp(0, 1), rtol=0, atol=1e-4)
 
 
 def test_cli_export_names_the_pipeline_and_whether_it_needs_remote_code(tmp_path, capsys):
