@@ -63,10 +63,6 @@ class PipelineKind:
     custom: bool = False                      # OUT/pipeline.py (trust_remote_code=True)
 
 
-def _stock_network(e: Export) -> str | None:
-    return None if e.frequencies == "diffusers" else "its DiT has legacy timestep frequencies"
-
-
 def _dit_pipeline(e: Export) -> str | None:
     spec, lat = e.bundle.spec, (e.codec.record if e.codec else None)
     if e.component != "transformer" or e.codec is None or e.bundle.cfg.diffusion.schedule == "flow":
@@ -76,7 +72,7 @@ def _dit_pipeline(e: Export) -> str | None:
     vae_scale = float(e.codec.vae.config.scaling_factor)
     if any(s != 0 for s in lat["shift"]) or any(abs(s - vae_scale) > 1e-6 * vae_scale for s in lat["scale"]):
         return "DiTPipeline decodes latents divided by the VAE's scaling_factor (data.latent_norm=vae, no shift)"
-    return _stock_network(e)
+    return None if e.frequencies == "diffusers" else "its DiT has legacy timestep frequencies (not the stock class)"
 
 
 def _ddim_pipeline(e: Export) -> str | None:
@@ -210,7 +206,7 @@ def export_diffusers(run: str, out: str, vae: str | None = None, ema: bool = Tru
              "_diffusers_version": diffusers.__version__, "scheduler": ["diffusers", type(sched).__name__]}
     for name in kind.components:
         index[name] = ["diffusers", type(parts[name]).__name__] if parts.get(name) is not None else [None, None]
-    if b.spec.num_classes and kind.name != "DDIMPipeline":
+    if b.spec.num_classes:
         index["id2label"] = class_names(b)
     if kind.custom:
         index["fasttrain"] = settings(e)

@@ -89,20 +89,20 @@ class FasttrainPipeline(DiffusionPipeline):
         return [self.labels[n] for n in names]
 
     # -- the network's output at (x, t) -----------------------------------------------------------------
-    def _alpha_sigma(self, t, like: torch.Tensor):
-        """(α_t, σ_t) of x_t = α_t·x0 + σ_t·ε at the scheduler's timestep t."""
+    def _alpha_sigma(self, t) -> tuple[float, float]:
+        """(α_t, σ_t) of x_t = α_t·x0 + σ_t·ε at the scheduler's timestep t (VP: its ᾱ table)."""
         if self.settings.get("schedule") == "flow":
             s = float(t) / self.settings["T"]
             return 1.0 - s, s
-        abar = self.scheduler.alphas_cumprod[int(round(float(t)))].to(like.device, torch.float64)
-        return float(abar.sqrt()), float((1 - abar).sqrt())
+        abar = float(self.scheduler.alphas_cumprod[int(round(float(t)))])
+        return abar**0.5, (1 - abar) ** 0.5
 
     def _clip(self, out: torch.Tensor, x: torch.Tensor, t) -> torch.Tensor:
         """The output with its x̂0 clipped to [-clip, clip] (pixel models), in the prediction's own terms."""
         clip, kind = self.settings.get("clip"), self.settings.get("prediction")
         if not clip:
             return out
-        a, s = self._alpha_sigma(t, x)
+        a, s = self._alpha_sigma(t)
         if kind == "flow":  # u = ε − x0, x = (1 − σ)·x0 + σ·ε
             x0 = (x - s * out).clamp(-clip, clip)
             return (x - x0) / s

@@ -21,7 +21,7 @@ WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.
                 "diffusion_pytorch_model.bin", "diffusion_pytorch_model.bin.index.json")
 
 
-def model_dir(folder: str | Path, subfolder: str | None = None, what: str = "VAE", key: str = "--vae-subfolder",
+def model_dir(folder: str | Path, subfolder: str | None = None, what: str = "VAE", key: str = "--vae-subfolder ",
               child: str = "vae") -> Path:
     """The folder holding a diffusers model's config.json, or a one-line MissingFile naming it (with
     `key` as the hint when `folder` is a pipeline whose `child` subfolder holds the model)."""
@@ -31,7 +31,7 @@ def model_dir(folder: str | Path, subfolder: str | None = None, what: str = "VAE
     path = root / subfolder if subfolder else root
     if not (path / "config.json").is_file():
         pipeline = not subfolder and ((root / child / "config.json").is_file() or (root / "model_index.json").is_file())
-        hint = f" (a pipeline folder: set {key} {child})" if pipeline else ""
+        hint = f" (a pipeline folder: set {key}{child})" if pipeline else ""
         raise MissingFile(f"{what} folder {str(path)!r} holds no diffusers model (no config.json){hint}")
     return path
 

@@ -203,6 +203,16 @@ def test_cli_export_names_the_pipeline_and_whether_it_needs_remote_code(tmp_path
     out = capsys.readouterr().out
     assert "as a DDIMPipeline" in out and "trust_remote_code" not in out
     assert not (tmp_path / "out" / "pipeline.py").exists()
+    # DDPMPipeline takes the folder too; with DDPMScheduler it is fasttrain's ancestral sampler (eta 1)
+    from diffusers import DDPMPipeline, DDPMScheduler
+
+    pipe = DDPMPipeline.from_pretrained(str(tmp_path / "out"))
+    pipe.scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    x = ModelBundle.load(run, device="cpu").generate(3, seed=4, steps=4, solver="ddpm")
+    got = pipe(batch_size=3, num_inference_steps=4, generator=torch.Generator().manual_seed(4),
+               output_type="pt").images
+    torch.testing.assert_close(got, (x * 0.5 + 0.5).clamp(0, 1), rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("over,reason", [

@@ -259,6 +259,22 @@ def test_diffusers_model_arguments_are_checked_against_the_class_at_configuratio
     assert not run.exists()  # nothing written, no config.yaml keeping the typo
 
 
+@pytest.mark.parametrize("over,needle", [
+    (["model.args.ch=48", "model.args.convention=legacy"], "model.args.ch=48: a layer of 144 channels"),
+    (["model.args.norm_groups=5"], "model.args.norm_groups=5 must divide model.args.ch=32"),
+    (["model.args.heads=3"], "model.args.heads=3"),
+    (["model.args.convention=dit"], "model.args.convention must be one of"),
+    (["model.name=dit_tiny", "model.args.convention=x"], "model.args.convention must be one of"),
+])
+def test_fasttrain_model_sizes_that_do_not_divide_are_one_line_at_configuration(capsys, over, needle):
+    """GroupNorm groups and attention heads that do not divide a layer's width (GroupNorm's ValueError at
+    the first step, or a reshape deep in attention, before), checked by building the network on the meta
+    device; with one group count for all layers (new runs) model.args.ch=48 simply trains (12 groups)."""
+    assert main(["train"] + over) == 2
+    _one_line(capsys, needle)
+    assert load_config("default", ["model.args.ch=48"]).model.args.ch == 48
+
+
 def _damage(folder, how):
     weights = folder / "diffusion_pytorch_model.safetensors"
     if how == "no weights":

@@ -25,6 +25,7 @@ Conventions bridged here:
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from difflib import get_close_matches
 
@@ -42,7 +43,7 @@ class Kind:
     """A diffusers class fasttrain trains as a backbone: its class table's config key, and the image
     sizes it can take (`sizes(image_size, config)` raises InvalidInput)."""
     label_key: str
-    sizes: object
+    sizes: Callable[[int, dict], None]
     child: str  # its subfolder in a pipeline folder
 
 
@@ -61,7 +62,6 @@ def _dit_sizes(image_size: int, cfg: dict) -> None:
 # the classes model.args.class_name takes (a text-conditioned class is a new row and its conditioning)
 KINDS = {"UNet2DModel": Kind("num_class_embeds", _unet_sizes, "unet"),
          "DiTTransformer2DModel": Kind("num_embeds_ada_norm", _dit_sizes, "transformer")}
-CLASSES = tuple(KINDS)
 
 
 def _kind(class_name) -> Kind:

@@ -9,8 +9,6 @@ import torch
 from fasttrain import checkpoint as ckpt
 from fasttrain.bundle import ModelBundle
 from fasttrain.cli import main
-from fasttrain.configure import load_config
-from fasttrain.errors import ConfigError
 from fasttrain.models import build_model
 from fasttrain.models.dit import sincos_pos_embed
 from fasttrain.models.layers import timestep_embedding
@@ -43,17 +41,6 @@ def test_unet_groups_are_one_count_that_divides_every_width():
         assert groups == ({default_norm_groups(ch)} if conv == "diffusers" else {8, 16, 24, 32}), (ch, conv)
     m = build_model("unet_tiny", in_channels=1, image_size=8, norm_groups=4)
     assert {g.num_groups for g in m.modules() if isinstance(g, torch.nn.GroupNorm)} == {4}
-
-
-@pytest.mark.parametrize("over,key", [(["model.args.ch=48", "model.args.convention=legacy"], "model.args.ch=48"),
-                                      (["model.args.norm_groups=5"], "model.args.norm_groups=5"),
-                                      (["model.args.heads=3"], "model.args.heads=3"),
-                                      (["model.args.convention=dit"], "model.args.convention"),
-                                      (DIT + ["model.args.convention=x"], "model.args.convention")])
-def test_sizes_that_do_not_divide_are_one_line_at_configuration(over, key):
-    with pytest.raises(ConfigError, match=key) as e:
-        load_config("default", over)
-    assert "\n" not in str(e.value)
 
 
 def _as_format_3(run):
