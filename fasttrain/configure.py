@@ -13,6 +13,7 @@ error is one `ConfigError` line.
 from __future__ import annotations
 
 import contextlib
+import re
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -110,6 +111,9 @@ class _Key:
             msg = str(e).replace("unknown argument", "unknown config key")
             if msg.startswith(("unknown config key", "bad value for")):
                 raise ConfigError(msg) from None
+            named = re.match(r"model\.args\.[\w.]+", msg)  # a model's check names the argument at fault
+            if named:
+                raise ConfigError(f"bad value for '{named.group()}': {msg}") from None
             raise ConfigError(f"bad value for '{self.key}': {value}({msg})") from None
         return False
 
