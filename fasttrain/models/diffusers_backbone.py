@@ -28,6 +28,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from difflib import get_close_matches
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -132,8 +133,22 @@ def complete(args: dict) -> dict:
             raise InvalidInput(f"model.args.pretrained holds a {saved.get('_class_name')}, model.args.class_name is "
                                f"{class_name}")
         config = {**{k: v for k, v in saved.items() if not k.startswith("_")}, **user}
+        _refuse_patched_export(args["pretrained"], args.get("subfolder", ""))
     construct(class_name, config, meta=True)
     return {**args, "config": config} if config or "config" in args else args
+
+
+def _refuse_patched_export(pretrained: str, subfolder: str) -> None:
+    """An export of a DiT from before checkpoint format 4 is not the stock class: its pipeline file sets
+    other timestep frequencies on loading (export_pipeline.py), which a backbone built from the folder
+    would not have."""
+    root = Path(pretrained) if subfolder else Path(pretrained).parent
+    index = root / "model_index.json"
+    settings = read_config(root, index.name).get("fasttrain") or {} if index.is_file() else {}
+    if settings.get("timestep_frequencies") == "fasttrain":
+        raise InvalidInput(f"model.args.pretrained: {root} is the export of a DiT trained before fasttrain's "
+                           f"checkpoint format 4, whose timestep frequencies DiTTransformer2DModel cannot hold: "
+                           f"continue that run from its own checkpoint instead")
 
 
 def check(image_size: int, class_name: str = "UNet2DModel", config: dict | None = None, pretrained: str = "",

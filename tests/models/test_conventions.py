@@ -9,6 +9,8 @@ import torch
 from fasttrain import checkpoint as ckpt
 from fasttrain.bundle import ModelBundle
 from fasttrain.cli import main
+from fasttrain.configure import load_config
+from fasttrain.errors import ConfigError
 from fasttrain.models import build_model
 from fasttrain.models.dit import sincos_pos_embed
 from fasttrain.models.layers import timestep_embedding
@@ -91,6 +93,10 @@ def test_checkpoints_before_format_4_load_sample_resume_and_export_as_before(tmp
         index = json.loads((tmp_path / "out" / "model_index.json").read_text())
         assert index["_class_name"] == ["pipeline", "FasttrainPipeline"]
         assert index["fasttrain"]["timestep_frequencies"] == "fasttrain"
+        # its transformer is not the stock class: a fine-tune from the export is refused, naming why
+        with pytest.raises(ConfigError, match="before fasttrain's checkpoint format 4"):
+            load_config("default", ["model.name=diffusers", "model.args.class_name=DiTTransformer2DModel",
+                                    f"model.args.pretrained={tmp_path / 'out'}", "model.args.subfolder=transformer"])
     else:
         assert code == 1 and "convention=legacy" in err and len(err.strip().splitlines()) == 1, err
 
