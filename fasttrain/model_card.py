@@ -59,14 +59,15 @@ def model_card(run: str, b, kind, index: dict, ema: bool) -> str:
     size = f"{spec.image_size}×{spec.image_size}"
     lines = [f"# {Path(str(run)).name or run}: a {network} trained with fasttrain", "",
              f"{'Class-conditional' if spec.num_classes else 'Unconditional'} {'latent' if spec.latents else 'pixel'} "
-             f"diffusion on `{d.name}` ({spec.channels}×{size}), {b.step} steps ({b.images} images), "
+             f"diffusion on `{d.name}` ({spec.channels}×{size}), {b.step} step{'' if b.step == 1 else 's'} "
+             f"({b.images} images), "
              f"exported with its {'EMA' if ema else 'raw'} weights as a diffusers `{kind.name}`"
              f"{' (pipeline.py: no stock pipeline drives it)' if kind.custom else ''}.", "",
              "## Use", "", "```python", "import torch", "from diffusers import DiffusionPipeline", "",
              f'pipe = DiffusionPipeline.from_pretrained("path/to/this/folder"{remote})', f"images = {call}", "```",
              "", f"For the same seed these are the images of `fasttrain sample --ckpt {run} {flags} --out DIR` "
-             f"(the first {spec.num_classes and 'labels cycle through the classes' or 'images'}; fasttrain draws its "
-             f"noise as the pipeline does, from torch.Generator().manual_seed(seed))."]
+             f"({'labels cycling through the classes, as `sample` gives them; ' if spec.num_classes else ''}"
+             f"fasttrain draws its noise as the pipeline does, from torch.Generator().manual_seed(seed))."]
     if kind.name == "DDIMPipeline":
         lines += ["DDIMPipeline clips x̂0 as fasttrain does only with `use_clipped_model_output=True`."]
     if "id2label" in index:
