@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -47,8 +48,6 @@ def load_config(preset: str = "default", overrides: list[str] | None = None, res
     """Defaults ← preset ← overrides (config.read_config), then what the run's sources decide and the
     command line does not say: a resumed run's checkpoint (`resumed`), or a fine-tune's pipeline
     scheduler (scheduler_config.adopt); then `validate`."""
-    import sys
-
     from .scheduler_config import adopt
 
     cfg = read_config(preset, overrides)
@@ -87,9 +86,9 @@ def resumed(cfg: DictConfig, given: set[str] = frozenset()):
             elif mine is None and f"model.args.{key}" not in given:
                 args[key] = value
         cfg.model.args = args
-    keys = (KEYS if theirs.get("pretrained") else ()) + ("sample.spacing",)
-    for key in dict.fromkeys(keys):
-        value = OmegaConf.select(OmegaConf.create(saved), key)
+    recorded = OmegaConf.create(saved)
+    for key in KEYS if theirs.get("pretrained") else ("sample.spacing",):  # KEYS hold sample.spacing too
+        value = OmegaConf.select(recorded, key)
         if key not in given and value is not None:
             OmegaConf.update(cfg, key, value)
     return path
