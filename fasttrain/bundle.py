@@ -40,6 +40,7 @@ class DataSpec:
     num_classes: int           # 0 = unconditional
     label_dropout: float       # > 0: the null label (num_classes) gives the unconditional model
     latents: dict | None = None  # latent data: VAE identity, normalisation, statistics (vae.latent_record)
+    class_names: list | None = None  # by label, where the data name them (an export's id2label)
 
     @property
     def decodes(self) -> bool:
@@ -232,9 +233,11 @@ class ModelBundle:
     @torch.no_grad()
     def generate(self, n: int, labels: torch.Tensor | None = None, *, seed: int = 0, steps: int = 50,
                  solver: str = "ddim", guidance: float = 1.0, ema: bool = True, progress: bool = False,
-                 eta: float | None = None, chunk: int = 1024) -> torch.Tensor:
-        """n samples in chunks of bounded memory; chunk i draws from seeds.derive(seed, "eval", i), so the
-        results do not depend on n.
+                 eta: float | None = None, chunk: int = 1024, spacing: str | None = None) -> torch.Tensor:
+        """n samples in chunks of bounded memory, on the step spacing `spacing` (default: the run's
+        sample.spacing). Chunk 0 draws its noise from torch.Generator().manual_seed(seed), as a diffusers
+        pipeline given that generator does (solvers.randn), chunk i > 0 from seeds.derive(seed, "eval", i):
+        the results do not depend on n or on the device.
         Under FSDP every rank must call this in lockstep (forwards gather weights)."""
         if n < 1:
             raise InvalidInput(f"the number of samples must be >= 1, got {n}")
@@ -248,10 +251,11 @@ class ModelBundle:
             for i, lo in enumerate(range(0, n, chunk)):
                 m = min(chunk, n - lo)
                 lab = None if labels is None else labels[lo:lo + m].to(self.device)
-                g = torch.Generator(self.device).manual_seed(seeds.derive(seed, "eval", i))
+                g = torch.Generator().manual_seed(seed if i == 0 else seeds.derive(seed, "eval", i))
                 outs.append(run_solver(self.solver_fn(lab, guidance, clip), self.schedule, (m,) + self.spec.shape,
                                        solver=solver, steps=min(steps, self.schedule.T), generator=g,
-                                       device=self.device, progress=progress, **opts))
+                                       device=self.device, progress=progress,
+                                       spacing_kind=spacing or self.cfg.sample.spacing, **opts))
         x = torch.cat(outs)
         if not bool(torch.isfinite(x).all()):
             raise CheckpointError(f"the samples are not finite: the weights of step {self.step} are broken "

@@ -79,7 +79,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .diffusion.solvers import SOLVERS
+    from .diffusion.solvers import SOLVERS, SPACINGS
     from .evaluate import EXTRACTORS
 
     p = _Parser(prog="fasttrain", description="Fast diffusion-model training.")
@@ -99,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--n", type=_positive("--n"), default=64, help="number of samples")
     sm.add_argument("--steps", type=_positive("--steps"), default=None, help="solver steps (default: the run's)")
     sm.add_argument("--solver", choices=SOLVERS.names(), default=None, help="generation solver (default: the run's)")
+    sm.add_argument("--spacing", choices=SPACINGS, default=None,
+                    help="which timesteps the steps visit (default: the run's sample.spacing; an exported pipeline: "
+                         "trailing)")
     sm.add_argument("--eta", type=_finite("--eta"), default=None, help="DDIM eta")
     sm.add_argument("--guidance", type=_finite("--guidance"), default=None, help="classifier-free guidance scale")
     sm.add_argument("--label", type=int, default=None, help="generate only this class (conditional runs)")
@@ -194,10 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from .configure import load_config
 
-        cfg = load_config(preset, overrides)
-    except ConfigError as e:
-        print(f"fasttrain: error: {e}", file=sys.stderr)
-        return 2
+        cfg = load_config(preset, overrides, resume=args.resume)
+    except UserError as e:  # a config key (2), or a folder or checkpoint the config names (1)
+        print(f"fasttrain: error: {_first_line(e)}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
     if args.print_config:
         from omegaconf import OmegaConf
 
@@ -290,7 +293,7 @@ def _sample(args) -> int:
         raise InvalidInput(f"--eta/--solver: {e}") from None
     x = b.generate(args.n, labels, seed=args.seed, steps=args.steps or sc.steps, solver=solver,
                    guidance=sc.guidance if args.guidance is None else args.guidance, ema=not args.raw, eta=eta,
-                   progress=True)
+                   progress=True, spacing=args.spacing)
     spec = b.spec
     if b.decodes:  # VAE latents: the images they decode into (the latents themselves beside them)
         torch.save(x.cpu(), out / "samples.pt")
@@ -384,8 +387,9 @@ def _export(args) -> int:
     check_output(args.out, "the export folder", _reads(args, ModelBundle.load(args.run, vae=args.vae)))
     res = export_diffusers(args.run, args.out, vae=args.vae, ema=not args.raw)
     print(f"wrote {res['out']}: {res['network']} ({res['weights']} weights of step {res['step']}, equal to the run's "
-          f"network to {res['max_abs_diff']:.1g}), {res['scheduler']}{', the VAE' if res['vae'] else ''}; load it with "
-          f"diffusers.DiffusionPipeline.from_pretrained({res['out']!r}, trust_remote_code=True)")
+          f"network to {res['max_abs_diff']:.1g}), {res['scheduler']}{', the VAE' if res['vae'] else ''} as a "
+          f"{res['pipeline']}; load it with diffusers.DiffusionPipeline.from_pretrained({res['out']!r}"
+          f"{', trust_remote_code=True' if res['remote_code'] else ''})")
     return 0
 
 

@@ -178,7 +178,10 @@ class TrainConfig:
 @dataclass
 class SampleConfig:
     num: int = _f(100, "images generated at the end of training", min=0, max=1_000_000)
-    steps: int = _f(50, "sampling steps (respaced; at most diffusion.T)", min=1)
+    steps: int = _f(50, "sampling steps (at most diffusion.T)", min=1)
+    spacing: str = _f("trailing", "which timesteps the steps visit, named as diffusers' timestep_spacing: trailing "
+                      "(T-1 down to ~T/steps, then x0) | linspace (T-1 … 0) | leading (0, T//steps, … reversed)",
+                      choices=("trailing", "linspace", "leading"))
     solver: str = _f("ddim", "generation solver")
     eta: Optional[float] = _f(None, "DDIM eta (default 0 for ddim, 1 for ddpm; above 1 the DDIM variance has no "
                               "square root)", min=0, max=1)

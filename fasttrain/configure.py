@@ -12,10 +12,14 @@ error is one `ConfigError` line.
 """
 from __future__ import annotations
 
+import contextlib
+import re
+import sys
+
 from omegaconf import DictConfig, OmegaConf
 
 from .config import plain, read_config
-from .errors import ConfigError, InvalidInput
+from .errors import ConfigError, MissingDependency, UserError
 
 __all__ = ["choices", "load_config", "validate"]
 
@@ -40,15 +44,59 @@ def choices() -> dict[str, tuple[str, ...]]:
             "parallel.compile": COMPILE, "parallel.compile_mode": COMPILE_MODES}
 
 
-def load_config(preset: str = "default", overrides: list[str] | None = None) -> DictConfig:
-    """Defaults ← preset ← overrides (config.read_config), then `validate`."""
+def load_config(preset: str = "default", overrides: list[str] | None = None, resume: bool = False) -> DictConfig:
+    """Defaults ← preset ← overrides (config.read_config), then what the run's sources decide and the
+    command line does not say: a resumed run's checkpoint (`resumed`), or a fine-tune's pipeline
+    scheduler (scheduler_config.adopt); then `validate`."""
+    from .scheduler_config import adopt
+
     cfg = read_config(preset, overrides)
-    validate(cfg)
+    given = {item.split("=", 1)[0].strip() for item in overrides or []}
+    resumed_from = resumed(cfg, given) if resume else None
+    if resumed_from is None:
+        changed = adopt(cfg, given)
+        if changed:
+            print(f"fasttrain: note: the pretrained pipeline's scheduler sets {', '.join(changed)}", file=sys.stderr)
+    validate(cfg, from_checkpoint=resumed_from is not None)
     return cfg
 
 
+def resumed(cfg: DictConfig, given: set[str] = frozenset()):
+    """A resumed run takes from its checkpoint what the checkpoint records and the command line (`given`)
+    does not set: the model arguments its model declares `recorded` (a convention older checkpoints
+    used, a pretrained architecture: the folder may be gone), a fine-tune's scheduler keys, and
+    sample.spacing. Returns the checkpoint's path (None: no checkpoint, nothing taken)."""
+    from .checkpoint import latest, read_plain
+    from .models import MODELS
+    from .scheduler_config import KEYS
+
+    path = latest(cfg.run_dir)
+    if path is None:
+        return None
+    saved = read_plain(path, mmap=True)["config"]
+    model, args = saved.get("model") or {}, plain(cfg.model.args)
+    theirs = model.get("args") or {}
+    if model.get("name") == cfg.model.name and cfg.model.name in MODELS:
+        for key in MODELS.get(cfg.model.name).recorded:
+            if key not in theirs:
+                continue
+            value, mine = theirs[key], args.get(key)
+            if isinstance(value, dict) and isinstance(mine, dict):  # the user's keys over the recorded ones
+                args[key] = {**value, **mine}
+            elif mine is None and f"model.args.{key}" not in given:
+                args[key] = value
+        cfg.model.args = args
+    recorded = OmegaConf.create(saved)
+    for key in KEYS if theirs.get("pretrained") else ("sample.spacing",):  # KEYS hold sample.spacing too
+        value = OmegaConf.select(recorded, key)
+        if key not in given and value is not None:
+            OmegaConf.update(cfg, key, value)
+    return path
+
+
 class _Key:
-    """Turns a component's one-line InvalidInput into a ConfigError naming the key."""
+    """Turns a component's one-line user error (a bad value, a folder it names) into a ConfigError
+    naming the key (a missing extra stays what it is: its message names the extra)."""
 
     def __init__(self, key: str, cfg=None):
         self.key, self.cfg = key, cfg
@@ -57,18 +105,29 @@ class _Key:
         return self
 
     def __exit__(self, kind, e, tb):
-        if kind is not None and issubclass(kind, InvalidInput) and not issubclass(kind, ConfigError):
+        if kind is not None and issubclass(kind, UserError) and not issubclass(kind, (ConfigError, MissingDependency)):
             value = "" if self.cfg is None else f"{OmegaConf.select(self.cfg, self.key)!r} "
             msg = str(e).replace("unknown argument", "unknown config key")
             if msg.startswith(("unknown config key", "bad value for")):
                 raise ConfigError(msg) from None
+            named = re.match(r"model\.args\.[\w.]+", msg)  # a model's check names the argument at fault
+            if named:
+                raise ConfigError(f"bad value for '{named.group()}': {msg}") from None
             raise ConfigError(f"bad value for '{self.key}': {value}({msg})") from None
         return False
 
 
-def validate(cfg: DictConfig) -> None:
+def validate(cfg: DictConfig, from_checkpoint: bool = False) -> None:
     """Every choice against its registry, every argument against its component, and the combinations
-    that cannot work; one line naming the key."""
+    that cannot work; one line naming the key. `from_checkpoint` (a resumed run): the weights come
+    from its checkpoint, so a pretrained folder is not read (models.weights_from_checkpoint)."""
+    from .models import weights_from_checkpoint
+
+    with weights_from_checkpoint() if from_checkpoint else contextlib.nullcontext():
+        _validate(cfg)
+
+
+def _validate(cfg: DictConfig) -> None:
     from .data import data_kind
     from .diffusion import PREDICTIONS, SAMPLERS, WEIGHTINGS, loss_weight, timestep_sampler
     from .diffusion import schedule as make_schedule

@@ -1,23 +1,26 @@
 """fasttrain backbones → diffusers models, weight for weight (for `fasttrain export`, export.py).
 
-    name, model, frequencies = to_diffusers(backbone)   # ("transformer" | "unet", an eval-mode diffusers model, ...)
+    name, model, frequencies, null = to_diffusers(backbone)   # ("transformer" | "unet", an eval-mode model, ...)
 
-DiT (models/dit.py) → DiTTransformer2DModel, exactly, with three conventions bridged:
-  * position embedding: fasttrain's is [sincos(row), sincos(column)] (`meshgrid(..., indexing="ij")`),
+DiT (models/dit.py) → DiTTransformer2DModel, exactly: diffusers keeps a time/label embedding per block
+(and the final layer uses block 0's), so the shared one is copied into every block; a LayerNorm eps
+of 1e-6 (`norm_eps`), the MLP at 4× width. A DiT of `convention=diffusers` (new runs) has diffusers'
+timestep frequencies and position embedding, so that is all. A `legacy` DiT (checkpoints before
+format 4) needs two more bridges, and its export is not the stock class:
+  * position embedding: legacy is [sincos(row), sincos(column)] (`meshgrid(..., indexing="ij")`),
     diffusers' [sincos(column), sincos(row)] (MAE's layout), rebuilt from its config, not stored. The
     residual stream is re-based by σ, the swap of the two halves of the hidden dimension (an
     involution): every write into the stream gets its rows permuted, every read its columns, every
     adaLN chunk is permuted within itself; LayerNorms without affine parameters are invariant.
-  * diffusers keeps a time/label embedding per block (and the final layer uses block 0's): the shared
-    one is copied into every block; a LayerNorm eps of 1e-6 (`norm_eps`), the MLP at 4× width.
-  * timestep frequencies: diffusers hard-codes k/(half−1) (`downscale_freq_shift=1`) where fasttrain
+  * timestep frequencies: diffusers hard-codes k/(half−1) (`downscale_freq_shift=1`) where legacy
     (and the original DiT) use k/half: no weight or config expresses this, so the model is returned
     with the shift set to 0 in each block and the pipeline sets it on loading (export_pipeline.py).
 UNet (models/unet.py) → UNet2DModel, exactly where diffusers can hold it: one GroupNorm group count
-for every layer (diffusers has one `norm_num_groups`; fasttrain uses min(32, channels/4) per layer, so
-the ADM presets map and unet_tiny/unet_small do not), one head size for all attention layers, ADM's
-scale-shift norm (`resnet_time_scale_shift="scale_shift"`, with `attn_norm_num_groups` set, or the
-mid-block attention would have no GroupNorm); the layers are matched in execution order.
+for every layer (diffusers has one `norm_num_groups`: `convention=diffusers`, new runs, and the ADM
+presets under both conventions; legacy unet_tiny/unet_small use min(32, channels/4) per layer and do
+not map), one head size for all attention layers, ADM's scale-shift norm
+(`resnet_time_scale_shift="scale_shift"`, with `attn_norm_num_groups` set, or the mid-block attention
+would have no GroupNorm); the layers are matched in execution order.
 diffusers backbones (models/diffusers_backbone.py) are already diffusers models.
 """
 from __future__ import annotations
@@ -44,9 +47,11 @@ def dit_config(dit) -> dict:
                 norm_type="ada_norm_zero", norm_elementwise_affine=False)
 
 
-def dit_state_dict(sd: dict, depth: int, hidden: int) -> dict:
-    """fasttrain DiT weights → DiTTransformer2DModel weights (σ: the half swap of the hidden dimension)."""
-    sw = torch.cat([torch.arange(hidden // 2, hidden), torch.arange(0, hidden // 2)])
+def dit_state_dict(sd: dict, depth: int, hidden: int, swap: bool = False) -> dict:
+    """fasttrain DiT weights → DiTTransformer2DModel weights (`swap`, legacy DiTs: σ, the half swap of
+    the hidden dimension)."""
+    half = torch.arange(hidden // 2)
+    sw = torch.cat([half + hidden // 2, half]) if swap else torch.arange(hidden)
 
     def rows(w):
         return w[sw]
@@ -86,8 +91,9 @@ def unet_refusal(unet) -> str | None:
 
     groups = sorted({m.num_groups for m in unet.modules() if isinstance(m, nn.GroupNorm)})
     if len(groups) > 1:
-        return (f"its GroupNorms use {'/'.join(map(str, groups))} groups by layer (min(32, channels/4)), diffusers' "
-                f"UNet2DModel one norm_num_groups for all: use a preset whose channels are all >= 128 (adm_*)")
+        return (f"its GroupNorms use {'/'.join(map(str, groups))} groups by layer (model.args.convention=legacy: "
+                f"min(32, channels/4), fasttrain's UNets before checkpoint format 4), diffusers' UNet2DModel one "
+                f"norm_num_groups for all: train with convention=diffusers (new runs' default) or an adm_* preset")
     heads = {m.qkv.in_channels // m.heads for m in unet.modules() if isinstance(m, AttnBlock)}
     if len(heads) > 1:
         return (f"its attention layers have head sizes {sorted(heads)}, diffusers' UNet2DModel one "
@@ -174,7 +180,8 @@ def unet_state_dict(unet, hf) -> dict:
 # -- any backbone --------------------------------------------------------------------------------------
 def to_diffusers(backbone: nn.Module, model_args: dict | None = None):
     """(component name, diffusers model in eval mode with the backbone's weights, timestep frequencies
-    "fasttrain" | "diffusers", null label or None); InvalidInput naming why where none exists."""
+    "diffusers" (the stock class) | "fasttrain" (a legacy DiT's), null label or None); InvalidInput
+    naming why where none exists."""
     from . import optional
     from .models.diffusers_backbone import DiffusersBackbone
     from .models.dit import DiT
@@ -187,12 +194,15 @@ def to_diffusers(backbone: nn.Module, model_args: dict | None = None):
     if isinstance(backbone, DiT):
         cfg = dit_config(backbone)
         m = diffusers.DiTTransformer2DModel(**cfg)
-        hidden = backbone.x_embed.out_channels
-        m.load_state_dict(dit_state_dict(backbone.state_dict(), len(backbone.blocks), hidden), strict=True)
-        from .export_pipeline import use_fasttrain_timestep_frequencies  # the one the exported pipeline runs
+        hidden, legacy = backbone.x_embed.out_channels, backbone.convention == "legacy"
+        m.load_state_dict(dit_state_dict(backbone.state_dict(), len(backbone.blocks), hidden, swap=legacy),
+                          strict=True)
+        m = m.float().eval()
+        if legacy:
+            from .export_pipeline import use_fasttrain_timestep_frequencies  # the one the exported pipeline runs
 
-        return "transformer", use_fasttrain_timestep_frequencies(m.float().eval()), "fasttrain", \
-            backbone.embed.num_classes
+            m = use_fasttrain_timestep_frequencies(m)
+        return "transformer", m, "fasttrain" if legacy else "diffusers", backbone.embed.num_classes
     if isinstance(backbone, UNet):
         why = unet_refusal(backbone)
         if why:
@@ -200,6 +210,6 @@ def to_diffusers(backbone: nn.Module, model_args: dict | None = None):
         m = diffusers.UNet2DModel(**unet_config(backbone, model_args or {}))
         m.load_state_dict(unet_state_dict(backbone, m), strict=True)
         classes = backbone.embed.num_classes
-        return "unet", m.float().eval(), "fasttrain", classes if classes else None
+        return "unet", m.float().eval(), "diffusers", classes if classes else None
     raise InvalidInput(f"a {type(backbone).__name__} has no diffusers counterpart (export handles DiT, the ADM "
                        f"UNets and diffusers backbones)")

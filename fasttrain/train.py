@@ -32,7 +32,7 @@ from .diffusion.objective import kernel_backend
 from .errors import DeviceError, InvalidInput
 from .evaluate import EvalSettings, reference_for, run_evaluation
 from .logger import MetricLogger
-from .models import count_params, forward_flops
+from .models import count_params, forward_flops, weights_from_checkpoint
 from .optim import apply_optimizer_config, make_optimizer
 from .parallel import parallelize
 from .precision import resolve as resolve_precision
@@ -59,7 +59,9 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.lock = ckpt.claim(self.run_dir, resume, restart) if self.dist.is_main else None
         try:
-            self._set_up(cfg, rank, world, want_cuda)
+            # a resumed run's weights come from its checkpoint: a fine-tune's pretrained folder is not read
+            with weights_from_checkpoint() if resume else contextlib.nullcontext():
+                self._set_up(cfg, rank, world, want_cuda)
         except BaseException:
             self.close()  # a failed set-up leaves the run directory free
             raise
@@ -71,9 +73,9 @@ class Trainer:
                                      root=d.root, channels=d.channels, holdout=d.holdout, device=self.device,
                                      num_workers=d.num_workers, backend=d.backend, manifest=d.manifest,
                                      crop=d.crop, flip=d.flip, rank=rank, world_size=world, latent_norm=d.latent_norm)
-        self.spec = DataSpec(d.name, info.channels, info.image_size,
-                             info.num_classes if cfg.model.class_conditional else 0, cfg.model.label_dropout,
-                             info.latents)
+        conditional = cfg.model.class_conditional and info.num_classes > 0
+        self.spec = DataSpec(d.name, info.channels, info.image_size, info.num_classes if conditional else 0,
+                             cfg.model.label_dropout, info.latents, info.class_names if conditional else None)
         with torch.random.fork_rng(devices=[]):  # the same initial weights on every rank
             torch.manual_seed(seeds.derive(tc.seed, "weights"))
             net = build_network(cfg, self.spec).to(self.device)

@@ -33,34 +33,22 @@ import torch
 
 from . import optional
 from .errors import DataError, InvalidInput, MissingFile
+from .model_folders import load_model, model_dir, read_config
 
 NORMS = ("auto", "vae", "channel", "none")
-WEIGHT_FILES = ("*.safetensors", "*.bin")
+WEIGHT_FILES = ("*.safetensors", "*.bin")  # hashed for the identity
 
 
 # -- loading and identity --------------------------------------------------------------------------
-def model_dir(folder: str | Path, subfolder: str | None = None, what: str = "VAE") -> Path:
-    """The folder holding a diffusers model's config.json, or a one-line MissingFile naming it."""
-    root = Path(folder)
-    if not root.is_dir():
-        raise MissingFile(f"{what} folder {str(folder)!r} does not exist")
-    path = root / subfolder if subfolder else root
-    if not (path / "config.json").is_file():
-        pipeline = (root / "vae" / "config.json").is_file() and not subfolder
-        hint = " (a pipeline folder: add --vae-subfolder vae)" if pipeline else ""
-        raise MissingFile(f"{what} folder {str(path)!r} holds no diffusers model (no config.json){hint}")
-    return path
-
-
 def load_vae(folder: str | Path, subfolder: str | None = None, device="cpu"):
-    """A diffusers AutoencoderKL from a local folder, in eval mode without gradients."""
+    """A diffusers AutoencoderKL from a local folder, in eval mode without gradients (a broken folder is
+    one line naming the file: model_folders.py)."""
     path = model_dir(folder, subfolder)
-    cls = json.loads((path / "config.json").read_text()).get("_class_name")
+    cls = read_config(path).get("_class_name")
     if cls not in (None, "AutoencoderKL"):
         raise InvalidInput(f"{path} holds a {cls}; latent encoding needs an AutoencoderKL (a posterior mean and std)")
     diffusers = optional.diffusers("a VAE")
-    vae = diffusers.AutoencoderKL.from_pretrained(str(Path(folder)), subfolder=subfolder or None,
-                                                  low_cpu_mem_usage=False, local_files_only=True)
+    vae = load_model(diffusers.AutoencoderKL, folder, subfolder, what="VAE", low_cpu_mem_usage=False)
     return vae.eval().requires_grad_(False).to(device)
 
 

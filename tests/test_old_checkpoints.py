@@ -19,7 +19,9 @@ def _resume(name: str, run: Path) -> tuple[list[dict], list[dict]]:
     expected = json.loads((FIXTURES / name / "expected.json").read_text())
     run.mkdir(parents=True)
     shutil.copy(FIXTURES / name / "last.pt", run / "last.pt")
-    train(load_config(expected["preset"], [f"run_dir={run}", "train.steps=8"] + expected["overrides"]), resume=True)
+    # configured as `fasttrain train --resume` configures it: what the checkpoint records (its conventions) taken
+    cfg = load_config(expected["preset"], [f"run_dir={run}", "train.steps=8"] + expected["overrides"], resume=True)
+    train(cfg, resume=True)
     return expected["logged"], [r for r in read_jsonl(run / "metrics.jsonl") if r.get("loss") is not None]
 
 

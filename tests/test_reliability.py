@@ -17,6 +17,7 @@ from fasttrain.logger import read_jsonl
 from fasttrain.train import Trainer, train
 
 sys.path.insert(0, str(Path(__file__).parent / "data"))
+from diffusers_fixtures import TINY_UNET
 from folder_fixtures import write_images, write_latents
 
 TINY = ["train.progress=false", "sample.num=0", "eval.num_samples=0", "eval.bpd=false", "train.threads=1",
@@ -583,3 +584,128 @@ def test_benchmark_results_are_replaced_only_by_a_complete_run(tmp_path):
             continue
         writes = [w for w in (".write_text(", ".write_bytes(", "savefig(") if w in text]
         assert not writes, f"{script.name} writes results directly ({writes[0]})"
+
+
+# -- diffusers folders and model arguments (issue 30's share of the fourth pass) ---------------------
+DIFFUSERS = ["model.name=diffusers", "model.args.class_name=UNet2DModel"]
+UNET_CONFIG = "model.args.config=" + json.dumps(TINY_UNET).replace('"', "")  # a YAML flow mapping
+
+
+@pytest.mark.parametrize("over,needles", [
+    (["model.args.config.block_out_channel=[16,32]"], ["model.args.config.block_out_channel",
+                                                       "did you mean block_out_channels"]),
+    (["model.args.class_name=UNet2DConditionModel"], ["model.args.class_name", "UNet2DConditionModel"]),
+    (["model.args.config=hello"], ["model.args.config must be a mapping", "'hello'"]),
+    ([UNET_CONFIG, "model.args.config.norm_num_groups=5"], ["model.args.config",
+                                                             "num_channels (16) must be divisible by num_groups (5)"]),
+])
+def test_diffusers_model_arguments_are_checked_against_the_class_at_configuration(tmp_path, capsys, over, needles):
+    """The class's own signature decides which config keys exist (a typo would build diffusers' default
+    UNet2DModel, 4.1 GiB of checkpoint on 8×8 digits), and a config the class cannot build is refused
+    before the run directory is touched."""
+    pytest.importorskip("diffusers")
+    run = tmp_path / "run"
+    assert main(["train", f"run_dir={run}", "train.steps=1"] + TINY[:-2] + DIFFUSERS + over) == 2
+    _one_line(capsys, *needles)
+    assert not run.exists()  # nothing written, no config.yaml keeping the typo
+
+
+@pytest.mark.parametrize("over,needle", [
+    (["model.args.ch=48", "model.args.convention=legacy"], "model.args.ch=48: a layer of 144 channels"),
+    (["model.args.norm_groups=5"], "model.args.norm_groups=5 must divide model.args.ch=32"),
+    (["model.args.heads=3"], "model.args.heads=3"),
+    (["model.args.convention=dit"], "model.args.convention must be one of"),
+    (["model.name=dit_tiny", "model.args.convention=x"], "model.args.convention must be one of"),
+])
+def test_fasttrain_model_sizes_that_do_not_divide_are_one_line_at_configuration(capsys, over, needle):
+    """GroupNorm groups and attention heads that do not divide a layer's width (GroupNorm's ValueError at
+    the first step, or a reshape deep in attention, before), checked by building the network on the meta
+    device; with one group count for all layers (new runs) model.args.ch=48 simply trains (12 groups)."""
+    assert main(["train"] + over) == 2
+    _one_line(capsys, needle)
+    assert load_config("default", ["model.args.ch=48"]).model.args.ch == 48
+
+
+def _damage(folder, how):
+    weights = folder / "diffusion_pytorch_model.safetensors"
+    if how == "no weights":
+        weights.unlink()
+    elif how == "empty weights":
+        weights.write_bytes(b"")
+    elif how == "truncated weights":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif how == "cut-off config":
+        text = (folder / "config.json").read_text()
+        (folder / "config.json").write_text(text[: len(text) // 2])
+    elif how == "empty config":
+        (folder / "config.json").write_text("")
+    return {"no weights": "holds no weights file", "empty weights": "safetensors is empty",
+            "truncated weights": "diffusion_pytorch_model.safetensors cannot be loaded",
+            "cut-off config": "config.json is not valid JSON", "empty config": "config.json is empty"}[how]
+
+
+DAMAGE = ["no weights", "empty weights", "truncated weights", "cut-off config", "empty config"]
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_a_damaged_vae_folder_is_one_line_naming_the_file(tmp_path, capsys, how):
+    pytest.importorskip("diffusers")
+    from diffusers_fixtures import save_tiny_vae
+
+    write_images(tmp_path / "img", n_per_class=1, size=(16, 16))
+    vae = save_tiny_vae(tmp_path / "vae")
+    needle = _damage(vae, how)
+    assert main(["data", "prepare", str(tmp_path / "img"), "--vae", str(vae), "--image-size", "16"]) == 1
+    _one_line(capsys, needle, str(vae), notes=True)
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_a_damaged_pretrained_folder_is_one_line_naming_the_file(tmp_path, capsys, how):
+    pytest.importorskip("diffusers")
+    from diffusers_fixtures import save_tiny_unet
+
+    pre = save_tiny_unet(tmp_path / "pre")
+    needle = _damage(pre, how)
+    code = main(["train", f"run_dir={tmp_path / 'run'}", "train.steps=1", f"model.args.pretrained={pre}"]
+                + TINY[:-2] + DIFFUSERS)
+    assert code in (1, 2)  # the config at configuration (2), the weights when the run starts (1)
+    _one_line(capsys, needle, str(pre))
+
+
+def test_export_of_a_pixel_run_refuses_a_vae_as_sample_does(tmp_path, capsys):
+    pytest.importorskip("diffusers")
+    from diffusers_fixtures import save_tiny_vae
+
+    run = tmp_path / "run"
+    assert main(["train", f"run_dir={run}", "train.steps=1"] + TINY) == 0
+    vae = save_tiny_vae(tmp_path / "vae")
+    capsys.readouterr()
+    for argv in (["sample", "--ckpt", str(run), "--n", "2", "--out", str(tmp_path / "s"), "--vae", str(vae)],
+                 ["export", str(run), "--to", "diffusers", str(tmp_path / "out"), "--vae", str(vae)]):
+        assert main(argv) == 1
+        _one_line(capsys, "--vae", "not trained on VAE latents")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_finetune_whose_pretrained_folder_is_gone_resumes_from_its_checkpoint(tmp_path, capsys):
+    """last.pt holds the weights and the architecture (the pretrained config.json copied into the run's
+    config): resuming needs neither the folder nor the user to repeat the architecture."""
+    pytest.importorskip("diffusers")
+    import shutil
+
+    from diffusers_fixtures import save_tiny_unet
+
+    pre = save_tiny_unet(tmp_path / "pre")
+    common = TINY[:-2] + DIFFUSERS + [f"model.args.pretrained={pre}", "train.ckpt_every=0"]
+    assert main(["train", f"run_dir={tmp_path / 'a'}", "train.steps=4"] + common) == 0
+    assert main(["train", f"run_dir={tmp_path / 'b'}", "train.steps=2"] + common) == 0
+    shutil.rmtree(pre)
+    capsys.readouterr()
+    assert main(["train", f"run_dir={tmp_path / 'b'}", "train.steps=4", "--resume"] + common) == 0, \
+        capsys.readouterr().err
+    a, b = (torch.load(tmp_path / r / "last.pt", weights_only=True) for r in "ab")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])  # as if never interrupted
+    # a change of architecture on resume is still refused, naming the key
+    assert main(["train", f"run_dir={tmp_path / 'b'}", "train.steps=6", "--resume",
+                 "model.args.config.layers_per_block=2"] + common) == 1
+    _one_line(capsys, "model.args.config.layers_per_block", "differs")

@@ -6,11 +6,13 @@
                                complete in RUN/dcp.tmp first, then swapped in (RUN/dcp.old meanwhile)
 `latest(run_dir)` is whichever of the two was written last.
 
-Contents (format 3; manager.py builds them): config, data_spec and world_size; model, ema ({"n",
+Contents (format 4; manager.py builds them): config, data_spec and world_size; model, ema ({"n",
 "shadow"}) and optimizer (tensors, sharded in DCP); the named states of the trainer's components
 (train: step/images/skipped, lr_sched, objective, data, interference, scaler); ranks: one entry per
 process of per-rank state (RNG streams, the pending statistics window). In a DCP folder everything
-but the tensors travels as one uint8 tensor, "extra". Format-2 files are upgraded on reading.
+but the tensors travels as one uint8 tensor, "extra". Older files are upgraded on reading: format 2's
+layout; format 3's conventions written into its config (the DiT's and UNet's `convention: legacy`,
+`sample.spacing: linspace`), which format 4 changed for new runs.
 The model bundle (bundle.py) needs only config, data_spec, model, ema and train: `read_bundle_state`.
 
 Safety: a checkpoint is data, never code. Files go through `torch.load(weights_only=True)`; DCP's
@@ -21,6 +23,7 @@ planner reads them with `weights_only=True` first. Every failure is one line nam
 """
 from __future__ import annotations
 
+import copy
 import io
 import os
 import pickle
@@ -32,7 +35,7 @@ import torch
 
 from ..errors import CheckpointError
 
-FORMAT = 3
+FORMAT = 4
 REQUIRED = ("config", "data_spec", "model", "ema")
 
 
@@ -49,12 +52,13 @@ def save_file(path: str | os.PathLike, state: dict) -> Path:
     return path
 
 
-def load_file(path: str | os.PathLike) -> dict:
+def load_file(path: str | os.PathLike, mmap: bool = False) -> dict:
+    """A checkpoint file's state (`mmap`: its tensors mapped, not read, for what needs the rest)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # any file that is not a checkpoint (text gives KeyError) is one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "weights_only" in str(e) or "Unsupported global" in str(e):
@@ -88,10 +92,34 @@ def from_tensor(t: torch.Tensor, where) -> dict:
 
 
 def _upgrade(state: dict) -> dict:
+    """An older checkpoint in format 4's layout and conventions."""
+    if state.get("format", 2) < 3:
+        state = _upgrade_2(state)
+    if state["format"] < 4:
+        state = _upgrade_3(state)
+    return state
+
+
+def _upgrade_3(state: dict) -> dict:
+    """Format 3 → 4: the conventions its runs used, which new runs' defaults changed, written into its
+    config: fasttrain's DiTs and UNets `model.args.convention: legacy` (models/dit.py, models/unet.py)
+    and `sample.spacing: linspace` (diffusion/solvers.py)."""
+    from ..models import MODELS
+
+    config = copy.deepcopy(state.get("config"))
+    if isinstance(config, dict):
+        model, sample = config.get("model") or {}, config.setdefault("sample", {})
+        args = model.get("args") or {}
+        if model.get("name") in MODELS and "convention" in MODELS.args(model["name"]):
+            model["args"] = {**args, "convention": args.get("convention", "legacy")}
+        if isinstance(sample, dict):
+            sample.setdefault("spacing", "linspace")
+    return {**state, "config": config, "format": 4}
+
+
+def _upgrade_2(state: dict) -> dict:
     """A format-2 checkpoint in format 3's layout (train state, EMA with its count, per-rank RNGs as one
     entry, the objective as its module state, the data position with its world size)."""
-    if state.get("format", 2) >= 3:
-        return state
     state = dict(state)
     world = int(state.get("world_size", len(state.get("ranks", [])) or 1))
     state["train"] = {"step": int(state.pop("step", 0)), "images": int(state.pop("images", 0)),
@@ -286,10 +314,10 @@ def resolve(path: str | os.PathLike) -> Path:
     return path
 
 
-def read_plain(path: str | os.PathLike) -> dict:
+def read_plain(path: str | os.PathLike, mmap: bool = False) -> dict:
     """The plain part of any checkpoint (config, step, objective state, per-rank windows)."""
     path = resolve(path)
-    return load_file(path) if path.is_file() else read_dcp_extra(path)
+    return load_file(path, mmap) if path.is_file() else read_dcp_extra(path)
 
 
 def read_bundle_state(path: str | os.PathLike, build_model) -> tuple[dict, dict, dict]:

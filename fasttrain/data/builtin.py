@@ -95,7 +95,7 @@ class Digits(DataKind):
     def build(self, a: DataArgs, backend: str):
         x, y = digits(a.image_size, split=a.split, holdout=a.holdout, seed=0)
         return (MemoryStream(x, y, a.batch_size, a.seed, a.device, a.rank, a.world_size),
-                DataInfo(1, a.image_size, 10, len(x)))
+                DataInfo(1, a.image_size, 10, len(x), class_names=[str(i) for i in range(10)]))
 
     def reference(self, cfg, spec, ref_path, n):
         if ref_path is not None:

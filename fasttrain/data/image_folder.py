@@ -22,5 +22,5 @@ class ImageFolder(DataKind):
         m = folder_manifest(a)
         files = [tuple(f) for f in m["files"]]
         ds = ImageFolderDataset(a.root, a.image_size, a.channels, manifest=m)
-        info = DataInfo(a.channels, a.image_size, len(m["classes"]), len(files))
+        info = DataInfo(a.channels, a.image_size, len(m["classes"]), len(files), class_names=list(m["classes"]))
         return stream("images", ds, files, a, backend, (a.flip, a.crop == "random")), info

@@ -73,6 +73,7 @@ class DataInfo:
     num_classes: int
     size: int
     latents: dict | None = None  # a latent folder's VAE, normalisation and statistics (vae.latent_record)
+    class_names: list | None = None  # the classes' names (folders: the class subfolders), by label
 
 
 @dataclass

@@ -30,7 +30,7 @@ class LatentFolder(DataKind):
         if record and shape[0] != c * (2 if record["posterior"] else 1):
             raise DataError(f"{ds.files[0][0]} has {shape[0]} channels, the manifest records {c} latent channels"
                             f"{' (mean and std)' if record['posterior'] else ''}: run `fasttrain data prepare` again")
-        info = DataInfo(c, shape[1], len(m["classes"]), len(files), record)
+        info = DataInfo(c, shape[1], len(m["classes"]), len(files), record, list(m["classes"]))
         s = stream("latents", ds, files, a, backend, None)
         return (LatentStream(s, record, a.seed, a.rank) if record else s), info
 

@@ -7,6 +7,17 @@ the prediction type's conversion live there, see bundle.py); `ts` is the strictl
 timesteps the solver visits, from `spacing(...)`. ("Solvers" generate; "timestep samplers" in
 samplers.py choose training timesteps.)
 
+Step spacings (`sample.spacing`), named and computed as diffusers' schedulers compute them
+(`timestep_spacing`; Lin et al. 2024, Table 2), so that a stock scheduler visits the same timesteps:
+  trailing   T−1, T−1−T/n, … (rounded): the last step lands on x̂0 from t ≈ T/n − 1 (new runs)
+  linspace   T−1 … 0, evenly spaced and rounded (iDDPM respacing; runs before checkpoint format 4)
+  leading    0, T//n, 2·T//n, … reversed (DDIMScheduler's default; starts below T−1)
+The solvers always step to the next listed timestep; diffusers' DDIMScheduler steps to t − T//n
+whatever the list, which is the same list for trailing and leading when n divides T.
+
+Noise is drawn as diffusers' `randn_tensor` draws it: from the generator's own device, then moved, so
+one CPU generator gives the same samples on any device (and as a diffusers pipeline given it).
+
   ddim, ddpm   DDIM with η (η = 1 is ancestral DDPM), any schedule
   heun         EDM's 2nd-order Heun on the probability-flow ODE (Karras et al. 2022, Alg. 1 without
                churn) in VE coordinates y = x/a, sigma_e = s/a: dy/dsigma_e = ε̂, on EDM's step
@@ -23,6 +34,7 @@ Every solver's last step lands on x̂0.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -36,12 +48,22 @@ SOLVERS = Registry("solver", positional=4, defaults={"spacing": "uniform", "requ
 register = SOLVERS.register
 
 
-def respaced(T: int, steps: int) -> list[int]:
-    """`steps` timesteps from T-1 down to 0, evenly spaced (iDDPM respacing), strictly decreasing."""
+SPACINGS = ("trailing", "linspace", "leading")
+
+
+def respaced(T: int, steps: int, kind: str = "linspace") -> list[int]:
+    """`steps` timesteps of [0, T−1] in the spacing `kind` (module docstring), strictly decreasing."""
     if not 1 <= steps <= T:
         raise InvalidInput(f"steps must lie in [1, T={T}], got {steps!r}")
-    ts = torch.linspace(T - 1, 0, steps).round().long().tolist()
-    return sorted(set(ts), reverse=True)
+    if kind == "linspace":
+        ts = torch.linspace(T - 1, 0, steps).round().long().tolist()
+    elif kind == "trailing":  # diffusers: np.round(np.arange(T, 0, -T/n)) − 1, in float64 as there
+        ts = (np.round(np.arange(T, 0, -T / steps)).astype(np.int64) - 1).tolist()
+    elif kind == "leading":  # diffusers: (np.arange(n) · (T // n)).round()[::-1] (steps_offset 0)
+        ts = (np.arange(0, steps) * (T // steps)).tolist()
+    else:
+        raise InvalidInput(f"unknown step spacing {kind!r}; choose from {', '.join(SPACINGS)}")
+    return sorted({t for t in ts if 0 <= t < T}, reverse=True)
 
 
 def edm_timesteps(schedule: NoiseSchedule, steps: int, rho: float = 7.0, sigma_max: float = 80.0) -> list[int]:
@@ -58,9 +80,16 @@ def edm_timesteps(schedule: NoiseSchedule, steps: int, rho: float = 7.0, sigma_m
     return sorted(set(t.clamp(max=schedule.T - 1).tolist()), reverse=True)
 
 
-def spacing(solver: str, schedule: NoiseSchedule, steps: int) -> list[int]:
+def spacing(solver: str, schedule: NoiseSchedule, steps: int, kind: str = "trailing") -> list[int]:
+    """The timesteps `solver` visits: its own spacing (heun: EDM's), else the spacing `kind`."""
     fn = SOLVERS.get(solver)
-    return edm_timesteps(schedule, steps) if fn.spacing == "edm" else respaced(schedule.T, steps)
+    return edm_timesteps(schedule, steps) if fn.spacing == "edm" else respaced(schedule.T, steps, kind)
+
+
+def randn(shape, generator: torch.Generator | None, device, dtype=torch.float32) -> torch.Tensor:
+    """N(0, I) drawn on the generator's device and moved to `device` (diffusers' `randn_tensor`)."""
+    where = generator.device if generator is not None else device
+    return torch.randn(shape, generator=generator, device=where, dtype=dtype).to(device)
 
 
 def _tables(schedule, t, device):
@@ -87,7 +116,7 @@ def ddim(denoise, x, ts, schedule, *, generator=None, eta: float = 0.0, progress
         c = eta * torch.sqrt(var_ts * s_s**2 / s_t**2)
         x = a_s * x0 + torch.sqrt((s_s**2 - c**2).clamp_min(0)) * eps
         if eta > 0:
-            x = x + c * torch.randn(x.shape, generator=generator, device=x.device)
+            x = x + c * randn(x.shape, generator, x.device)
     return x
 
 
@@ -137,13 +166,15 @@ def flow_heun(denoise, x, ts, schedule, *, generator=None, progress: bool = Fals
 
 @torch.no_grad()
 def generate(denoise, schedule: NoiseSchedule, shape, *, solver: str = "ddim", steps: int = 50,
-             generator: torch.Generator | None = None, device="cpu", progress: bool = False, **options) -> torch.Tensor:
+             generator: torch.Generator | None = None, device="cpu", progress: bool = False,
+             spacing_kind: str = "trailing", **options) -> torch.Tensor:
     """Start from N(0, I) (the prior at t = T-1; with a nonzero a_{T-1} the remaining signal is
     negligible for the supported schedules) and run a solver over its step spacing."""
     fn = SOLVERS.get(solver)
     check_options(solver, schedule, **options)
-    x = torch.randn(shape, generator=generator, device=device)
-    return fn(denoise, x, spacing(solver, schedule, steps), schedule, generator=generator, progress=progress, **options)
+    x = randn(shape, generator, device)
+    ts = spacing(solver, schedule, steps, spacing_kind)
+    return fn(denoise, x, ts, schedule, generator=generator, progress=progress, **options)
 
 
 def check_options(solver: str, schedule: NoiseSchedule, **options) -> None:

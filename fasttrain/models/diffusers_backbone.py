@@ -24,7 +24,10 @@ Conventions bridged here:
 """
 from __future__ import annotations
 
-import json
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from difflib import get_close_matches
 from pathlib import Path
 
 import torch
@@ -32,51 +35,129 @@ from torch import nn
 
 from .. import optional
 from ..errors import InvalidInput
+from ..model_folders import load_model, model_dir, read_config
 from . import load_pretrained, register
 
-CLASSES = ("UNet2DModel", "DiTTransformer2DModel")
+
+@dataclass(frozen=True)
+class Kind:
+    """A diffusers class fasttrain trains as a backbone: its class table's config key, and the image
+    sizes it can take (`sizes(image_size, config)` raises InvalidInput)."""
+    label_key: str
+    sizes: Callable[[int, dict], None]
+    child: str  # its subfolder in a pipeline folder
 
 
-def _config_file(pretrained: str, subfolder: str) -> Path:
-    root = Path(pretrained)
-    if not root.is_dir():
-        raise InvalidInput(f"model.args.pretrained: folder {pretrained!r} does not exist")
-    path = root / subfolder / "config.json" if subfolder else root / "config.json"
-    if not path.is_file():
-        raise InvalidInput(f"model.args.pretrained: {path.parent} holds no diffusers model (no config.json"
-                          f"{'; a pipeline folder: set model.args.subfolder' if not subfolder else ''})")
-    return path
+def _unet_sizes(image_size: int, cfg: dict) -> None:
+    levels = len(cfg.get("block_out_channels", (224, 448, 672, 896)))
+    if image_size % 2 ** (levels - 1):
+        raise InvalidInput(f"the UNet2DModel halves the image size {levels - 1} times: it must be a multiple of "
+                           f"{2 ** (levels - 1)}")
+
+
+def _dit_sizes(image_size: int, cfg: dict) -> None:
+    if image_size % int(cfg.get("patch_size", 2)):
+        raise InvalidInput(f"image_size {image_size} is not divisible by model.args.config.patch_size")
+
+
+# the classes model.args.class_name takes (a text-conditioned class is a new row and its conditioning)
+KINDS = {"UNet2DModel": Kind("num_class_embeds", _unet_sizes, "unet"),
+         "DiTTransformer2DModel": Kind("num_embeds_ada_norm", _dit_sizes, "transformer")}
+
+
+def _kind(class_name) -> Kind:
+    if class_name not in KINDS:
+        raise InvalidInput(f"model.args.class_name must be one of {', '.join(KINDS)}, got {class_name!r} "
+                           f"(class-conditioned image models; text-conditioned ones are not supported)")
+    return KINDS[class_name]
+
+
+def config_keys(cls) -> set[str]:
+    """The keys a diffusers model class's config takes: its `__init__` parameters (register_to_config)."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    return {p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+
+
+def check_config_keys(class_name: str, config) -> dict:
+    """The user's `model.args.config` as a dict whose keys the class takes (its signature decides: a
+    misspelt key would otherwise be ignored by `from_config` and the class default built)."""
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise InvalidInput(f"model.args.config must be a mapping of {class_name} config keys (e.g. "
+                           f"{{block_out_channels: [32, 64]}}), got {config!r}")
+    cls = getattr(optional.diffusers("model.name=diffusers"), class_name)
+    allowed = config_keys(cls)
+    for key in config:
+        if not str(key).startswith("_") and key not in allowed:
+            near = get_close_matches(str(key), sorted(allowed), n=1)
+            hint = f"; did you mean {near[0]}?" if near else ""
+            raise InvalidInput(f"unknown config key 'model.args.config.{key}' ({class_name} takes no {key}{hint})")
+    return dict(config)
+
+
+def construct(class_name: str, config: dict, meta: bool = False) -> nn.Module:
+    """`cls.from_config(config)`; a config the class cannot be built from (a GroupNorm whose groups do not
+    divide the channels, a head size that does not divide the width, ...) is one line naming the key.
+    `meta`: on the meta device, to check a config at configuration without allocating it."""
+    cls = getattr(optional.diffusers("model.name=diffusers"), class_name)
+    try:
+        if meta:
+            with torch.device("meta"):
+                return cls.from_config(config)
+        return cls.from_config(config)
+    except (ValueError, TypeError, AttributeError, ZeroDivisionError, IndexError, KeyError, AssertionError) as e:
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise InvalidInput(f"model.args.config: a {class_name} cannot be built from it ({first[:200]})") from None
+
+
+def _pretrained_dir(pretrained: str, subfolder: str, class_name: str):
+    return model_dir(pretrained, subfolder or None, what="model.args.pretrained", key="model.args.subfolder=",
+                     child=KINDS[class_name].child)
 
 
 def complete(args: dict) -> dict:
     """The model arguments with a pretrained model's architecture written into `config` (its config.json,
-    under the user's `config` keys), so that the run's config alone rebuilds the network."""
-    if not args.get("pretrained"):
-        return args
-    saved = json.loads(_config_file(args["pretrained"], args.get("subfolder", "")).read_text())
-    cls = saved.get("_class_name")
-    if cls != args.get("class_name", "UNet2DModel"):
-        raise InvalidInput(f"model.args.pretrained holds a {cls}, model.args.class_name is "
-                           f"{args.get('class_name', 'UNet2DModel')}")
-    arch = {k: v for k, v in saved.items() if not k.startswith("_")}
-    return {**args, "config": {**arch, **(args.get("config") or {})}}
+    under the user's `config` keys), so that the run's config alone rebuilds the network; the class and
+    the user's keys checked, and the network built on the meta device, so that a config diffusers
+    cannot build is one line at configuration. Inside `weights_from_checkpoint` (a resumed run: its
+    `config` comes from the checkpoint, configure.py) the pretrained folder is not read."""
+    class_name = args.get("class_name", "UNet2DModel")
+    _kind(class_name)
+    fresh = load_pretrained()
+    user = check_config_keys(class_name, args.get("config")) if fresh else dict(args.get("config") or {})
+    config = user
+    if args.get("pretrained") and fresh:
+        saved = read_config(_pretrained_dir(args["pretrained"], args.get("subfolder", ""), class_name))
+        if saved.get("_class_name") != class_name:
+            raise InvalidInput(f"model.args.pretrained holds a {saved.get('_class_name')}, model.args.class_name is "
+                               f"{class_name}")
+        config = {**{k: v for k, v in saved.items() if not k.startswith("_")}, **user}
+        _refuse_patched_export(args["pretrained"], args.get("subfolder", ""))
+    construct(class_name, config, meta=True)
+    return {**args, "config": config} if config or "config" in args else args
+
+
+def _refuse_patched_export(pretrained: str, subfolder: str) -> None:
+    """An export of a DiT from before checkpoint format 4 is not the stock class: its pipeline file sets
+    other timestep frequencies on loading (export_pipeline.py), which a backbone built from the folder
+    would not have."""
+    root = Path(pretrained) if subfolder else Path(pretrained).parent
+    index = root / "model_index.json"
+    settings = read_config(root, index.name).get("fasttrain") or {} if index.is_file() else {}
+    if settings.get("timestep_frequencies") == "fasttrain":
+        raise InvalidInput(f"model.args.pretrained: {root} is the export of a DiT trained before fasttrain's "
+                           f"checkpoint format 4, whose timestep frequencies DiTTransformer2DModel cannot hold: "
+                           f"continue that run from its own checkpoint instead")
 
 
 def check(image_size: int, class_name: str = "UNet2DModel", config: dict | None = None, pretrained: str = "",
           subfolder: str = "", **_) -> None:
     """Structural needs, checked when the run is configured (configure.py)."""
-    if class_name not in CLASSES:
-        raise InvalidInput(f"model.args.class_name must be one of {', '.join(CLASSES)}, got {class_name!r}")
-    if pretrained:
-        _config_file(pretrained, subfolder)
-    cfg = config or {}
-    if class_name == "DiTTransformer2DModel" and image_size % int(cfg.get("patch_size", 2)):
-        raise InvalidInput(f"image_size {image_size} is not divisible by model.args.config.patch_size")
-    if class_name == "UNet2DModel":
-        levels = len(cfg.get("block_out_channels", (224, 448, 672, 896)))
-        if image_size % 2 ** (levels - 1):
-            raise InvalidInput(f"the UNet2DModel halves the image size {levels - 1} times: it must be a multiple of "
-                               f"{2 ** (levels - 1)}")
+    kind = _kind(class_name)
+    if pretrained and load_pretrained():
+        _pretrained_dir(pretrained, subfolder, class_name)
+    kind.sizes(image_size, config if isinstance(config, dict) else {})
 
 
 def _fit(cfg: dict, key: str, want, strict: bool, what: str) -> None:
@@ -126,9 +207,7 @@ def build(in_channels: int, image_size: int, num_classes: int = 0, out_channels:
           subfolder: str = "") -> DiffusersBackbone:
     """The network from `config` (completed from `pretrained` by configure.py), with pretrained weights
     when a run starts (not when a checkpoint's weights will replace them)."""
-    check(image_size, class_name, config, pretrained if load_pretrained() else "", subfolder)
-    diffusers = optional.diffusers("model.name=diffusers")
-    cls = getattr(diffusers, class_name)
+    check(image_size, class_name, config, pretrained, subfolder)
     user = dict(config or {})
     pre = bool(pretrained)
     if pre and "in_channels" not in user:  # built without configure.py's `complete`
@@ -144,7 +223,7 @@ def build(in_channels: int, image_size: int, num_classes: int = 0, out_channels:
         _fit(cfg, "out_channels", want, pre or "out_channels" in user, "the prediction's output channels")
     _fit(cfg, "sample_size", image_size, dit and (pre or "sample_size" in user), "data.image_size")
     # the class table: rows 0..K-1 the data's classes, the last row the null label
-    key = "num_embeds_ada_norm" if dit else "num_class_embeds"
+    key = KINDS[class_name].label_key
     given = cfg.get(key) if (pre or key in user) else None
     if dit:
         if cfg.setdefault("norm_type", "ada_norm_zero") != "ada_norm_zero":
@@ -163,19 +242,16 @@ def build(in_channels: int, image_size: int, num_classes: int = 0, out_channels:
         raise InvalidInput(f"the diffusers {class_name} has {have}, the data need {num_classes + 1} ({num_classes} "
                            f"classes and the null label; model.class_conditional=false trains it unconditionally)")
     null_row = None if rows is None else rows - 1
+    model = construct(class_name, cfg)
     if pre and load_pretrained():
-        model = cls.from_pretrained(pretrained, subfolder=subfolder or None, low_cpu_mem_usage=False,
-                                    local_files_only=True)
-        fresh = cls.from_config(cfg)
+        cls = getattr(optional.diffusers("model.name=diffusers"), class_name)
+        weights = load_model(cls, pretrained, subfolder or None, what="model.args.pretrained", low_cpu_mem_usage=False)
         try:
-            fresh.load_state_dict(model.state_dict())
+            model.load_state_dict(weights.state_dict())
         except RuntimeError as e:
             raise InvalidInput(f"model.args.config changes the pretrained {class_name}'s shapes "
                                f"({str(e).strip().splitlines()[-1][:160]})") from None
-        model = fresh
-    else:
-        model = cls.from_config(cfg)
     return DiffusersBackbone(model.train(), num_classes, null_row, sliced)
 
 
-register("diffusers", check=check, complete=complete)(build)
+register("diffusers", check=check, complete=complete, recorded=("config",))(build)

@@ -1,5 +1,15 @@
 """DiT (Peebles & Xie 2023): patchify → transformer blocks with adaLN-zero → unpatchify.
-Attention goes through `scaled_dot_product_attention`."""
+Attention goes through `scaled_dot_product_attention`.
+
+`convention` (model.args.convention) fixes the two choices that carry no weights:
+  diffusers  what diffusers' DiTTransformer2DModel hard-codes: timestep frequencies
+             exp(−ln(10⁴)·k/127) (`downscale_freq_shift=1`) and the position embedding
+             [sincos(column), sincos(row)] (`get_2d_sincos_pos_embed`, MAE's layout), so that an export
+             is the stock class weight for weight (convert.py). New runs.
+  legacy     the original DiT code's exp(−ln(10⁴)·k/128) and [sincos(row), sincos(column)]: fasttrain's
+             DiTs before checkpoint format 4 (checkpoint/formats.py records it in their config).
+The null label is `num_classes`, the last row of the class table, as in DiTTransformer2DModel
+(DiTPipeline hard-codes 1000: the null label of a 1000-class model)."""
 from __future__ import annotations
 
 from functools import partial
@@ -17,8 +27,12 @@ def _modulate(x, shift, scale):
     return x * (1 + scale[:, None]) + shift[:, None]
 
 
-def sincos_pos_embed(dim: int, grid: int) -> torch.Tensor:
-    """Fixed 2-D sine-cosine position embedding [grid², dim] (MAE / DiT)."""
+CONVENTIONS = ("diffusers", "legacy")
+
+
+def sincos_pos_embed(dim: int, grid: int, convention: str = "diffusers") -> torch.Tensor:
+    """Fixed 2-D sine-cosine position embedding [grid², dim] (MAE / DiT); tokens in row-major order, the
+    first half of the features encodes the column (diffusers, MAE) or the row (legacy)."""
     def one_d(d, pos):
         omega = 1.0 / 10000 ** (torch.arange(d // 2, dtype=torch.float64) / (d / 2))
         out = pos.reshape(-1)[:, None] * omega[None]
@@ -26,7 +40,8 @@ def sincos_pos_embed(dim: int, grid: int) -> torch.Tensor:
 
     gy, gx = torch.meshgrid(torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64),
                             indexing="ij")
-    return torch.cat([one_d(dim // 2, gy), one_d(dim // 2, gx)], dim=1).float()
+    first, second = (gx, gy) if convention == "diffusers" else (gy, gx)
+    return torch.cat([one_d(dim // 2, first), one_d(dim // 2, second)], dim=1).float()
 
 
 def attention(q, k, v):
@@ -66,8 +81,11 @@ class DiTBlock(nn.Module):
         return x + g2[:, None] * self.mlp(_modulate(self.norm2(x), s2, sc2))
 
 
-def check_sizes(image_size: int, patch: int = 2, hidden: int = 384, heads: int = 6, **_) -> None:
+def check_sizes(image_size: int, patch: int = 2, hidden: int = 384, heads: int = 6, convention: str = "diffusers",
+                **_) -> None:
     """The DiT's structural needs, checked before it is built (configure.py)."""
+    if convention not in CONVENTIONS:
+        raise InvalidInput(f"model.args.convention must be one of {', '.join(CONVENTIONS)}, got {convention!r}")
     if image_size % patch:
         raise InvalidInput(f"image_size {image_size} is not divisible by patch {patch} (model.args.patch)")
     if hidden % heads:
@@ -77,15 +95,15 @@ def check_sizes(image_size: int, patch: int = 2, hidden: int = 384, heads: int =
 class DiT(nn.Module):
     def __init__(self, in_channels: int = 4, image_size: int = 32, patch: int = 2, hidden: int = 384,
                  depth: int = 12, heads: int = 6, mlp_ratio: float = 4.0, num_classes: int = 0,
-                 out_channels: int | None = None):
+                 out_channels: int | None = None, convention: str = "diffusers"):
         super().__init__()
-        check_sizes(image_size, patch, hidden, heads)
-        self.in_channels, self.image_size, self.patch = in_channels, image_size, patch
+        check_sizes(image_size, patch, hidden, heads, convention)
+        self.in_channels, self.image_size, self.patch, self.convention = in_channels, image_size, patch, convention
         self.out_channels = out_channels or in_channels
         self.grid = image_size // patch
         self.x_embed = nn.Conv2d(in_channels, hidden, patch, stride=patch)
-        self.register_buffer("pos", sincos_pos_embed(hidden, self.grid)[None], persistent=False)
-        self.embed = TimeLabelEmbedding(256, hidden, num_classes)
+        self.register_buffer("pos", sincos_pos_embed(hidden, self.grid, convention)[None], persistent=False)
+        self.embed = TimeLabelEmbedding(256, hidden, num_classes, freq_shift=1 if convention == "diffusers" else 0)
         self.blocks = nn.ModuleList(DiTBlock(hidden, heads, mlp_ratio) for _ in range(depth))
         self.final_norm = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
         self.final_ada = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 2 * hidden))
@@ -117,8 +135,13 @@ class DiT(nn.Module):
 
 DIT_SIZES = {"s": (384, 12, 6), "b": (768, 12, 12), "l": (1024, 24, 16), "xl": (1152, 28, 16)}  # hidden, depth, heads
 
-register("dit_tiny", check=check_sizes)(partial(DiT, patch=2, hidden=128, depth=4, heads=4))  # CPU preset
+
+def _preset(name: str, **args) -> None:
+    # checkpoints before format 4 record convention=legacy (checkpoint/formats.py); a resume keeps it
+    register(name, check=check_sizes, recorded=("convention",))(partial(DiT, **args))
+
+
+_preset("dit_tiny", patch=2, hidden=128, depth=4, heads=4)  # CPU preset
 for _size, (_h, _d, _n) in DIT_SIZES.items():  # Peebles & Xie 2023, Table 1: dit_s2 … dit_xl8
     for _p in (2, 4, 8):
-        register(f"dit_{_size}{_p}", check=check_sizes)(partial(DiT, patch=_p, hidden=_h, depth=_d, heads=_n))
-
+        _preset(f"dit_{_size}{_p}", patch=_p, hidden=_h, depth=_d, heads=_n)

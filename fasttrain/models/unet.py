@@ -1,5 +1,13 @@
 """ADM-style UNet (Dhariwal & Nichol 2021): residual blocks with scale-shift norm, self-attention at
-chosen resolutions, channel multipliers per level. Small presets for CPU live in the registry."""
+chosen resolutions, channel multipliers per level. Small presets for CPU live in the registry.
+
+GroupNorm groups (model.args.convention, model.args.norm_groups):
+  diffusers  one group count for every layer, as UNet2DModel's `norm_num_groups`, so that an export is
+             the stock class (convert.py): `norm_groups`, by default min(32, ch/4) rounded down to a
+             divisor of ch (every width is a multiple of ch, so it divides them all). New runs.
+  legacy     min(32, channels/4) per layer: fasttrain's UNets before checkpoint format 4
+             (checkpoint/formats.py records it in their config); not expressible in UNet2DModel.
+The presets whose widths are all >= 128 (adm_*) have 32 groups everywhere under both."""
 from __future__ import annotations
 
 from functools import partial
@@ -12,19 +20,38 @@ from ..errors import InvalidInput
 from . import register
 from .layers import TimeLabelEmbedding, zero_module
 
+CONVENTIONS = ("diffusers", "legacy")
 
-def _norm(ch: int) -> nn.GroupNorm:
-    return nn.GroupNorm(min(32, ch // 4) if ch >= 8 else 1, ch)
+
+def default_norm_groups(ch: int) -> int:
+    """min(32, ch/4), rounded down to a divisor of the base width ch."""
+    top = max(1, min(32, ch // 4))
+    return next(g for g in range(top, 0, -1) if ch % g == 0)
+
+
+def group_norms(ch: int, norm_groups: int = 0, convention: str = "diffusers"):
+    """The UNet's GroupNorm factory, width → nn.GroupNorm, for the convention (module docstring)."""
+    if convention == "legacy":
+        def make(c: int) -> nn.GroupNorm:
+            g = min(32, c // 4) if c >= 8 else 1
+            if c % g:
+                raise InvalidInput(f"model.args.ch={ch}: a layer of {c} channels cannot be split into {g} GroupNorm "
+                                   f"groups (convention=legacy: min(32, channels/4) per layer); choose another ch "
+                                   f"or convention=diffusers")
+            return nn.GroupNorm(g, c)
+        return make
+    groups = norm_groups or default_norm_groups(ch)
+    return lambda c: nn.GroupNorm(groups, c)
 
 
 class ResBlock(nn.Module):
     """GN → SiLU → conv → GN·(1 + scale) + shift (ADM "use_scale_shift_norm") → SiLU → dropout → conv."""
 
-    def __init__(self, cin: int, cout: int, emb_dim: int, dropout: float = 0.0):
+    def __init__(self, cin: int, cout: int, emb_dim: int, norm, dropout: float = 0.0):
         super().__init__()
-        self.in_layers = nn.Sequential(_norm(cin), nn.SiLU(), nn.Conv2d(cin, cout, 3, padding=1))
+        self.in_layers = nn.Sequential(norm(cin), nn.SiLU(), nn.Conv2d(cin, cout, 3, padding=1))
         self.emb = nn.Sequential(nn.SiLU(), nn.Linear(emb_dim, 2 * cout))
-        self.out_norm = _norm(cout)
+        self.out_norm = norm(cout)
         self.out_layers = nn.Sequential(nn.SiLU(), nn.Dropout(dropout), zero_module(nn.Conv2d(cout, cout, 3,
                                                                                               padding=1)))
         self.skip = nn.Identity() if cin == cout else nn.Conv2d(cin, cout, 1)
@@ -37,10 +64,10 @@ class ResBlock(nn.Module):
 
 
 class AttnBlock(nn.Module):
-    def __init__(self, ch: int, heads: int = 4):
+    def __init__(self, ch: int, heads: int, norm):
         super().__init__()
         self.heads = heads
-        self.norm = _norm(ch)
+        self.norm = norm(ch)
         self.qkv = nn.Conv1d(ch, 3 * ch, 1)
         self.proj = zero_module(nn.Conv1d(ch, ch, 1))
 
@@ -69,60 +96,86 @@ def _check_int_list(name: str, values, empty_ok: bool) -> None:
         raise InvalidInput(f"model.args.{name} must be {need}, got {list(values)!r}")
 
 
-def check_sizes(image_size: int, ch_mult=(1, 2, 2), attn_resolutions=(16,), **_) -> None:
+def _check_groups(ch: int, norm_groups: int, convention: str) -> None:
+    if convention not in CONVENTIONS:
+        raise InvalidInput(f"model.args.convention must be one of {', '.join(CONVENTIONS)}, got {convention!r}")
+    if not isinstance(ch, int) or isinstance(ch, bool) or ch < 1:
+        raise InvalidInput(f"model.args.ch must be a positive integer, got {ch!r}")
+    if norm_groups < 0 or (norm_groups and ch % norm_groups):
+        raise InvalidInput(f"model.args.norm_groups={norm_groups} must divide model.args.ch={ch} (every GroupNorm "
+                           f"of the UNet has that many groups; 0 = min(32, ch/4) rounded to a divisor)")
+    if norm_groups and convention == "legacy":
+        raise InvalidInput("model.args.norm_groups: convention=legacy sets the groups per layer; leave norm_groups 0")
+
+
+def check_sizes(image_size: int, ch_mult=(1, 2, 2), attn_resolutions=(16,), **args) -> None:
     """The UNet's structural needs, checked before it is built (configure.py): level lists of positive
-    integers, and an image size it can halve len(ch_mult) − 1 times."""
+    integers, an image size it can halve len(ch_mult) − 1 times, group and head counts that divide the
+    widths (a network of these arguments built on the meta device: its layers check themselves)."""
     _check_int_list("ch_mult", ch_mult, empty_ok=False)
     _check_int_list("attn_resolutions", attn_resolutions, empty_ok=True)
     f = 2 ** (len(ch_mult) - 1)
     if image_size % f:
         raise InvalidInput(f"the UNet halves the image size {len(ch_mult) - 1} times (model.args.ch_mult): "
                            f"it must be a multiple of {f}")
+    if {"ch", "num_res_blocks"} <= set(args):  # all of the factory's arguments (registry.check passes them)
+        with torch.device("meta"):
+            UNet(image_size=image_size, ch_mult=ch_mult, attn_resolutions=attn_resolutions, **args)
 
 
 class UNet(nn.Module):
     def __init__(self, in_channels: int = 3, image_size: int = 32, ch: int = 64, ch_mult=(1, 2, 2),
                  num_res_blocks: int = 2, attn_resolutions=(16,), heads: int = 4, head_channels: int = 0,
-                 dropout: float = 0.0, num_classes: int = 0, out_channels: int | None = None):
+                 dropout: float = 0.0, num_classes: int = 0, out_channels: int | None = None, norm_groups: int = 0,
+                 convention: str = "diffusers"):
         super().__init__()
         _check_int_list("ch_mult", ch_mult, empty_ok=False)
         _check_int_list("attn_resolutions", attn_resolutions, empty_ok=True)  # those the image never has: unused
+        _check_groups(ch, norm_groups, convention)
         self.in_channels, self.image_size = in_channels, image_size
         emb_dim = 4 * ch
+        norm = group_norms(ch, norm_groups, convention)
 
         def attn(c):  # ADM: a fixed number of channels per head when head_channels is set
-            return AttnBlock(c, c // head_channels if head_channels else heads)
+            n = c // head_channels if head_channels else heads
+            if n < 1 or c % n or (head_channels and c % head_channels):
+                key = f"head_channels={head_channels}" if head_channels else f"heads={heads}"
+                raise InvalidInput(f"model.args.{key}: an attention layer of {c} channels cannot be split into "
+                                   f"{'heads of that size' if head_channels else 'that many heads'}")
+            return AttnBlock(c, n, norm)
+
+        def res(cin, cout):
+            return ResBlock(cin, cout, emb_dim, norm, dropout)
 
         self.embed = TimeLabelEmbedding(ch, emb_dim, num_classes)
         self.inp = nn.Conv2d(in_channels, ch, 3, padding=1)
-        self.down, skips, cur, res = nn.ModuleList(), [ch], ch, image_size
+        self.down, skips, cur, size = nn.ModuleList(), [ch], ch, image_size
         for level, mult in enumerate(ch_mult):
             for _ in range(num_res_blocks):
-                blocks = [ResBlock(cur, ch * mult, emb_dim, dropout)]
+                blocks = [res(cur, ch * mult)]
                 cur = ch * mult
-                if res in attn_resolutions:
+                if size in attn_resolutions:
                     blocks.append(attn(cur))
                 self.down.append(EmbSequential(blocks))
                 skips.append(cur)
             if level != len(ch_mult) - 1:
                 self.down.append(EmbSequential([nn.Conv2d(cur, cur, 3, stride=2, padding=1)]))
                 skips.append(cur)
-                res //= 2
-        self.mid = EmbSequential([ResBlock(cur, cur, emb_dim, dropout), attn(cur), ResBlock(cur, cur, emb_dim,
-                                                                                            dropout)])
+                size //= 2
+        self.mid = EmbSequential([res(cur, cur), attn(cur), res(cur, cur)])
         self.up = nn.ModuleList()
         for level, mult in reversed(list(enumerate(ch_mult))):
             for i in range(num_res_blocks + 1):
-                blocks = [ResBlock(cur + skips.pop(), ch * mult, emb_dim, dropout)]
+                blocks = [res(cur + skips.pop(), ch * mult)]
                 cur = ch * mult
-                if res in attn_resolutions:
+                if size in attn_resolutions:
                     blocks.append(attn(cur))
                 if level and i == num_res_blocks:
                     blocks.append(nn.Upsample(scale_factor=2, mode="nearest"))
                     blocks.append(nn.Conv2d(cur, cur, 3, padding=1))
-                    res *= 2
+                    size *= 2
                 self.up.append(EmbSequential(blocks))
-        self.out = nn.Sequential(_norm(cur), nn.SiLU(), zero_module(nn.Conv2d(cur, out_channels or in_channels, 3,
+        self.out = nn.Sequential(norm(cur), nn.SiLU(), zero_module(nn.Conv2d(cur, out_channels or in_channels, 3,
                                                                               padding=1)))
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
@@ -142,18 +195,19 @@ class UNet(nn.Module):
         return [*self.down, self.mid, *self.up]
 
 
+
+def _preset(name: str, **args) -> None:
+    # checkpoints before format 4 record convention=legacy (checkpoint/formats.py); a resume keeps it
+    register(name, check=check_sizes, recorded=("convention",))(partial(UNet, **args))
+
+
 # CPU presets: the 8×8 digits recipe and friends
-register("unet_tiny", check=check_sizes)(partial(UNet, ch=32, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=(4,),
-                                                 heads=4))
-register("unet_small", check=check_sizes)(partial(UNet, ch=64, ch_mult=(1, 2, 2), num_res_blocks=2,
-                                                  attn_resolutions=(8,), heads=4))
+_preset("unet_tiny", ch=32, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=(4,), heads=4)
+_preset("unet_small", ch=64, ch_mult=(1, 2, 2), num_res_blocks=2, attn_resolutions=(8,), heads=4)
 # ADM (Dhariwal & Nichol 2021, Table 14 / iDDPM): CIFAR-10 32², ImageNet 64², 256² (64 channels per head)
-register("adm_32", check=check_sizes)(partial(UNet, ch=128, ch_mult=(1, 2, 2, 2), num_res_blocks=3,
-                                              attn_resolutions=(16, 8),
-                           head_channels=64, dropout=0.1))
-register("adm_64", check=check_sizes)(partial(UNet, ch=192, ch_mult=(1, 2, 3, 4), num_res_blocks=3,
-                                              attn_resolutions=(32, 16, 8),
-                           head_channels=64, dropout=0.1))
-register("adm_256", check=check_sizes)(partial(UNet, ch=256, ch_mult=(1, 1, 2, 2, 4, 4), num_res_blocks=2,
-                                               attn_resolutions=(32, 16, 8),
-                            head_channels=64))
+_preset("adm_32", ch=128, ch_mult=(1, 2, 2, 2), num_res_blocks=3, attn_resolutions=(16, 8), head_channels=64,
+        dropout=0.1)
+_preset("adm_64", ch=192, ch_mult=(1, 2, 3, 4), num_res_blocks=3, attn_resolutions=(32, 16, 8), head_channels=64,
+        dropout=0.1)
+_preset("adm_256", ch=256, ch_mult=(1, 1, 2, 2, 4, 4), num_res_blocks=2, attn_resolutions=(32, 16, 8),
+        head_channels=64)

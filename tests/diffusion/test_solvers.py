@@ -83,6 +83,8 @@ def test_spacings_and_errors():
     assert respaced(10, 10) == list(range(9, -1, -1))
     with pytest.raises(ValueError, match="steps must lie"):
         respaced(10, 11)
+    with pytest.raises(ValueError, match="unknown step spacing"):
+        respaced(10, 2, "middle")
     s = fd.schedule("linear", T=1000)
     ts = edm_timesteps(s, 18)
     assert ts == sorted(set(ts), reverse=True) and ts[-1] == 0
@@ -98,3 +100,29 @@ def test_spacings_and_errors():
     with pytest.raises(ValueError, match="unknown argument 'eta'"):
         generate(d, s, (2, 2), solver="heun", eta=0.5)
     assert {"ddim", "ddpm", "heun", "flow_euler", "flow_heun"} <= set(SOLVERS)
+
+
+@pytest.mark.parametrize("kind", ["trailing", "leading"])
+def test_spacings_are_the_lists_diffusers_schedulers_visit(kind):
+    """sample.spacing names diffusers' timestep_spacing: the same timesteps, and where n divides T the
+    same steps as DDIMScheduler's t → t − T//n (so a stock pipeline can equal fasttrain's sampler)."""
+    diffusers = pytest.importorskip("diffusers")
+    for T, n in ((1000, 4), (1000, 50), (1000, 7), (1000, 1000), (20, 3)):
+        for cls in (diffusers.DDIMScheduler, diffusers.DDPMScheduler, diffusers.EulerDiscreteScheduler):
+            sched = cls(num_train_timesteps=T, timestep_spacing=kind)
+            sched.set_timesteps(n)
+            assert respaced(T, n, kind) == sched.timesteps.round().long().tolist(), (T, n, cls.__name__)
+        ts = respaced(T, n, kind)
+        if T % n == 0:
+            assert all(a - b == T // n for a, b in zip(ts, ts[1:]))
+    assert respaced(1000, 4, "linspace") == respaced(1000, 4)  # the spacing of runs before format 4
+
+
+def test_noise_is_drawn_as_randn_tensor_draws_it():
+    pytest.importorskip("diffusers")
+    from diffusers.utils.torch_utils import randn_tensor
+
+    from fasttrain.diffusion.solvers import randn
+
+    want = randn_tensor((3, 2, 4), generator=torch.Generator().manual_seed(7), device=torch.device("cpu"))
+    torch.testing.assert_close(randn((3, 2, 4), torch.Generator().manual_seed(7), "cpu"), want, rtol=0, atol=0)

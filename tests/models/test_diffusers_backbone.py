@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from diffusers_fixtures import TINY_UNET, save_tiny_unet
+from diffusers_fixtures import DIT, TINY_UNET, save_tiny_unet
 
 from fasttrain.bundle import ModelBundle
 from fasttrain.cli import main
@@ -20,7 +20,6 @@ pytest.importorskip("diffusers")
 
 TINY = ["train.progress=false", "sample.num=0", "eval.num_samples=0", "eval.bpd=false", "train.threads=1",
         "optim.warmup_steps=2", "train.log_every=1", "train.ckpt_every=0", "data.batch_size=8"]
-DIT = {"num_attention_heads": 2, "attention_head_dim": 8, "num_layers": 2}
 
 
 def _finetune(run, pre, steps, *over):
@@ -141,3 +140,49 @@ def test_compiled_blocks_match_eager():
     out = m(x, t, y)
     out.square().mean().backward()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def _pipeline_folder(root, **scheduler):
+    """A diffusers pipeline folder: a tiny UNet2DModel in unet/, a DDPMScheduler configured by `scheduler`."""
+    import json
+
+    from diffusers import DDPMScheduler
+
+    save_tiny_unet(root / "unet")
+    DDPMScheduler(**scheduler).save_pretrained(str(root / "scheduler"))
+    index = {"_class_name": "DDPMPipeline", "unet": ["diffusers", "UNet2DModel"],
+             "scheduler": ["diffusers", "DDPMScheduler"]}
+    (root / "model_index.json").write_text(json.dumps(index))
+    return root
+
+
+def test_finetuning_from_a_pipeline_takes_its_scheduler(tmp_path, capsys):
+    pipe = _pipeline_folder(tmp_path / "pipe", prediction_type="v_prediction", beta_schedule="squaredcos_cap_v2",
+                            timestep_spacing="trailing", rescale_betas_zero_snr=True, num_train_timesteps=500)
+    base = ["model.name=diffusers", "model.args.class_name=UNet2DModel"] + TINY
+    for where in ([f"model.args.pretrained={pipe}", "model.args.subfolder=unet"],
+                  [f"model.args.pretrained={pipe / 'unet'}"]):  # the network's folder inside the pipeline
+        cfg = load_config("default", base + where)
+        d = cfg.diffusion
+        assert (d.prediction, d.schedule, d.T, d.zero_terminal_snr, cfg.sample.spacing) == \
+            ("v", "cosine", 500, True, "trailing")
+        assert "scheduler sets diffusion.schedule=cosine" in capsys.readouterr().err
+    where = [f"model.args.pretrained={pipe}", "model.args.subfolder=unet"]
+    assert load_config("default", base + where + ["diffusion.prediction=v"]).diffusion.prediction == "v"
+    with pytest.raises(ConfigError, match="'diffusion.prediction': 'eps' .*has 'v'"):
+        load_config("default", base + where + ["diffusion.prediction=eps"])
+    odd = _pipeline_folder(tmp_path / "odd", beta_schedule="sigmoid")
+    with pytest.raises(ConfigError, match="sigmoid"):
+        load_config("default", base + [f"model.args.pretrained={odd}", "model.args.subfolder=unet"])
+    # no scheduler beside the network: the run's own settings
+    cfg = load_config("default", base + [f"model.args.pretrained={save_tiny_unet(tmp_path / 'alone')}"])
+    assert cfg.diffusion.prediction == "eps" and cfg.diffusion.schedule == "linear"
+    # resumed after the pipeline folder is gone: the scheduler's keys come from the checkpoint
+    import shutil
+
+    run = ["train", f"run_dir={tmp_path / 'run'}"] + base + where
+    assert main(run + ["train.steps=1"]) == 0
+    shutil.rmtree(pipe)
+    capsys.readouterr()
+    assert main(run + ["train.steps=2", "--resume"]) == 0, capsys.readouterr().err
+    assert ModelBundle.load(tmp_path / "run", device="cpu").cfg.diffusion.prediction == "v"
