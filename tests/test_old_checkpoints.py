@@ -5,6 +5,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from fasttrain.configure import load_config
@@ -28,11 +29,14 @@ def _resume(name: str, run: Path) -> tuple[list[dict], list[dict]]:
 def test_an_old_unconditional_checkpoint_resumes_exactly_as_the_old_code_resumed_it(tmp_path):
     """Mixed prediction with the argmin head (the objective's state holds the head's choice), stratified
     timesteps, statistics synced every 2 steps: losses, gradient norms and per-bucket losses of steps
-    5..8 equal those the old code logged (CPU, one thread: bit for bit)."""
+    5..8 equal those the old code logged to float32 rounding (CPU, one thread: bit for bit on the CPU kind
+    that made the fixture, an AMD EPYC; an Intel Xeon's vector paths round a gradient norm differently in
+    its 8th digit)."""
     old, new = _resume("moons-mixed", tmp_path / "run")
     assert [r["step"] for r in new] == [5, 6, 7, 8]
     for a, b in zip(old[4:], new):
-        assert (a["loss"], a["grad_norm"], a["loss_by_t_bucket"]) == (b["loss"], b["grad_norm"], b["loss_by_t_bucket"])
+        assert (b["loss"], b["grad_norm"]) == pytest.approx((a["loss"], a["grad_norm"]), rel=1e-5, abs=1e-7)
+        assert b["loss_by_t_bucket"] == pytest.approx(a["loss_by_t_bucket"], rel=1e-5, abs=1e-7)
     state = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
     assert state["train"]["step"] == 8 and (state["model"]["output.choice"] >= 0).any()
 
