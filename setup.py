@@ -49,7 +49,7 @@ DIFFUSERS = ["diffusers>=0.42,<0.43", "huggingface-hub>=1.32", "safetensors>=0.8
 EXTRAS = {
     "dali": DALI,
     "diffusers": DIFFUSERS,
-    "dev": ["pytest>=8", "pytest-benchmark>=4", "ruff>=0.17"] + DALI + DIFFUSERS,
+    "dev": ["pytest>=8", "pytest-benchmark>=4", "pytest-xdist>=3", "ruff>=0.17"] + DALI + DIFFUSERS,
 }
 
 

@@ -17,6 +17,14 @@ except ImportError:  # pragma: no cover
 
 import pytest  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under pytest-xdist (.ci/run: one worker per core) each worker keeps to one intra-op thread: two
+    # workers of two threads each on 2 cores only wait for each other (fasttrain/cpu.py). Tests that need
+    # more threads set them themselves.
+    import torch
+
+    torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     import torch

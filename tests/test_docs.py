@@ -18,7 +18,9 @@ def test_readme_is_at_most_300_lines_with_the_two_set_up_commands():
     commands = [line for line in text.splitlines() if line.startswith("python3 -m venv .venv && ")]
     assert len(commands) == 2
     assert commands[0].endswith("-e . && .venv/bin/fasttrain train")
-    assert commands[1].endswith("ruff check . && .venv/bin/python -m pytest -q")
+    assert commands[1].endswith("ruff check . && .venv/bin/python -m pytest -q -n 2")
+    # .ci/run runs the README's test command (one pytest-xdist worker per core of the 2-core CI machine)
+    assert ".venv/bin/python -m pytest -q -n 2\n" in (ROOT / ".ci" / "run").read_text()
 
 
 def test_every_docs_page_is_linked_from_the_readme_and_every_link_resolves():
