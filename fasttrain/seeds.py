@@ -15,13 +15,15 @@ purpose never shifts an old one.
     posterior    draws from VAE posteriors stored with latents (per rank and data position)
     logvar       the learned log-variance layer's Fourier features and initial weight (the same on every rank)
     labels       label dropout for classifier-free guidance (per rank; conditioning.py)
+    image        `sample`/`eval` noise of image i, one stream per image index (generation.py): the same
+                 images however they are split across ranks or batches
 """
 from __future__ import annotations
 
 import hashlib
 
 PURPOSES = ("weights", "data", "augment", "timesteps", "noise", "reseed", "policy", "eval", "probe", "posterior",
-            "logvar", "labels")
+            "logvar", "labels", "image")
 
 
 def derive(seed: int, purpose: str, *ids: int) -> int:
