@@ -239,8 +239,9 @@ class ModelBundle:
         sample.spacing). Chunk 0 draws its noise from torch.Generator().manual_seed(seed), as a diffusers
         pipeline given that generator does (solvers.randn), chunk i > 0 from seeds.derive(seed, "eval", i):
         the results do not depend on n or on the device. With `first_image` = j, sample k is image j + k
-        of a larger set and draws all its noise from its own generator, seeds.derive(seed, "image", j + k)
-        (generation.py: a set split across ranks by image index).
+        of a larger set and draws all its noise from its own generator, torch.Generator().manual_seed(seed +
+        j + k), as EDM2's generate_images.py seeds image i with seed i (generation.py: a set split across
+        ranks by image index; a diffusers pipeline given the list of those generators makes the same images).
         Under FSDP every rank must call this in lockstep (forwards gather weights)."""
         if n < 1:
             raise InvalidInput(f"the number of samples must be >= 1, got {n}")
@@ -257,8 +258,7 @@ class ModelBundle:
                 if first_image is None:
                     g = torch.Generator().manual_seed(seed if i == 0 else seeds.derive(seed, "eval", i))
                 else:
-                    g = [torch.Generator().manual_seed(seeds.derive(seed, "image", first_image + lo + k))
-                         for k in range(m)]
+                    g = [torch.Generator().manual_seed(seed + first_image + lo + k) for k in range(m)]
                 outs.append(run_solver(self.solver_fn(lab, guidance, clip), self.schedule, (m,) + self.spec.shape,
                                        solver=solver, steps=min(steps, self.schedule.T), generator=g,
                                        device=self.device, progress=progress,

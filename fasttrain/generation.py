@@ -2,11 +2,12 @@
 and EDM2's `generate_images.py` run it, with EDM2's rule that every image has its own seed.
 
 The set of n images is cut into chunks of `chunk` consecutive indices; chunk k belongs to rank k mod W.
-Image i draws all its noise from its own generator, seeds.derive(seed, "image", i) (bundle.generate's
-`first_image`), and its class from its index (balanced: i mod classes, or the one `--label`), so the set
-does not depend on W; and since a chunk is the same batch whatever W is, the images are equal bit for
-bit on 1 or 8 processes of one device type. Uneven counts need no padding (DiT pads n up to a multiple of
-the global batch and drops the rest): the last chunk is short and ranks may hold one chunk more.
+Image i draws all its noise from its own generator seeded with seed + i (bundle.generate's
+`first_image`; EDM2's generate_images.py gives image i the seed i), and its class from its index
+(balanced: i mod classes, or the one `--label`), so the set does not depend on W; and since a chunk is
+the same batch whatever W is, the images are equal bit for bit on 1 or 8 processes of one device type.
+Uneven counts need no padding (DiT pads n up to a multiple of the global batch and drops the rest): the
+last chunk is short and ranks may hold one chunk more.
 
 Each finished chunk is one file in FOLDER/chunks/ (written under a temporary name, then renamed), holding
 what the command's `sink` keeps of it: images as uint8 (`sample`), Inception features (`eval`). A rerun

@@ -45,9 +45,11 @@ def test_each_image_has_its_own_noise_whatever_its_batch(run):
     assert not torch.allclose(whole[0], whole[1])
     other = b.generate(2, labels[4:], first_image=4, seed=8, steps=3, solver="ddpm")
     assert (other - tail).abs().max() > 0.1  # the base seed matters
-    # without first_image: the batch generator of before (chunk 0 from manual_seed(seed)), unchanged
-    torch.testing.assert_close(b.generate(2, labels[:2], seed=7, steps=3, solver="ddpm"),
-                               b.generate(2, labels[:2], seed=7, steps=3, solver="ddpm"))
+    # image i is the image one generator seeded with seed + i makes alone (EDM2's seeds; a diffusers
+    # pipeline given [manual_seed(seed + i) ...] draws the same noise), e.g. today's `sample --n 1 --seed 11`
+    for i in (0, 4):
+        alone = b.generate(1, labels[i:i + 1], seed=7 + i, steps=3, solver="ddpm")  # the batch generator path
+        torch.testing.assert_close(whole[i:i + 1], alone, atol=1e-5, rtol=0)
 
 
 def _pngs(folder):
@@ -131,3 +133,22 @@ def test_eval_writes_reference_statistics_once_and_reads_them(run, tmp_path, cap
     assert main(base + ["--ref-stats", str(bad)]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "holds no 'mu' and 'sigma'" in err and str(bad) in err
+
+
+def test_an_exported_pipeline_given_one_generator_per_image_makes_the_sampled_images(tmp_path):
+    pytest.importorskip("diffusers")
+    from diffusers import DiffusionPipeline
+    from diffusers_fixtures import perturbed_run
+
+    from fasttrain.export import export_diffusers
+
+    assert main(["train", f"run_dir={tmp_path / 'r'}"] + TINY) == 0
+    run = perturbed_run(tmp_path / "r", tmp_path / "p", scale=0.03)
+    export_diffusers(str(run), str(tmp_path / "out"))
+    pipe = DiffusionPipeline.from_pretrained(str(tmp_path / "out"), trust_remote_code=True)
+    pipe.set_progress_bar_config(disable=True)
+    got = pipe(class_labels=[0, 1, 2], num_inference_steps=4, output_type="pt",
+               generator=[torch.Generator().manual_seed(7 + i) for i in range(3)]).images  # the model card's call
+    x = ModelBundle.load(run, device="cpu").generate(3, torch.arange(3), seed=7, steps=4, first_image=0)
+    assert x.abs().max() > 0.1
+    torch.testing.assert_close(got, (x * 0.5 + 0.5).clamp(0, 1), rtol=0, atol=1e-4)
