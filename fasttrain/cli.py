@@ -161,6 +161,8 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--latents-out", default=None, help="folder for the encoded .npy latents (--vae: ROOT-latents)")
     pr.add_argument("--image-size", type=_positive("--image-size"), default=256, help="image side fed to the encoder")
     pr.add_argument("--batch-size", type=_positive("--batch-size"), default=64, help="encoder batch size")
+    pr.add_argument("--pack", action="store_true", help="also pack the .npy latents (ROOT's, or the encoded ones) "
+                    "into one memory-mapped array + index, for data.name=packed (data/packed.py)")
     return p
 
 
@@ -587,6 +589,13 @@ def _data(args) -> int:
     if args.vae:
         res.update(_encode_with_vae(args, res["manifest"]))
     print(f"wrote {res['manifest']}" + (f" and {res['latents_manifest']}" if "latents_manifest" in res else ""))
+    if args.pack:
+        from .data.packed import PACKED, pack
+
+        folder = Path(args.latents_out or args.root)
+        index = pack(folder)
+        print(f"packed {index['count']} latents of shape {index['shape']} into {folder / PACKED} (data.name=packed "
+              f"data.root={folder})")
     return 0
 
 
