@@ -161,6 +161,9 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--latents-out", default=None, help="folder for the encoded .npy latents (--vae: ROOT-latents)")
     pr.add_argument("--image-size", type=_positive("--image-size"), default=256, help="image side fed to the encoder")
     pr.add_argument("--batch-size", type=_positive("--batch-size"), default=64, help="encoder batch size")
+    pr.add_argument("--shards", default=None, help="also write the folder's images as WebDataset tar shards "
+                    "(+ index) into this folder, for data.name=shards (data/shards.py)")
+    pr.add_argument("--shard-size", type=_positive("--shard-size"), default=1000, help="samples per shard")
     pr.add_argument("--pack", action="store_true", help="also pack the .npy latents (ROOT's, or the encoded ones) "
                     "into one memory-mapped array + index, for data.name=packed (data/packed.py)")
     return p
@@ -562,6 +565,8 @@ def _data(args) -> int:
     if args.data_command != "prepare":
         _parser().parse_args(["data", "--help"])
         return 2
+    import json
+
     from .data.manifest import check_outputs, prepare
 
     if args.vae and args.encoder:
@@ -577,6 +582,8 @@ def _data(args) -> int:
     if args.out:
         out_file(args.out, create=False)
     check_outputs(args.root, args.out, args.latents_out, args.vae)  # before anything is created
+    if args.shards:
+        check_output(args.shards, "--shards", {"the image folder": args.root})
     if args.out:
         out_file(args.out)
     if args.latents_out:
@@ -589,6 +596,13 @@ def _data(args) -> int:
     if args.vae:
         res.update(_encode_with_vae(args, res["manifest"]))
     print(f"wrote {res['manifest']}" + (f" and {res['latents_manifest']}" if "latents_manifest" in res else ""))
+    if args.shards:
+        from .data.shards import write_shards
+
+        m = json.loads(Path(res["manifest"]).read_text())
+        index = write_shards(m, out_dir(args.shards), args.shard_size)
+        print(f"wrote {index['count']} images into {len(index['shards'])} shards in {args.shards} (data.name=shards "
+              f"data.root={args.shards})")
     if args.pack:
         from .data.packed import PACKED, pack
 

@@ -56,6 +56,7 @@ class DataConfig:
     latent_norm: str = _f("auto", "latents: vae (the VAE's scaling/shift factors) | channel (per-channel mean/std) "
                           "| none | auto (vae where the folder records a VAE)",
                           choices=("auto", "vae", "channel", "none"))
+    shuffle_buffer: int = _f(1000, "samples in the seeded shuffle buffer of a shard stream (name=shards)", min=1)
     batch_size: int = _f(16, "micro-batch per process", min=1, max=2**24)
     holdout: int = _f(400, "digits held out from training (for evaluation)", min=1)
     num_workers: int = _f(0, "loader workers: DataLoader processes or DALI threads (0 = main process / 1 thread; "

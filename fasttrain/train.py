@@ -72,7 +72,8 @@ class Trainer:
         self.data, info = build_data(d.name, batch_size=d.batch_size, seed=tc.seed, image_size=d.image_size,
                                      root=d.root, channels=d.channels, holdout=d.holdout, device=self.device,
                                      num_workers=d.num_workers, backend=d.backend, manifest=d.manifest,
-                                     crop=d.crop, flip=d.flip, rank=rank, world_size=world, latent_norm=d.latent_norm)
+                                     crop=d.crop, flip=d.flip, rank=rank, world_size=world, latent_norm=d.latent_norm,
+                                     shuffle_buffer=d.shuffle_buffer)
         conditional = cfg.model.class_conditional and info.num_classes > 0
         self.spec = DataSpec(d.name, info.channels, info.image_size, info.num_classes if conditional else 0,
                              cfg.model.label_dropout, info.latents, info.class_names if conditional else None)

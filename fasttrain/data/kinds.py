@@ -64,6 +64,7 @@ class DataArgs:
     rank: int = 0
     world_size: int = 1
     latent_norm: str = "auto"
+    shuffle_buffer: int = 1000
 
 
 @dataclass
