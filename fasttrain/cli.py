@@ -292,6 +292,8 @@ def _sample(args) -> int:
     b = _bundle(args)
     check_output(args.out, "--out", {"the run directory": str(resolve(args.ckpt).parent)}, exact=True)
     check_output(args.out, "--out", _reads(args, b))
+    if args.npz:  # a new file, or an earlier .npz of images, never a file the command reads
+        check_output_file(args.npz, "--npz", _reads(args, b), earlier_result=_is_image_npz)
     sc, classes = b.cfg.sample, b.spec.num_classes
     if classes:
         if args.label is not None and not 0 <= args.label < classes:
@@ -333,6 +335,16 @@ def _sample(args) -> int:
         print(f"rank {info.rank}: generated {made} of the {args.n} images", file=sys.stderr)
         shutdown(0)
     return 0
+
+
+def _is_image_npz(path: Path) -> bool:
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            return "arr_0.npy" in z.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return False
 
 
 def _earlier_samples(folder: str):
@@ -428,6 +440,8 @@ def _eval(args) -> int:
         check_output_file(args.out, "--out", reads, earlier_result=_is_evaluation)
     if args.samples:
         check_output(args.samples, "--samples", reads)
+    if args.ref_stats and not Path(args.ref_stats).is_file():  # written here: never among the inputs
+        check_output_file(args.ref_stats, "--ref-stats", reads)
     out = out_file(args.out) if args.out else None
     s = EvalSettings.from_config(b.cfg)
     s = replace(s, num_samples=args.n if args.n is not None else s.num_samples, steps=args.steps or s.steps,

@@ -123,7 +123,10 @@ def metrics(gen: dict[str, torch.Tensor], ref: ReferenceStats, ex: Extractor, pr
         k = kid_features_to_metric(gen[ex.layers["kid"]], kf, kid_subset_size=size, verbose=False)  # its defaults
         out["kid"], out["kid_std"] = k["kernel_inception_distance_mean"], k["kernel_inception_distance_std"]
     pf = ref.features.get(ex.layers["prc"])
-    if prc and pf is not None:
+    k = 3  # torch-fidelity's prc_neighborhood: the k-th nearest neighbour needs k + 1 samples per side
+    if prc and pf is not None and min(len(gen[ex.layers["prc"]]), len(pf)) <= k:
+        out["prc_error"] = f"precision/recall need more than {k} samples on each side"
+    elif prc and pf is not None:
         p = prc_features_to_metric(gen[ex.layers["prc"]], pf, save_cpu_ram=True, verbose=False)
         out["precision"], out["recall"] = p["precision"], p["recall"]
     return out

@@ -152,3 +152,20 @@ def test_an_exported_pipeline_given_one_generator_per_image_makes_the_sampled_im
     x = ModelBundle.load(run, device="cpu").generate(3, torch.arange(3), seed=7, steps=4, first_image=0)
     assert x.abs().max() > 0.1
     torch.testing.assert_close(got, (x * 0.5 + 0.5).clamp(0, 1), rtol=0, atol=1e-4)
+
+
+def test_outputs_never_overwrite_what_the_command_reads(run, tmp_path, capsys):
+    for argv, needle in ((["sample", "--ckpt", str(run), "--n", "2", "--out", str(tmp_path / "s"), "--npz",
+                           str(run / "last.pt")], "--npz"),
+                         (["eval", "--ckpt", str(run), "--n", "2", "--ref-stats", str(run / "last.pt")],
+                          "--ref-stats")):
+        capsys.readouterr()
+        assert main(argv) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and needle in err, err
+    assert torch.load(run / "last.pt", weights_only=False)["train"]["step"] == 2  # read, never written
+    # two samples: FID and KID, and a note instead of precision/recall (k-th neighbours need more)
+    assert main(["eval", "--ckpt", str(run), "--n", "2", "--steps", "2", "--no-bpd",
+                 "--out", str(tmp_path / "e.json")]) == 0
+    ev = json.loads((tmp_path / "e.json").read_text())
+    assert "fid" in ev and "kid" in ev and "precision" not in ev and "more than 3 samples" in ev["prc_error"]
