@@ -126,7 +126,11 @@ class Trainer:
                     "interference": self.interference, "scaler": self.scaler},
             rank_states={"rng": RankRNG(generators, tc.seed, self.state), "objective": self.objective})
         # the step's body for one micro-batch: eager, or replayed from one CUDA graph (graphs.py)
-        self.step_fn = graphs.step_function(partial(update, self.parts), self.parts, tc.cuda_graph,
+        graphed = tc.cuda_graph and not d.buckets  # a graph replays one shape; buckets change it batch by batch
+        if tc.cuda_graph and d.buckets and self.dist.is_main:
+            print("fasttrain: train.cuda_graph: keeping the eager step (data.buckets: batch shapes change)",
+                  file=sys.stderr)
+        self.step_fn = graphs.step_function(partial(update, self.parts), self.parts, graphed,
                                             device=self.device, grad_accum=tc.grad_accum, announce=self.dist.is_main)
         peak = dist_utils.device_peak_flops()
         self.flops_per_image = 3 * forward_flops(cfg.model.name, in_channels=self.spec.channels,
