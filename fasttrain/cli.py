@@ -1,11 +1,15 @@
 """`fasttrain` command line:
 
     fasttrain train [PRESET] [key=value ...] [--resume | --restart]
-    fasttrain sample --ckpt RUN --n 64 --steps 50 --out DIR
-    fasttrain eval --ckpt RUN [--n 500] [--ref FOLDER]
+    fasttrain sample --ckpt RUN --n 64 --steps 50 --out DIR [--npz FILE] [--chunk N]
+    fasttrain eval --ckpt RUN [--n 500] [--ref FOLDER] [--ref-stats FILE.npz] [--samples DIR]
     fasttrain report RUN
     fasttrain export RUN --to diffusers OUT
-    fasttrain data prepare ROOT [--vae FOLDER | --encoder module:function] [--latents-out DIR]
+    fasttrain data prepare ROOT [--vae FOLDER | --encoder module:function] [--latents-out DIR] [--pack]
+                                [--shards DIR]
+
+`sample` and `eval` also run under torchrun (`--num-samples` for `--n` there): the images split across
+ranks by index, resumable (generation.py).
 
 `sample`, `eval` and `report` read a model bundle from the checkpoint alone (bundle.py): they need
 neither the training data nor a process group. Every user error ends in one line on stderr.
@@ -107,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--eta", type=_finite("--eta"), default=None, help="DDIM eta")
     sm.add_argument("--guidance", type=_finite("--guidance"), default=None, help="classifier-free guidance scale")
     sm.add_argument("--label", type=int, default=None, help="generate only this class (conditional runs)")
-    sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--seed", type=int, default=0, help="image i draws its noise from the seed + i (EDM2's rule)")
     sm.add_argument("--raw", action="store_true", help="use the raw weights instead of the EMA")
     sm.add_argument("--out", required=True, help="output directory: grid.png and one PNG per sample")
     sm.add_argument("--vae", default=None, help="latent runs: decode with this VAE folder (default: the recorded one)")
