@@ -168,6 +168,11 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--shards", default=None, help="also write the folder's images as WebDataset tar shards "
                     "(+ index) into this folder, for data.name=shards (data/shards.py)")
     pr.add_argument("--shard-size", type=_positive("--shard-size"), default=1000, help="samples per shard")
+    pr.add_argument("--buckets", action="store_true", help="with --vae: encode each image at its aspect-ratio "
+                    "bucket's size (around --image-size), one packed array per bucket, for data.name=bucket_latents")
+    pr.add_argument("--min-bucket-reso", type=_positive("--min-bucket-reso"), default=256)
+    pr.add_argument("--max-bucket-reso", type=_positive("--max-bucket-reso"), default=1024)
+    pr.add_argument("--bucket-reso-steps", type=_positive("--bucket-reso-steps"), default=64)
     pr.add_argument("--pack", action="store_true", help="also pack the .npy latents (ROOT's, or the encoded ones) "
                     "into one memory-mapped array + index, for data.name=packed (data/packed.py)")
     return p
@@ -589,6 +594,8 @@ def _data(args) -> int:
 
     if args.vae and args.encoder:
         raise InvalidInput("--vae and --encoder exclude each other")
+    if args.buckets and not args.vae:
+        raise InvalidInput("--buckets encodes VAE latents per aspect-ratio bucket: give --vae")
     if args.vae:  # a missing VAE or extra before the folder is checked
         from . import optional
         from .data.encode import default_out
@@ -611,6 +618,16 @@ def _data(args) -> int:
     print(f"{res['num_files']} readable files, {len(res['classes'])} classes, sizes {res['sizes']}")
     for rel, reason in res["bad"]:
         print(f"skipped {rel}: {reason}")
+    if args.vae and args.buckets:
+        from .data.bucket_latents import encode_buckets
+
+        settings = {"base": args.image_size, "min": args.min_bucket_reso, "max": args.max_bucket_reso,
+                    "steps": args.bucket_reso_steps}
+        index = encode_buckets(json.loads(Path(res["manifest"]).read_text()), args.latents_out, args.vae,
+                               args.vae_subfolder, settings, args.batch_size)
+        print(f"encoded {index['count']} images into {len(index['buckets'])} bucket arrays in {args.latents_out} "
+              f"(data.name=bucket_latents data.root={args.latents_out})")
+        return 0
     if args.vae:
         res.update(_encode_with_vae(args, res["manifest"]))
     print(f"wrote {res['manifest']}" + (f" and {res['latents_manifest']}" if "latents_manifest" in res else ""))

@@ -170,19 +170,19 @@ class _BatchOrder(Sampler):
 
 
 class BucketStream(Position):
-    """Batches (x [B, C, h, w] of one bucket, labels) of an image folder, through a DataLoader."""
+    """Batches (x [B, C, h, w] of one bucket, labels) through a DataLoader: `dataset[(row, mirror, crop_x,
+    crop_y)]` is item `row` of `table` (an image folder's BucketImages, or bucket_latents.py's arrays)."""
 
-    def __init__(self, root: str, files: list, table: dict, batch_size: int, seed: int, channels: int = 3,
-                 device="cpu", num_workers: int = 0, rank: int = 0, world_size: int = 1, flip: bool = True,
-                 random_crop: bool = False):
+    def __init__(self, dataset, table: dict, batch_size: int, seed: int, device="cpu", num_workers: int = 0,
+                 rank: int = 0, world_size: int = 1, flip: bool = True, random_crop: bool = False, where: str = ""):
         self.table, self.batch_size, self.seed, self.device = table, batch_size, seed, torch.device(device)
         self.rank, self.world_size, self.flip, self.random_crop = rank, world_size, flip, random_crop
         self.num_workers, self.epoch, self.pos = num_workers, 0, 0
         self.per_rank = len(epoch_batches(table, batch_size, seed, 0)) // world_size
         if self.per_rank < 1:
-            raise DataError(f"data.batch_size {batch_size} leaves {root} no batch per rank over {world_size} "
+            raise DataError(f"data.batch_size {batch_size} leaves {where} no batch per rank over {world_size} "
                             f"rank(s): its buckets hold {_counts(table)} images")
-        self.dataset = BucketImages(root, files, table, channels)
+        self.dataset = dataset
         self._it = None
 
     def __iter__(self):
@@ -221,5 +221,5 @@ def build(a, files: list, settings: dict) -> BucketStream:
     if not table["items"]:
         raise DataError(f"data.root {a.root}: every image is smaller than every bucket")
     say(f"fasttrain: buckets: {_counts(table)}")
-    return BucketStream(a.root, files, table, a.batch_size, a.seed, a.channels, a.device, a.num_workers, a.rank,
-                        a.world_size, a.flip, a.crop == "random")
+    return BucketStream(BucketImages(a.root, files, table, a.channels), table, a.batch_size, a.seed, a.device,
+                        a.num_workers, a.rank, a.world_size, a.flip, a.crop == "random", where=a.root)

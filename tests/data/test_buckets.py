@@ -1,7 +1,10 @@
 """Aspect-ratio buckets (data/buckets.py): sd-scripts' resolutions and selection, one bucket per batch,
 the recorded table, a batch order that ranks split alike and that resumes exactly, too-small images left
-out in one line, and training (UNet and DiT) on buckets that resumes exactly."""
+out in one line, training (UNet and DiT) on buckets that resumes exactly, and VAE latents cached per
+bucket (data/bucket_latents.py)."""
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -108,3 +111,36 @@ def test_buckets_refused_where_they_do_not_apply(tmp_path, capsys):
     assert main(["train", f"run_dir={tmp_path / 'r'}", "data.root=/nonexistent"] + BUCKETS[:5]
                 + ["data.bucket_reso_steps=0"]) == 2
     assert "data.bucket_reso_steps" in capsys.readouterr().err
+
+
+def test_vae_latents_cached_per_bucket_train_one_bucket_per_batch(folder, tmp_path, capsys):
+    pytest.importorskip("diffusers")
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from diffusers_fixtures import save_tiny_vae
+
+    from fasttrain.bundle import ModelBundle
+    from fasttrain.data.bucket_latents import INDEX
+
+    vae, lat = save_tiny_vae(tmp_path / "vae"), tmp_path / "lat"  # 16×16 images ↔ 4×8×8 latents (f = 2)
+    assert main(["data", "prepare", str(folder), "--vae", str(vae), "--latents-out", str(lat), "--buckets",
+                 "--image-size", "16", "--min-bucket-reso", "8", "--max-bucket-reso", "32", "--bucket-reso-steps", "8",
+                 "--batch-size", "4"]) == 0
+    index = json.loads((lat / INDEX).read_text())
+    shapes = {tuple(b["reso"]): tuple(np.load(lat / b["file"], mmap_mode="r").shape) for b in index["buckets"]}
+    assert shapes == {(16, 16): (10, 8, 8, 8), (24, 8): (4, 8, 4, 12), (8, 24): (8, 8, 12, 4)}  # [n, 2C, h/2, w/2]
+    assert index["count"] == 22 and index["latents"]["posterior"] == "mean_std"
+    assert any("smaller than every bucket" in why for _, why in index["latents"]["skipped_images"])
+    s, info = build_data("bucket_latents", batch_size=2, root=str(lat), seed=1)
+    seen = {tuple(next(s)[0].shape[1:]) for _ in range(10)}
+    assert seen == {(4, 8, 8), (4, 4, 12), (4, 12, 4)} and info.image_size == 8 and info.channels == 4
+    run = tmp_path / "run"
+    assert main(["train", f"run_dir={run}", "data.name=bucket_latents", f"data.root={lat}", "data.batch_size=2",
+                 "model.args.ch=8", "train.steps=3", "train.progress=false", "sample.num=2", "sample.steps=2",
+                 "eval.num_samples=0", "eval.bpd=false", "train.threads=1"]) == 0
+    spec = ModelBundle.load(run, device="cpu").spec
+    assert spec.shape == (4, 8, 8) and spec.latents["norm"] == "vae" and spec.latents["posterior"]
+    assert main(["sample", "--ckpt", str(run), "--n", "2", "--steps", "2", "--out", str(tmp_path / "s")]) == 0
+    assert Image.open(tmp_path / "s" / "00001.png").size == (16, 16)  # decoded at the square base
+    capsys.readouterr()
+    assert main(["data", "prepare", str(folder), "--buckets"]) == 1
+    assert "--buckets encodes VAE latents" in capsys.readouterr().err
