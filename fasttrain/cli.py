@@ -461,8 +461,13 @@ def _eval(args) -> int:
     if s.num_samples and (b.spec.is_images or b.decodes) and extractor != "none":
         reference, res = None, {}
         if info.is_main:  # the reference once, on rank 0 (the others wait for its verdict)
-            reference, res = _reference_stats(args, b, s, extractor)
-        res = all_gather_objects(res if "fidelity_error" in res else {})[0]
+            try:
+                reference, res = _reference_stats(args, b, s, extractor)
+            except UserError as e:  # e.g. an unreadable --ref-stats: every rank stops with its line
+                res = {"user_error": _first_line(e)}
+        res = all_gather_objects({k: v for k, v in res.items() if k in ("fidelity_error", "user_error")})[0]
+        if "user_error" in res:
+            raise InvalidInput(res["user_error"])
         metrics.update(res)
         if "fidelity_error" not in metrics:
             metrics.update(_fidelity_across_ranks(args, b, s, extractor, reference, info))
