@@ -28,7 +28,7 @@ prepare_openmp()  # before anything imports torch (cpu.py): idle OpenMP threads 
 
 from .config import keys, presets  # noqa: E402
 from .errors import ConfigError, InvalidInput, UserError  # noqa: E402
-from .paths import check_output, check_output_file  # noqa: E402
+from .paths import check_output  # noqa: E402
 
 # What the user can fix is a UserError (errors.py), printed as one line; anything else keeps its
 # traceback (FASTTRAIN_DEBUG=1 keeps it for these too). Paths the user named that cannot be written
@@ -289,119 +289,9 @@ def _print_eval(ev: dict) -> None:
 
 
 def _sample(args) -> int:
-    from . import generation as gen
-    from .checkpoint import resolve
-    from .diffusion.solvers import SOLVERS, check_options
-    from .distributed import init, shutdown
+    from .cli_generate import sample
 
-    out = out_dir(args.out, create=False)  # checked now, created once the overlap checks passed
-    if args.npz:
-        out_file(args.npz, "--npz", create=False)
-    info = init()  # under torchrun: one process group, the images split by index (generation.py)
-    b = _bundle(args)
-    check_output(args.out, "--out", {"the run directory": str(resolve(args.ckpt).parent)}, exact=True)
-    check_output(args.out, "--out", _reads(args, b))
-    if args.npz:  # a new file, or an earlier .npz of images, never a file the command reads
-        check_output_file(args.npz, "--npz", _reads(args, b), earlier_result=_is_image_npz)
-    sc, classes = b.cfg.sample, b.spec.num_classes
-    if classes:
-        if args.label is not None and not 0 <= args.label < classes:
-            raise InvalidInput(f"--label must lie in [0, {classes}), got {args.label}")
-    elif args.label is not None:
-        raise InvalidInput("--label: this model is unconditional")
-    solver = args.solver or sc.solver
-    eta = args.eta if args.eta is not None else (sc.eta if "eta" in SOLVERS.args(solver) else None)
-    try:  # the same check as the config's sample.* keys
-        check_options(solver, b.schedule, eta=eta)
-    except InvalidInput as e:
-        raise InvalidInput(f"--eta/--solver: {e}") from None
-    pngs = b.decodes or bool(b.spec.image_size and not b.spec.traits.latents)  # images: one PNG each
-    if args.npz and not pngs:
-        raise InvalidInput("--npz: this model does not make images (the .npz holds uint8 images)")
-    s = gen.SampleSettings(args.n, args.seed, args.steps or sc.steps, solver, args.spacing or sc.spacing, eta,
-                           sc.guidance if args.guidance is None else args.guidance, args.label, not args.raw,
-                           args.chunk)
-    done = gen.claim(out, gen.record_of(s, b, {"command": "sample"}), holds=_earlier_samples(args.out))
-
-    def keep(x, lo, item):  # one chunk: its PNGs now (written before the chunk file marks it done)
-        kept = {}
-        if b.decodes:  # VAE latents: the images they decode into (the latents themselves kept too)
-            kept["x"] = x.cpu()
-            x = b.decode(x)
-        if not pngs:
-            return {"x": x.cpu()}
-        kept["images"] = gen.to_uint8(x)
-        for j, img in enumerate(kept["images"].numpy()):
-            _png(img, out / f"{lo + j:05d}.png")
-        return kept
-
-    made = gen.generate_set(b, s, out, keep, progress=info.is_main)
-    if info.is_main:
-        _assemble_samples(b, s, out, pngs, args.npz)
-        again = f" ({done} chunks of {args.chunk} were there already)" if done else ""
-        print(f"wrote {args.n} samples to {out}{again}" + (f" and {args.npz}" if args.npz else ""))
-    if info.world_size > 1:
-        print(f"rank {info.rank}: generated {made} of the {args.n} images", file=sys.stderr)
-        shutdown(0)
-    return 0
-
-
-def _is_image_npz(path: Path) -> bool:
-    import zipfile
-
-    try:
-        with zipfile.ZipFile(path) as z:
-            return "arr_0.npy" in z.namelist()
-    except (zipfile.BadZipFile, OSError):
-        return False
-
-
-def _earlier_samples(folder: str):
-    def holds(out: Path) -> str | None:
-        earlier = sorted(out.glob("[0-9][0-9][0-9][0-9][0-9].png")) + sorted(out.glob("samples.pt"))
-        if earlier:  # new samples among old ones would mix two runs (and a smaller --n would leave stale files)
-            return f"--out {folder} already holds samples ({earlier[0].name}, {len(earlier)} files)"
-        return None
-
-    return holds
-
-
-def _png(img, path: Path) -> None:
-    from PIL import Image
-
-    Image.fromarray(img).save(path)
-
-
-def _assemble_samples(b, s, out: Path, pngs: bool, npz: str | None) -> None:
-    """Rank 0, once every chunk is on disk: the grid (up to 256 samples), samples.pt (latents, points)
-    and the ADM-layout .npz."""
-    import torch
-
-    from . import generation as gen
-    from . import plots
-    from .evaluate import reference_for
-
-    store, lat, imgs = gen.ChunkStore(out), [], []
-    for item in store.read_all(s.n, s.chunk):
-        if "x" in item:
-            lat.append(item["x"])
-        if pngs and sum(len(i) for i in imgs) < 256:
-            imgs.append(item["images"])
-    spec = b.spec
-    if pngs:
-        x = torch.cat(imgs)[:256].permute(0, 3, 1, 2).float() / 127.5 - 1
-        if b.spec.channels == 1 and not b.decodes:
-            x = x[:, :1]
-        spec = b.image_spec(x) if b.decodes else spec
-    else:
-        x = torch.cat(lat)
-    ref = None if spec.image_size else reference_for(b.cfg, spec).train
-    plots.save_samples(out / "grid.png", x, spec, reference=ref)
-    if lat:
-        torch.save(torch.cat(lat), out / "samples.pt")
-    if npz:
-        h, w = x.shape[-2:]
-        gen.write_adm_npz(out_file(npz, "--npz"), store.read_all(s.n, s.chunk), s.n, (h, w, 3), spec.num_classes)
+    return sample(args)
 
 
 def _reads(args, b) -> dict:
@@ -428,136 +318,9 @@ def _bundle(args):
 
 
 def _eval(args) -> int:
-    import json
-    from dataclasses import replace
+    from .cli_generate import evaluate
 
-    from .checkpoint import resolve
-    from .distributed import all_gather_objects, init, shutdown
-    from .evaluate import EvalSettings, reference_for, resolve_extractor, run_evaluation
-
-    if args.out:
-        out_file(args.out, create=False)
-    if args.ref is not None and not Path(args.ref).is_dir():
-        raise InvalidInput(f"--ref {args.ref} is not a folder")
-    if args.ref_stats is not None:
-        out_file(args.ref_stats, "--ref-stats", create=False)
-    info = init()  # under torchrun: the generated images split across ranks by index (generation.py)
-    b = _bundle(args)
-    reads = _reads(args, b)
-    reads["the reference folder"] = args.ref
-    if args.out:  # an earlier evaluation may be replaced, nothing else (a checkpoint, the config, the data)
-        check_output_file(args.out, "--out", reads, earlier_result=_is_evaluation)
-    if args.samples:
-        check_output(args.samples, "--samples", reads)
-    if args.ref_stats and not Path(args.ref_stats).is_file():  # written here: never among the inputs
-        check_output_file(args.ref_stats, "--ref-stats", reads)
-    out = out_file(args.out) if args.out else None
-    s = EvalSettings.from_config(b.cfg)
-    s = replace(s, num_samples=args.n if args.n is not None else s.num_samples, steps=args.steps or s.steps,
-                extractor=args.extractor or s.extractor, weights_path=args.weights or s.weights_path,
-                bpd=not args.no_bpd, bpd_samples=s.bpd_samples or 400)
-    extractor = resolve_extractor(s.extractor, b.spec)
-    metrics = {"step": b.step}
-    if s.num_samples and (b.spec.is_images or b.decodes) and extractor != "none":
-        reference, res = None, {}
-        if info.is_main:  # the reference once, on rank 0 (the others wait for its verdict)
-            try:
-                reference, res = _reference_stats(args, b, s, extractor)
-            except UserError as e:  # e.g. an unreadable --ref-stats: every rank stops with its line
-                res = {"user_error": _first_line(e)}
-        res = all_gather_objects({k: v for k, v in res.items() if k in ("fidelity_error", "user_error")})[0]
-        if "user_error" in res:
-            raise InvalidInput(res["user_error"])
-        metrics.update(res)
-        if "fidelity_error" not in metrics:
-            metrics.update(_fidelity_across_ranks(args, b, s, extractor, reference, info))
-        if info.is_main:  # bits/dim (rank 0): the rest of run_evaluation without its single-process FID
-            reference = reference or reference_for(b.cfg, b.spec, args.ref)
-            metrics.update(run_evaluation(b, replace(s, num_samples=0), reference))
-    elif info.is_main:
-        metrics.update(run_evaluation(b, s, reference_for(b.cfg, b.spec, args.ref)))
-    code = 0
-    if info.is_main:
-        path = out or resolve(args.ckpt).parent / "eval.json"  # beside the checkpoint: the run directory
-        path.write_text(json.dumps(metrics, indent=2))
-        print(json.dumps(metrics, indent=2))
-        if "fidelity_error" in metrics:  # asked for, not computed: the command failed (training only notes it)
-            print(f"fasttrain: error: no FID: {metrics['fidelity_error']}", file=sys.stderr)
-            code = 1
-    if info.world_size > 1:
-        shutdown(all_gather_objects(code)[0])
-    return code
-
-
-def _reference_stats(args, b, s, extractor):
-    """(the reference data or None, {} or {"fidelity_error": ...}); the statistics read from --ref-stats
-    when it exists, else computed from the reference data (and written to --ref-stats when given).
-    Rank 0; kept on `args` for the fidelity step."""
-    from .evaluate import reference_for
-    from .feature_stats import Extractor, ReferenceStats
-
-    try:
-        ex = Extractor(extractor, s.weights_path)
-    except UserError:
-        raise
-    except Exception as e:  # e.g. Inception weights that cannot be downloaded: before any image is generated
-        return None, {"fidelity_error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
-    args._extractor = ex
-    if args.ref_stats and Path(args.ref_stats).is_file():
-        args._ref_stats = ReferenceStats.load(args.ref_stats, ex.name)
-        return None, {}
-    reference = reference_for(b.cfg, b.spec, args.ref, n=args.ref_n)
-    if reference.train is None:
-        return reference, {"fidelity_error": f"no reference images: {reference.source}"}
-    from .generation import to_uint8
-
-    feats = ex(to_uint8(reference.train))
-    args._ref_stats = ReferenceStats.from_features(feats, ex, reference.source)
-    if args.ref_stats:
-        args._ref_stats.save(out_file(args.ref_stats, "--ref-stats"))
-        print(f"wrote the reference statistics of {len(reference.train)} images to {args.ref_stats}", file=sys.stderr)
-    return reference, {}
-
-
-def _fidelity_across_ranks(args, b, s, extractor, reference, info) -> dict:
-    """Generate the evaluation set split across ranks (generation.py), each rank computing the features of
-    its chunks; rank 0 gathers them (the chunk files) and scores them against the reference statistics."""
-    import hashlib
-    import json
-
-    import torch
-
-    from . import generation as gen
-    from .checkpoint import resolve
-    from .feature_stats import Extractor, metrics
-
-    ex = getattr(args, "_extractor", None) or Extractor(extractor, s.weights_path)
-    settings = gen.SampleSettings(s.num_samples, s.seed, s.steps, s.solver, b.cfg.sample.spacing, chunk=args.chunk)
-    record = gen.record_of(settings, b, {"command": "eval", "extractor": extractor, "weights": s.weights_path,
-                                         "checkpoint": str(resolve(args.ckpt))})
-    key = hashlib.sha1(json.dumps(record, sort_keys=True).encode()).hexdigest()[:12]
-    folder = Path(args.samples) if args.samples else resolve(args.ckpt).parent / "eval-samples" / key
-    done = gen.claim(folder, record)
-    digits = extractor == "fasttrain-digits"
-
-    def keep(x, lo, item):
-        u = gen.to_uint8(b.decode(x) if b.decodes else x)
-        return {"features": ex(u), **({"images": u} if digits else {})}  # digits: small, for the judge
-
-    gen.generate_set(b, settings, folder, keep, progress=info.is_main)
-    if not info.is_main:
-        return {}
-    items = list(gen.ChunkStore(folder).read_all(settings.n, settings.chunk))
-    feats = {k: torch.cat([it["features"][k] for it in items]) for k in items[0]["features"]}
-    out = metrics(feats, args._ref_stats, ex)
-    out["samples"] = str(folder) + (f" ({done} chunks reused)" if done else "")
-    if digits:
-        from .features import judge
-
-        x = torch.cat([it["images"] for it in items]).permute(0, 3, 1, 2).float() / 127.5 - 1
-        labels = torch.cat([it["labels"] for it in items]) if b.spec.num_classes else None
-        out.update({f"digits_{k}": v for k, v in judge(x, labels).items()})
-    return out
+    return evaluate(args)
 
 
 def _is_evaluation(path: Path) -> bool:
