@@ -46,10 +46,13 @@ DALI = ["nvidia-dali-cuda130>=2.0"]  # CPU pipelines work without a GPU (device_
 # VAE latents, diffusers backbones, export to a diffusers pipeline (fasttrain/vae.py, export.py,
 # models/diffusers_backbone.py); imported lazily: `import diffusers` costs seconds
 DIFFUSERS = ["diffusers>=0.42,<0.43", "huggingface-hub>=1.32", "safetensors>=0.8"]
+# WebDataset tar shards (fasttrain/data/shards.py: data.name=shards, data prepare --shards)
+WEBDATASET = ["webdataset>=1.0,<1.1"]
 EXTRAS = {
     "dali": DALI,
     "diffusers": DIFFUSERS,
-    "dev": ["pytest>=8", "pytest-benchmark>=4", "pytest-xdist>=3", "ruff>=0.17"] + DALI + DIFFUSERS,
+    "webdataset": WEBDATASET,
+    "dev": ["pytest>=8", "pytest-benchmark>=4", "pytest-xdist>=3", "ruff>=0.17"] + DALI + DIFFUSERS + WEBDATASET,
 }
 
 

@@ -233,11 +233,15 @@ class ModelBundle:
     @torch.no_grad()
     def generate(self, n: int, labels: torch.Tensor | None = None, *, seed: int = 0, steps: int = 50,
                  solver: str = "ddim", guidance: float = 1.0, ema: bool = True, progress: bool = False,
-                 eta: float | None = None, chunk: int = 1024, spacing: str | None = None) -> torch.Tensor:
+                 eta: float | None = None, chunk: int = 1024, spacing: str | None = None,
+                 first_image: int | None = None) -> torch.Tensor:
         """n samples in chunks of bounded memory, on the step spacing `spacing` (default: the run's
         sample.spacing). Chunk 0 draws its noise from torch.Generator().manual_seed(seed), as a diffusers
         pipeline given that generator does (solvers.randn), chunk i > 0 from seeds.derive(seed, "eval", i):
-        the results do not depend on n or on the device.
+        the results do not depend on n or on the device. With `first_image` = j, sample k is image j + k
+        of a larger set and draws all its noise from its own generator, torch.Generator().manual_seed(seed +
+        j + k), as EDM2's generate_images.py seeds image i with seed i (generation.py: a set split across
+        ranks by image index; a diffusers pipeline given the list of those generators makes the same images).
         Under FSDP every rank must call this in lockstep (forwards gather weights)."""
         if n < 1:
             raise InvalidInput(f"the number of samples must be >= 1, got {n}")
@@ -251,7 +255,10 @@ class ModelBundle:
             for i, lo in enumerate(range(0, n, chunk)):
                 m = min(chunk, n - lo)
                 lab = None if labels is None else labels[lo:lo + m].to(self.device)
-                g = torch.Generator().manual_seed(seed if i == 0 else seeds.derive(seed, "eval", i))
+                if first_image is None:
+                    g = torch.Generator().manual_seed(seed if i == 0 else seeds.derive(seed, "eval", i))
+                else:
+                    g = [torch.Generator().manual_seed(seed + first_image + lo + k) for k in range(m)]
                 outs.append(run_solver(self.solver_fn(lab, guidance, clip), self.schedule, (m,) + self.spec.shape,
                                        solver=solver, steps=min(steps, self.schedule.T), generator=g,
                                        device=self.device, progress=progress,

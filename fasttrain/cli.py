@@ -1,11 +1,15 @@
 """`fasttrain` command line:
 
     fasttrain train [PRESET] [key=value ...] [--resume | --restart]
-    fasttrain sample --ckpt RUN --n 64 --steps 50 --out DIR
-    fasttrain eval --ckpt RUN [--n 500] [--ref FOLDER]
+    fasttrain sample --ckpt RUN --n 64 --steps 50 --out DIR [--npz FILE] [--chunk N]
+    fasttrain eval --ckpt RUN [--n 500] [--ref FOLDER] [--ref-stats FILE.npz] [--samples DIR]
     fasttrain report RUN
     fasttrain export RUN --to diffusers OUT
-    fasttrain data prepare ROOT [--vae FOLDER | --encoder module:function] [--latents-out DIR]
+    fasttrain data prepare ROOT [--vae FOLDER | --encoder module:function] [--latents-out DIR] [--pack]
+                                [--shards DIR]
+
+`sample` and `eval` also run under torchrun (`--num-samples` for `--n` there): the images split across
+ranks by index, resumable (generation.py).
 
 `sample`, `eval` and `report` read a model bundle from the checkpoint alone (bundle.py): they need
 neither the training data nor a process group. Every user error ends in one line on stderr.
@@ -24,7 +28,7 @@ prepare_openmp()  # before anything imports torch (cpu.py): idle OpenMP threads 
 
 from .config import keys, presets  # noqa: E402
 from .errors import ConfigError, InvalidInput, UserError  # noqa: E402
-from .paths import check_output, check_output_file  # noqa: E402
+from .paths import check_output  # noqa: E402
 
 # What the user can fix is a UserError (errors.py), printed as one line; anything else keeps its
 # traceback (FASTTRAIN_DEBUG=1 keeps it for these too). Paths the user named that cannot be written
@@ -96,7 +100,9 @@ def _parser() -> argparse.ArgumentParser:
 
     sm = sub.add_parser("sample", help="generate images from a checkpoint (EMA weights by default)")
     sm.add_argument("--ckpt", required=True, help="run directory, checkpoint file or DCP folder")
-    sm.add_argument("--n", type=_positive("--n"), default=64, help="number of samples")
+    # --num-samples: torchrun's own parser reads a bare --n as an abbreviation of its --nnodes/--nproc-per-node
+    sm.add_argument("--n", "--num-samples", dest="n", type=_positive("--n"), default=64,
+                    help="number of samples (under torchrun: --num-samples)")
     sm.add_argument("--steps", type=_positive("--steps"), default=None, help="solver steps (default: the run's)")
     sm.add_argument("--solver", choices=SOLVERS.names(), default=None, help="generation solver (default: the run's)")
     sm.add_argument("--spacing", choices=SPACINGS, default=None,
@@ -105,20 +111,33 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--eta", type=_finite("--eta"), default=None, help="DDIM eta")
     sm.add_argument("--guidance", type=_finite("--guidance"), default=None, help="classifier-free guidance scale")
     sm.add_argument("--label", type=int, default=None, help="generate only this class (conditional runs)")
-    sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--seed", type=int, default=0, help="image i draws its noise from the seed + i (EDM2's rule)")
     sm.add_argument("--raw", action="store_true", help="use the raw weights instead of the EMA")
     sm.add_argument("--out", required=True, help="output directory: grid.png and one PNG per sample")
     sm.add_argument("--vae", default=None, help="latent runs: decode with this VAE folder (default: the recorded one)")
+    sm.add_argument("--npz", default=None, help="also write the images as one .npz in the layout of ADM's evaluation "
+                    "suite (arr_0 uint8 NHWC; arr_1 the labels of a conditional model)")
+    sm.add_argument("--chunk", type=_positive("--chunk"), default=64,
+                    help="images per batch and per resumable chunk (under torchrun chunks go round-robin to ranks)")
 
     ev = sub.add_parser("eval", help="FID/KID/precision/recall and bits/dim of a checkpoint")
     ev.add_argument("--ckpt", required=True, help="run directory, checkpoint file or DCP folder")
-    ev.add_argument("--n", type=_positive("--n"), default=None, help="generated samples (default: the run's)")
+    ev.add_argument("--n", "--num-samples", dest="n", type=_positive("--n"), default=None,
+                    help="generated samples (default: the run's; under torchrun: --num-samples)")
     ev.add_argument("--steps", type=_positive("--steps"), default=None, help="solver steps")
     ev.add_argument("--extractor", choices=EXTRACTORS, default=None, help="FID feature extractor")
     ev.add_argument("--weights", default=None, help="local Inception weights (offline machines)")
     ev.add_argument("--ref", default=None,
                     help="reference folder (images or .npy latents) for runs trained on a folder")
     ev.add_argument("--no-bpd", action="store_true", help="skip the bits/dim estimate")
+    ev.add_argument("--ref-stats", default=None, help="reference statistics .npz (mu, sigma; ADM's reference batches "
+                    "work): read when it exists, else computed from the reference data once and written there")
+    ev.add_argument("--ref-n", type=_positive("--ref-n"), default=5000,
+                    help="reference images the statistics are computed from")
+    ev.add_argument("--samples", default=None, help="folder for the generated set's resumable chunks (default "
+                    "RUN/eval-samples/<settings hash>)")
+    ev.add_argument("--chunk", type=_positive("--chunk"), default=64,
+                    help="images per batch and per resumable chunk (under torchrun chunks go round-robin to ranks)")
     ev.add_argument("--out", default=None, help="JSON file (default: RUN/eval.json)")
     ev.add_argument("--vae", default=None, help="latent runs: decode with this VAE folder (default: the recorded one)")
 
@@ -146,6 +165,16 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--latents-out", default=None, help="folder for the encoded .npy latents (--vae: ROOT-latents)")
     pr.add_argument("--image-size", type=_positive("--image-size"), default=256, help="image side fed to the encoder")
     pr.add_argument("--batch-size", type=_positive("--batch-size"), default=64, help="encoder batch size")
+    pr.add_argument("--shards", default=None, help="also write the folder's images as WebDataset tar shards "
+                    "(+ index) into this folder, for data.name=shards (data/shards.py)")
+    pr.add_argument("--shard-size", type=_positive("--shard-size"), default=1000, help="samples per shard")
+    pr.add_argument("--buckets", action="store_true", help="with --vae: encode each image at its aspect-ratio "
+                    "bucket's size (around --image-size), one packed array per bucket, for data.name=bucket_latents")
+    pr.add_argument("--min-bucket-reso", type=_positive("--min-bucket-reso"), default=256)
+    pr.add_argument("--max-bucket-reso", type=_positive("--max-bucket-reso"), default=1024)
+    pr.add_argument("--bucket-reso-steps", type=_positive("--bucket-reso-steps"), default=64)
+    pr.add_argument("--pack", action="store_true", help="also pack the .npy latents (ROOT's, or the encoded ones) "
+                    "into one memory-mapped array + index, for data.name=packed (data/packed.py)")
     return p
 
 
@@ -260,54 +289,9 @@ def _print_eval(ev: dict) -> None:
 
 
 def _sample(args) -> int:
-    import torch
-    from torchvision.utils import save_image
+    from .cli_generate import sample
 
-    from . import plots
-    from .checkpoint import resolve
-    from .diffusion.solvers import SOLVERS, check_options
-    from .evaluate import reference_for
-
-    out = out_dir(args.out, create=False)  # checked now, created once the overlap checks passed
-    earlier = sorted(out.glob("[0-9][0-9][0-9][0-9][0-9].png")) + sorted(out.glob("samples.pt"))
-    if earlier:  # new samples among old ones would mix two runs (and a smaller --n would leave stale files)
-        raise InvalidInput(f"--out {args.out} already holds samples ({earlier[0].name}, {len(earlier)} files): choose "
-                         f"an empty folder (nothing was overwritten)")
-    b = _bundle(args)
-    check_output(args.out, "--out", {"the run directory": str(resolve(args.ckpt).parent)}, exact=True)
-    check_output(args.out, "--out", _reads(args, b))
-    out = out_dir(args.out)
-    sc, classes = b.cfg.sample, b.spec.num_classes
-    labels = None
-    if classes:
-        if args.label is not None and not 0 <= args.label < classes:
-            raise InvalidInput(f"--label must lie in [0, {classes}), got {args.label}")
-        labels = (torch.full((args.n,), args.label) if args.label is not None else torch.arange(args.n) % classes)
-    elif args.label is not None:
-        raise InvalidInput("--label: this model is unconditional")
-    solver = args.solver or sc.solver
-    eta = args.eta if args.eta is not None else (sc.eta if "eta" in SOLVERS.args(solver) else None)
-    try:  # the same check as the config's sample.* keys
-        check_options(solver, b.schedule, eta=eta)
-    except InvalidInput as e:
-        raise InvalidInput(f"--eta/--solver: {e}") from None
-    x = b.generate(args.n, labels, seed=args.seed, steps=args.steps or sc.steps, solver=solver,
-                   guidance=sc.guidance if args.guidance is None else args.guidance, ema=not args.raw, eta=eta,
-                   progress=True, spacing=args.spacing)
-    spec = b.spec
-    if b.decodes:  # VAE latents: the images they decode into (the latents themselves beside them)
-        torch.save(x.cpu(), out / "samples.pt")
-        x = b.decode(x)
-        spec = b.image_spec(x)
-    ref = None if spec.image_size else reference_for(b.cfg, spec).train
-    plots.save_samples(out / "grid.png", x, spec, reference=ref)
-    if spec.image_size and not spec.traits.latents:
-        for i, img in enumerate(x):
-            save_image(img * 0.5 + 0.5, out / f"{i:05d}.png")
-    else:
-        torch.save(x.cpu(), out / "samples.pt")
-    print(f"wrote {args.n} samples to {out}")
-    return 0
+    return sample(args)
 
 
 def _reads(args, b) -> dict:
@@ -334,34 +318,9 @@ def _bundle(args):
 
 
 def _eval(args) -> int:
-    import json
-    from dataclasses import replace
+    from .cli_generate import evaluate
 
-    from .checkpoint import resolve
-    from .evaluate import EvalSettings, reference_for, run_evaluation
-
-    if args.out:
-        out_file(args.out, create=False)
-    b = _bundle(args)
-    if args.out:  # an earlier evaluation may be replaced, nothing else (a checkpoint, the config, the data)
-        reads = _reads(args, b)
-        reads["the reference folder"] = args.ref
-        check_output_file(args.out, "--out", reads, earlier_result=_is_evaluation)
-    out = out_file(args.out) if args.out else None
-    s = EvalSettings.from_config(b.cfg)
-    s = replace(s, num_samples=args.n if args.n is not None else s.num_samples, steps=args.steps or s.steps,
-                extractor=args.extractor or s.extractor, weights_path=args.weights or s.weights_path,
-                bpd=not args.no_bpd, bpd_samples=s.bpd_samples or 400)
-    if args.ref is not None and not Path(args.ref).is_dir():
-        raise InvalidInput(f"--ref {args.ref} is not a folder")
-    metrics = {"step": b.step, **run_evaluation(b, s, reference_for(b.cfg, b.spec, args.ref))}
-    path = out or resolve(args.ckpt).parent / "eval.json"  # beside the checkpoint: the run directory
-    path.write_text(json.dumps(metrics, indent=2))
-    print(json.dumps(metrics, indent=2))
-    if "fidelity_error" in metrics:  # asked for, not computed: the command failed (training only notes it)
-        print(f"fasttrain: error: no FID: {metrics['fidelity_error']}", file=sys.stderr)
-        return 1
-    return 0
+    return evaluate(args)
 
 
 def _is_evaluation(path: Path) -> bool:
@@ -397,10 +356,14 @@ def _data(args) -> int:
     if args.data_command != "prepare":
         _parser().parse_args(["data", "--help"])
         return 2
+    import json
+
     from .data.manifest import check_outputs, prepare
 
     if args.vae and args.encoder:
         raise InvalidInput("--vae and --encoder exclude each other")
+    if args.buckets and not args.vae:
+        raise InvalidInput("--buckets encodes VAE latents per aspect-ratio bucket: give --vae")
     if args.vae:  # a missing VAE or extra before the folder is checked
         from . import optional
         from .data.encode import default_out
@@ -412,6 +375,8 @@ def _data(args) -> int:
     if args.out:
         out_file(args.out, create=False)
     check_outputs(args.root, args.out, args.latents_out, args.vae)  # before anything is created
+    if args.shards:
+        check_output(args.shards, "--shards", {"the image folder": args.root})
     if args.out:
         out_file(args.out)
     if args.latents_out:
@@ -421,9 +386,33 @@ def _data(args) -> int:
     print(f"{res['num_files']} readable files, {len(res['classes'])} classes, sizes {res['sizes']}")
     for rel, reason in res["bad"]:
         print(f"skipped {rel}: {reason}")
+    if args.vae and args.buckets:
+        from .data.bucket_latents import encode_buckets
+
+        settings = {"base": args.image_size, "min": args.min_bucket_reso, "max": args.max_bucket_reso,
+                    "steps": args.bucket_reso_steps}
+        index = encode_buckets(json.loads(Path(res["manifest"]).read_text()), args.latents_out, args.vae,
+                               args.vae_subfolder, settings, args.batch_size)
+        print(f"encoded {index['count']} images into {len(index['buckets'])} bucket arrays in {args.latents_out} "
+              f"(data.name=bucket_latents data.root={args.latents_out})")
+        return 0
     if args.vae:
         res.update(_encode_with_vae(args, res["manifest"]))
     print(f"wrote {res['manifest']}" + (f" and {res['latents_manifest']}" if "latents_manifest" in res else ""))
+    if args.shards:
+        from .data.shards import write_shards
+
+        m = json.loads(Path(res["manifest"]).read_text())
+        index = write_shards(m, out_dir(args.shards), args.shard_size)
+        print(f"wrote {index['count']} images into {len(index['shards'])} shards in {args.shards} (data.name=shards "
+              f"data.root={args.shards})")
+    if args.pack:
+        from .data.packed import PACKED, pack
+
+        folder = Path(args.latents_out or args.root)
+        index = pack(folder)
+        print(f"packed {index['count']} latents of shape {index['shape']} into {folder / PACKED} (data.name=packed "
+              f"data.root={folder})")
     return 0
 
 

@@ -56,6 +56,12 @@ class DataConfig:
     latent_norm: str = _f("auto", "latents: vae (the VAE's scaling/shift factors) | channel (per-channel mean/std) "
                           "| none | auto (vae where the folder records a VAE)",
                           choices=("auto", "vae", "channel", "none"))
+    buckets: bool = _f(False, "aspect-ratio buckets for image folders (sd-scripts' semantics; data.image_size is the "
+                       "base side: buckets keep about its area)")
+    min_bucket_reso: int = _f(256, "smallest bucket side (data.buckets)", min=1)
+    max_bucket_reso: int = _f(1024, "largest bucket side (data.buckets)", min=1)
+    bucket_reso_steps: int = _f(64, "bucket sides are multiples of this (data.buckets)", min=1)
+    shuffle_buffer: int = _f(1000, "samples in the seeded shuffle buffer of a shard stream (name=shards)", min=1)
     batch_size: int = _f(16, "micro-batch per process", min=1, max=2**24)
     holdout: int = _f(400, "digits held out from training (for evaluation)", min=1)
     num_workers: int = _f(0, "loader workers: DataLoader processes or DALI threads (0 = main process / 1 thread; "

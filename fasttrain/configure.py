@@ -186,6 +186,14 @@ def _validate(cfg: DictConfig) -> None:
     if data.traits.sized_by_config:  # latents bring their own size, points have none
         with _Key("data.image_size", cfg):
             MODELS.check(cfg.model.name, image_size=cfg.data.image_size, **args)
+        if cfg.data.buckets:  # every bucket side must suit the network as well (data/buckets.py)
+            from .data.buckets import resolutions
+
+            d = cfg.data
+            with _Key("data.bucket_reso_steps", cfg):
+                for side in sorted({s for r in resolutions(d.image_size, d.min_bucket_reso, d.max_bucket_reso,
+                                                           d.bucket_reso_steps) for s in r}):
+                    MODELS.check(cfg.model.name, image_size=side, **args)
         check_memory(cfg)
 
 

@@ -30,7 +30,8 @@ def _call(kind, index: dict, b) -> tuple[str, str]:
     sc, classes = b.cfg.sample, b.spec.num_classes
     steps, guidance = int(sc.steps), float(sc.guidance)
     labels = [i % classes for i in range(4)] if classes else None
-    args = [f"num_inference_steps={steps}", "generator=torch.Generator().manual_seed(0)"]
+    # `fasttrain sample` seeds image i with seed + i (generation.py): one generator per image
+    args = [f"num_inference_steps={steps}", "generator=[torch.Generator().manual_seed(i) for i in range(4)]"]
     if kind.name == "DDIMPipeline":
         args = ["batch_size=4"] + args + ["eta=0.0", "use_clipped_model_output=True"]
     elif labels is not None:

@@ -26,3 +26,15 @@ def diffusers(what: str = "this"):
 
     logging.set_verbosity_error()
     return module
+
+
+def webdataset(what: str = "this"):
+    """The `webdataset` module (tar shards: data/shards.py), or a MissingDependency naming the extra."""
+    try:
+        import webdataset as module
+    except ImportError as e:
+        if e.name not in (None, "webdataset", "braceexpand"):
+            raise
+        raise MissingDependency(f"{what} needs the optional package webdataset (pip install "
+                                f"'fasttrain[webdataset]')") from None
+    return module

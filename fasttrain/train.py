@@ -72,7 +72,10 @@ class Trainer:
         self.data, info = build_data(d.name, batch_size=d.batch_size, seed=tc.seed, image_size=d.image_size,
                                      root=d.root, channels=d.channels, holdout=d.holdout, device=self.device,
                                      num_workers=d.num_workers, backend=d.backend, manifest=d.manifest,
-                                     crop=d.crop, flip=d.flip, rank=rank, world_size=world, latent_norm=d.latent_norm)
+                                     crop=d.crop, flip=d.flip, rank=rank, world_size=world, latent_norm=d.latent_norm,
+                                     shuffle_buffer=d.shuffle_buffer, buckets=d.buckets,
+                                     min_bucket_reso=d.min_bucket_reso, max_bucket_reso=d.max_bucket_reso,
+                                     bucket_reso_steps=d.bucket_reso_steps)
         conditional = cfg.model.class_conditional and info.num_classes > 0
         self.spec = DataSpec(d.name, info.channels, info.image_size, info.num_classes if conditional else 0,
                              cfg.model.label_dropout, info.latents, info.class_names if conditional else None)
@@ -123,7 +126,11 @@ class Trainer:
                     "interference": self.interference, "scaler": self.scaler},
             rank_states={"rng": RankRNG(generators, tc.seed, self.state), "objective": self.objective})
         # the step's body for one micro-batch: eager, or replayed from one CUDA graph (graphs.py)
-        self.step_fn = graphs.step_function(partial(update, self.parts), self.parts, tc.cuda_graph,
+        graphed = tc.cuda_graph and not d.buckets  # a graph replays one shape; buckets change it batch by batch
+        if tc.cuda_graph and d.buckets and self.dist.is_main:
+            print("fasttrain: train.cuda_graph: keeping the eager step (data.buckets: batch shapes change)",
+                  file=sys.stderr)
+        self.step_fn = graphs.step_function(partial(update, self.parts), self.parts, graphed,
                                             device=self.device, grad_accum=tc.grad_accum, announce=self.dist.is_main)
         peak = dist_utils.device_peak_flops()
         self.flops_per_image = 3 * forward_flops(cfg.model.name, in_channels=self.spec.channels,

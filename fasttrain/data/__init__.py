@@ -42,13 +42,16 @@ def resolve_backend(backend: str, name: str) -> str:
 def build_data(name: str, *, batch_size: int, seed: int = 0, image_size: int = 8, root: str | None = None,
                channels: int = 3, holdout: int = 400, device="cpu", num_workers: int = 0, split: str = "train",
                backend: str = "auto", manifest: str | None = None, crop: str = "center", flip: bool = True,
-               rank: int = 0, world_size: int = 1, latent_norm: str = "auto"):
+               rank: int = 0, world_size: int = 1, latent_norm: str = "auto", shuffle_buffer: int = 1000,
+               buckets: bool = False, min_bucket_reso: int = 256, max_bucket_reso: int = 1024,
+               bucket_reso_steps: int = 64):
     """Return (stream, DataInfo) for the data kind `name` (a built-in set, an image or a latent folder)."""
     if name not in names():
         raise InvalidInput(f"unknown data set {name!r}; choose from {', '.join(names())}")
     reader = resolve_backend(backend, name)
     args = DataArgs(batch_size, seed, image_size, root, channels, holdout, device, num_workers, split, manifest, crop,
-                    flip, rank, world_size, latent_norm)
+                    flip, rank, world_size, latent_norm, shuffle_buffer, buckets, min_bucket_reso, max_bucket_reso,
+                    bucket_reso_steps)
     return data_kind(name).build(args, reader)
 
 

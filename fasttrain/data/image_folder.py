@@ -11,6 +11,7 @@ from .streamed import check_folder_args, folder_manifest, stream
 @register("folder")
 class ImageFolder(DataKind):
     traits = Traits(images=True, pixels=True, resident=False, needs_root=True)
+    buckets = True
 
     def check(self, d) -> None:
         super().check(d)
@@ -23,4 +24,10 @@ class ImageFolder(DataKind):
         files = [tuple(f) for f in m["files"]]
         ds = ImageFolderDataset(a.root, a.image_size, a.channels, manifest=m)
         info = DataInfo(a.channels, a.image_size, len(m["classes"]), len(files), class_names=list(m["classes"]))
+        if a.buckets:  # one bucket per batch, any aspect ratio (buckets.py); the DataLoader reads them
+            from .buckets import build
+
+            settings = {"base": a.image_size, "min": a.min_bucket_reso, "max": a.max_bucket_reso,
+                        "steps": a.bucket_reso_steps}
+            return build(a, files, settings), info
         return stream("images", ds, files, a, backend, (a.flip, a.crop == "random")), info

@@ -64,6 +64,11 @@ class DataArgs:
     rank: int = 0
     world_size: int = 1
     latent_norm: str = "auto"
+    shuffle_buffer: int = 1000
+    buckets: bool = False
+    min_bucket_reso: int = 256
+    max_bucket_reso: int = 1024
+    bucket_reso_steps: int = 64
 
 
 @dataclass
@@ -90,12 +95,16 @@ class DataKind:
     name: str = ""
     traits: Traits
     trainable: bool = True
+    buckets: bool = False  # takes aspect-ratio buckets (data.buckets, buckets.py)
 
     def check(self, d) -> None:
         """What this kind needs of the `data` config group beyond the field types: InvalidInput naming
         the key (configure.py turns it into the config error)."""
         if self.traits.needs_root and not d.root:
             raise InvalidInput(f"bad value for 'data.root': None (a folder is needed for data.name={self.name})")
+        if getattr(d, "buckets", False) and not self.buckets:
+            raise InvalidInput(f"bad value for 'data.buckets': True (aspect-ratio buckets are for image folders, "
+                               f"not data.name={self.name})")
 
     def channels(self, d) -> int:
         """The channels of a sample, as far as the config tells (memory estimates)."""

@@ -86,8 +86,15 @@ def spacing(solver: str, schedule: NoiseSchedule, steps: int, kind: str = "trail
     return edm_timesteps(schedule, steps) if fn.spacing == "edm" else respaced(schedule.T, steps, kind)
 
 
-def randn(shape, generator: torch.Generator | None, device, dtype=torch.float32) -> torch.Tensor:
-    """N(0, I) drawn on the generator's device and moved to `device` (diffusers' `randn_tensor`)."""
+def randn(shape, generator, device, dtype=torch.float32) -> torch.Tensor:
+    """N(0, I) drawn on the generator's device and moved to `device` (diffusers' `randn_tensor`). A list
+    of generators draws row i from generator i (as `randn_tensor` does): each image its own noise stream,
+    whatever batch it is generated in (generation.py: the same images on any number of ranks)."""
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != shape[0]:
+            raise ValueError(f"{len(generator)} generators for a batch of {shape[0]}")
+        return torch.stack([torch.randn(tuple(shape[1:]), generator=g, device=g.device, dtype=dtype)
+                            for g in generator]).to(device)
     where = generator.device if generator is not None else device
     return torch.randn(shape, generator=generator, device=where, dtype=dtype).to(device)
 

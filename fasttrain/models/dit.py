@@ -30,16 +30,17 @@ def _modulate(x, shift, scale):
 CONVENTIONS = ("diffusers", "legacy")
 
 
-def sincos_pos_embed(dim: int, grid: int, convention: str = "diffusers") -> torch.Tensor:
-    """Fixed 2-D sine-cosine position embedding [grid², dim] (MAE / DiT); tokens in row-major order, the
-    first half of the features encodes the column (diffusers, MAE) or the row (legacy)."""
+def sincos_pos_embed(dim: int, grid: int, convention: str = "diffusers", grid_w: int | None = None) -> torch.Tensor:
+    """Fixed 2-D sine-cosine position embedding [grid·grid_w, dim] (MAE / DiT; grid_w defaults to grid);
+    tokens in row-major order, the first half of the features encodes the column (diffusers, MAE) or the
+    row (legacy)."""
     def one_d(d, pos):
         omega = 1.0 / 10000 ** (torch.arange(d // 2, dtype=torch.float64) / (d / 2))
         out = pos.reshape(-1)[:, None] * omega[None]
         return torch.cat([torch.sin(out), torch.cos(out)], dim=1)
 
-    gy, gx = torch.meshgrid(torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64),
-                            indexing="ij")
+    gy, gx = torch.meshgrid(torch.arange(grid, dtype=torch.float64),
+                            torch.arange(grid if grid_w is None else grid_w, dtype=torch.float64), indexing="ij")
     first, second = (gx, gy) if convention == "diffusers" else (gy, gx)
     return torch.cat([one_d(dim // 2, first), one_d(dim // 2, second)], dim=1).float()
 
@@ -117,16 +118,20 @@ class DiT(nn.Module):
         nn.init.normal_(self.embed.mlp[2].weight, std=0.02)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
-        B = x.shape[0]
+        B, p = x.shape[0], self.patch
+        gh, gw = x.shape[-2] // p, x.shape[-1] // p
+        pos = self.pos
+        if (gh, gw) != (self.grid, self.grid):  # an aspect-ratio bucket (data/buckets.py): the embedding of its grid
+            pos = sincos_pos_embed(pos.shape[-1], gh, self.convention, gw)[None].to(pos.device)
         h = self.x_embed(x).flatten(2).transpose(1, 2)
-        h = h + self.pos.to(h.dtype)
+        h = h + pos.to(h.dtype)
         c = self.embed(t, y)
         for blk in self.blocks:
             h = blk(h, c)
         shift, scale = self.final_ada(c).chunk(2, dim=1)
         h = self.final(_modulate(self.final_norm(h), shift, scale))
-        p, g, C = self.patch, self.grid, self.out_channels
-        return h.view(B, g, g, p, p, C).permute(0, 5, 1, 3, 2, 4).reshape(B, C, g * p, g * p)
+        C = self.out_channels
+        return h.view(B, gh, gw, p, p, C).permute(0, 5, 1, 3, 2, 4).reshape(B, C, gh * p, gw * p)
 
     def repeated_blocks(self) -> list[nn.Module]:
         """The units parallel.py checkpoints, compiles and shards one by one: the transformer blocks."""
