@@ -6,6 +6,8 @@
     fasttrain report RUN
     fasttrain export RUN --to diffusers OUT
     fasttrain data prepare ROOT [--vae FOLDER | --encoder module:function] [--latents-out DIR]
+                           [--text-encoders PIPE]   (captions cached beside the latents)
+    fasttrain sample --ckpt RUN --prompt TEXT [--negative-prompt TEXT] --guidance 4 --out DIR   (text runs)
 
 `sample`, `eval` and `report` read a model bundle from the checkpoint alone (bundle.py): they need
 neither the training data nor a process group. Every user error ends in one line on stderr.
@@ -105,6 +107,12 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--eta", type=_finite("--eta"), default=None, help="DDIM eta")
     sm.add_argument("--guidance", type=_finite("--guidance"), default=None, help="classifier-free guidance scale")
     sm.add_argument("--label", type=int, default=None, help="generate only this class (conditional runs)")
+    sm.add_argument("--prompt", action="append", default=None, help="text runs: a prompt (repeat for several; "
+                    "samples cycle through them; default: the run's sample.prompts or its data's first captions)")
+    sm.add_argument("--negative-prompt", default=None, help="text runs: guidance's unconditional side (default the "
+                    "run's sample.negative_prompt, the empty prompt)")
+    sm.add_argument("--text-encoders", default=None, help="text runs: encode prompts with this pipeline folder "
+                    "(default: the recorded one; it must hold the same encoders)")
     sm.add_argument("--seed", type=int, default=0)
     sm.add_argument("--raw", action="store_true", help="use the raw weights instead of the EMA")
     sm.add_argument("--out", required=True, help="output directory: grid.png and one PNG per sample")
@@ -146,6 +154,13 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--latents-out", default=None, help="folder for the encoded .npy latents (--vae: ROOT-latents)")
     pr.add_argument("--image-size", type=_positive("--image-size"), default=256, help="image side fed to the encoder")
     pr.add_argument("--batch-size", type=_positive("--batch-size"), default=64, help="encoder batch size")
+    pr.add_argument("--text-encoders", default=None, help="with --vae: also encode every image's captions (.txt "
+                    "beside it or metadata.jsonl) with this pipeline folder's text encoders (fp16 cache)")
+    pr.add_argument("--clip-skip", type=int, default=None,
+                    help="with --text-encoders: CLIP layers skipped from the end")
+    pr.add_argument("--caption-column", default="text", help="metadata.jsonl's caption column (default text)")
+    pr.add_argument("--allow-empty-captions", action="store_true", help="encode images without a caption as the "
+                    "empty prompt (default: refused, with their count)")
     return p
 
 
@@ -284,7 +299,17 @@ def _sample(args) -> int:
             raise InvalidInput(f"--label must lie in [0, {classes}), got {args.label}")
         labels = (torch.full((args.n,), args.label) if args.label is not None else torch.arange(args.n) % classes)
     elif args.label is not None:
-        raise InvalidInput("--label: this model is unconditional")
+        raise InvalidInput("--label: this model is unconditional" if b.spec.text is None else
+                           "--label: this model is conditioned on text (use --prompt)")
+    prompts = {}
+    if b.spec.text is not None:
+        prompts = b.prompt_args()
+        if args.prompt:
+            prompts["prompts"] = args.prompt
+        if args.negative_prompt is not None:
+            prompts["negative_prompt"] = args.negative_prompt
+    elif args.prompt or args.negative_prompt is not None or args.text_encoders:
+        raise InvalidInput("--prompt/--negative-prompt/--text-encoders: this model is not conditioned on text")
     solver = args.solver or sc.solver
     eta = args.eta if args.eta is not None else (sc.eta if "eta" in SOLVERS.args(solver) else None)
     try:  # the same check as the config's sample.* keys
@@ -293,7 +318,7 @@ def _sample(args) -> int:
         raise InvalidInput(f"--eta/--solver: {e}") from None
     x = b.generate(args.n, labels, seed=args.seed, steps=args.steps or sc.steps, solver=solver,
                    guidance=sc.guidance if args.guidance is None else args.guidance, ema=not args.raw, eta=eta,
-                   progress=True, spacing=args.spacing)
+                   progress=True, spacing=args.spacing, **prompts)
     spec = b.spec
     if b.decodes:  # VAE latents: the images they decode into (the latents themselves beside them)
         torch.save(x.cpu(), out / "samples.pt")
@@ -326,6 +351,9 @@ def _bundle(args):
     from .bundle import ModelBundle
 
     b = ModelBundle.load(args.ckpt, vae=args.vae)
+    b.text_folder = getattr(args, "text_encoders", None)
+    if b.spec.text is not None and b.text_folder:
+        b.encoders  # noqa: B018 - loads the text encoders and checks them against the recorded ones
     if args.vae and not b.spec.latents:
         raise InvalidInput(f"--vae: {args.ckpt} was not trained on VAE latents")
     if b.decodes:
@@ -401,6 +429,13 @@ def _data(args) -> int:
 
     if args.vae and args.encoder:
         raise InvalidInput("--vae and --encoder exclude each other")
+    if args.text_encoders and not args.vae:
+        raise InvalidInput("--text-encoders needs --vae: captions are cached beside VAE latents")
+    if args.text_encoders:
+        from .text_encoders import family_of, transformers
+
+        transformers()
+        family_of(args.text_encoders)  # a missing or wrong folder before any encoding
     if args.vae:  # a missing VAE or extra before the folder is checked
         from . import optional
         from .data.encode import default_out
@@ -423,6 +458,17 @@ def _data(args) -> int:
         print(f"skipped {rel}: {reason}")
     if args.vae:
         res.update(_encode_with_vae(args, res["manifest"]))
+    if args.text_encoders:
+        import json
+
+        from .data.captioned import encode_captions
+
+        m = json.loads(Path(res["manifest"]).read_text())
+        t = encode_captions(m, args.latents_out, args.text_encoders, args.clip_skip, args.caption_column,
+                            args.allow_empty_captions, args.image_size)
+        cut = f"; {t['truncated']} truncated to the tokenizer's length" if t["truncated"] else ""
+        print(f"encoded {t['captions']} captions with the {t['family']} text encoders ({t['length']} tokens × "
+              f"{t['width']}){cut}")
     print(f"wrote {res['manifest']}" + (f" and {res['latents_manifest']}" if "latents_manifest" in res else ""))
     return 0
 

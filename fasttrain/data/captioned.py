@@ -84,16 +84,19 @@ def encode_captions(image_manifest: dict, out: str | Path, folder: str, clip_ski
     ident = enc.identity()
     mpath = out / MANIFEST
     manifest = json.loads(mpath.read_text())
-    old = (manifest.get("text") or {}).get("encoders")
-    if old and old.get("sha256") != ident["sha256"]:
+    old = None
+    if (out / EMBEDDINGS).is_file():  # an earlier pass: its encoders must be these
+        old = json.loads(torch.load(out / EMBEDDINGS, weights_only=True)["encoders"])
+    if old and (old.get("sha256"), old.get("clip_skip")) != (ident["sha256"], ident["clip_skip"]):
         raise DataError(f"--latents-out {out} holds text embeddings of other text encoders ({old.get('path')}): "
                         f"choose another folder or delete {EMBEDDINGS}")
     flat = [c for group in caps for c in group] + [""]
     e = enc.encode(flat)
     micro = enc.family == "sdxl"
     time_ids = _time_ids(root, files, image_size) if micro else None
-    data = {"states": e["states"].half(), "mask": e["mask"], "pooled": None if e["pooled"] is None else e["pooled"].half(),
-            "counts": torch.tensor([len(c) for c in caps]), "time_ids": time_ids}
+    pooled = None if e["pooled"] is None else e["pooled"].half()
+    data = {"states": e["states"].half(), "mask": e["mask"], "pooled": pooled,
+            "counts": torch.tensor([len(c) for c in caps]), "time_ids": time_ids, "encoders": json.dumps(ident)}
     tmp = out / f".{EMBEDDINGS}.{os.getpid()}.tmp"
     torch.save({k: v for k, v in data.items() if v is not None}, tmp)
     os.replace(tmp, out / EMBEDDINGS)  # whole or absent: a rerun encodes again

@@ -305,8 +305,6 @@ def _text_network(cfg: dict, pre: bool, user: dict, class_name: str, pretrained:
     diffusers' UNet2DConditionModel)."""
     if num_classes:
         raise InvalidInput("a text-conditioned run has no class labels (model.class_conditional=false)")
-    _fit(cfg, "cross_attention_dim", text["width"], pre or "cross_attention_dim" in user,
-         "the text encoders' width")
     if cfg.get("addition_embed_type") == "text_time":
         if not text.get("pooled") or not text.get("micro"):
             raise InvalidInput("this UNet2DConditionModel is SDXL's (addition_embed_type=text_time): it needs the "
@@ -319,6 +317,8 @@ def _text_network(cfg: dict, pre: bool, user: dict, class_name: str, pretrained:
     elif cfg.get("addition_embed_type") is not None:
         raise InvalidInput(f"addition_embed_type={cfg['addition_embed_type']!r} is not a Stable Diffusion UNet's "
                            f"(none: SD 1.x/2.x, text_time: SDXL)")
+    _fit(cfg, "cross_attention_dim", text["width"], pre or "cross_attention_dim" in user,
+         "the text encoders' width")
     if cfg.get("class_embed_type") is not None or cfg.get("num_class_embeds"):
         raise InvalidInput("a text-conditioned UNet2DConditionModel here has no class embedding "
                            "(class_embed_type=None, num_class_embeds=None)")
