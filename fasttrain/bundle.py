@@ -202,12 +202,10 @@ class ModelBundle:
         if self._encoders is None:
             from .text_encoders import TextEncoders
 
-            rec = self.spec.text["encoders"]
-            folder = self.text_folder or rec["path"]
-            if self.text_folder is None and self.spec.name == "captioned_digits":
-                from .data.captioned import digits_encoder
+            from .data import data_kind
 
-                folder = digits_encoder(rec["path"])  # the demo's: rebuilt where it was if it is gone
+            rec = self.spec.text["encoders"]
+            folder = self.text_folder or data_kind(self.spec.name).text_encoders(rec)
             enc = TextEncoders.load(folder, rec.get("clip_skip"), self.device)
             enc.check(rec, "this run")
             self._encoders = enc

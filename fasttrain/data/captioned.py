@@ -189,6 +189,9 @@ class CaptionedDigits(Digits):
         super().check(d)
         _refuse_shuffle(d)
 
+    def text_encoders(self, record: dict) -> str:
+        return str(digits_encoder(Path(record["path"])))  # the demo's: built again where it was if it is gone
+
     def build(self, a: DataArgs, backend: str):
         from ..text_encoders import TextEncoders
 

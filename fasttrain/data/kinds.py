@@ -113,6 +113,10 @@ class DataKind:
         kind, else the file reader `data.backend` resolved to ("dali" or "torch")."""
         raise NotImplementedError
 
+    def text_encoders(self, record: dict) -> str:
+        """Captioned kinds: the folder of the text encoders whose identity `record` is (the recorded one)."""
+        return record["path"]
+
     def reference(self, cfg, spec, ref_path: str | None, n: int) -> Reference:
         """The real data evaluations compare with: `ref_path` when given (a folder of images), else the
         kind's own (folder kinds: data.root when it still exists)."""
