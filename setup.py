@@ -46,10 +46,14 @@ DALI = ["nvidia-dali-cuda130>=2.0"]  # CPU pipelines work without a GPU (device_
 # VAE latents, diffusers backbones, export to a diffusers pipeline (fasttrain/vae.py, export.py,
 # models/diffusers_backbone.py); imported lazily: `import diffusers` costs seconds
 DIFFUSERS = ["diffusers>=0.42,<0.43", "huggingface-hub>=1.32", "safetensors>=0.8"]
+# text-to-image: CLIP / T5 text encoders and tokenizers from a local pipeline folder (fasttrain/text_encoders.py);
+# 5.25 asks for the `kernels` package, which the project's indexes do not carry
+TEXT = DIFFUSERS + ["transformers>=5.20,<5.25", "tokenizers>=0.22"]
 EXTRAS = {
     "dali": DALI,
     "diffusers": DIFFUSERS,
-    "dev": ["pytest>=8", "pytest-benchmark>=4", "ruff>=0.17"] + DALI + DIFFUSERS,
+    "text": TEXT,
+    "dev": ["pytest>=8", "pytest-benchmark>=4", "ruff>=0.17"] + DALI + TEXT,
 }
 
 
