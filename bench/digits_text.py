@@ -48,12 +48,13 @@ def main(argv=None) -> None:
     rows = []
     for g in scales:
         b.cfg.sample.guidance = g
-        ev = run_evaluation(b, EvalSettings(num_samples=500, steps=b.cfg.eval.steps, bpd=False), reference_for(b.cfg, b.spec))
+        settings = EvalSettings(num_samples=500, steps=b.cfg.eval.steps, bpd=False)
+        ev = run_evaluation(b, settings, reference_for(b.cfg, b.spec))
         rows.append({"guidance": g, "fid": ev.get("fid"), "prompt_agreement": ev.get("digits_label_agreement"),
                      "confidence": ev.get("digits_confidence")})
         print(rows[-1], flush=True)
     info = {"python": platform.python_version(), "torch": torch.__version__, "cpu": _cpu_name(),
-            "threads": args.threads, "load_before": os.getloadavg()}
+            "threads": args.threads, "load_avg_at_end": os.getloadavg()}
     meta = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": info, "command": " ".join(sys.argv),
             "train_wall_seconds": seconds, "train_cpu_seconds": cpu, "steps": summary["steps"],
             "final_eval": summary.get("eval", {})}

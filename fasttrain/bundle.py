@@ -200,9 +200,8 @@ class ModelBundle:
         """The run's text encoders (text_encoders.TextEncoders), loaded on first use from the recorded folder
         (or `text_folder`), checked against the recorded identity."""
         if self._encoders is None:
-            from .text_encoders import TextEncoders
-
             from .data import data_kind
+            from .text_encoders import TextEncoders
 
             rec = self.spec.text["encoders"]
             folder = self.text_folder or data_kind(self.spec.name).text_encoders(rec)

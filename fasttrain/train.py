@@ -254,7 +254,12 @@ class Trainer:
                                      **self.bundle.prompt_args())
             if self.dist.is_main:
                 ref = self.eval_reference().train if not self.spec.image_size else None
-                plots.save_samples(self.run_dir / "samples.png", x, self.spec, reference=ref)
+                nrow = None
+                if self.spec.text is not None:  # one column per prompt; the report lists them (report.py)
+                    prompts = self.bundle.prompt_args()["prompts"] or self.spec.text["prompts"]
+                    nrow = min(len(prompts), n)
+                    (self.run_dir / "sample-prompts.json").write_text(json.dumps({"columns": prompts[:nrow]}))
+                plots.save_samples(self.run_dir / "samples.png", x, self.spec, reference=ref, nrow=nrow)
                 if self.spec.decodes:  # latents: also as the images the run's VAE decodes them into
                     _report_failure("no decoded samples", lambda: self.bundle.save_decoded(
                         self.run_dir / "samples-decoded.png", x))

@@ -202,13 +202,45 @@ def test_prepare_refuses_uncaptioned_images_and_other_encoders(sd1, tmp_path, ca
 
 
 # -- the CPU demo's data ---------------------------------------------------------------------------------------
-def test_digits_text_trains_and_samples_by_prompt(tmp_path, monkeypatch):
+DEMO = ["train.threads=1", "train.progress=false", "sample.num=0", "eval.num_samples=0", "eval.bpd=false"]
+
+
+def test_digits_text_trains_samples_by_prompt_and_reports_the_prompts(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     run = tmp_path / "run"
-    train(load_config("digits-text", [f"run_dir={run}", "train.steps=3", "train.threads=1", "train.progress=false",
-                                      "sample.num=0", "eval.num_samples=0", "eval.bpd_samples=8",
-                                      "eval.bpd_timesteps=2"]))
+    train(load_config("digits-text", [f"run_dir={run}", "train.steps=3"] + DEMO + [
+        "sample.num=6", "sample.steps=2", "sample.prompts=[a handwritten two,the digit nine]",
+        "eval.num_samples=20", "eval.steps=2"]))
     b = ModelBundle.load(run, device="cpu")
     assert b.spec.text["prompts"][7] == "a handwritten seven" and b.spec.num_classes == 0
     x = b.generate(2, prompts=["the digit three"], steps=2, guidance=2.0)
     assert x.shape == (2, 1, 8, 8)
+    ev = json.loads((run / "summary.json").read_text())["eval"]
+    assert 0 <= ev["digits_label_agreement"] <= 1  # the classifier against the prompts' digits
+    assert json.loads((run / "sample-prompts.json").read_text())["columns"] == ["a handwritten two", "the digit nine"]
+    assert main(["report", str(run)]) == 0
+    page = (run / "report.html").read_text()
+    assert "One column per prompt" in page and "<li>the digit nine</li>" in page
+
+
+@pytest.mark.parametrize("over", [
+    ["diffusion.sampler=adaptive", "diffusion.sampler_args.every=2", "diagnostics.interference_every=2",
+     "diagnostics.buckets=2"],
+    ["diffusion.prediction=mixed", "diffusion.mixed.gate=timestep", "diffusion.stats_every=2"],
+    ["diffusion.noise.immiscible=assignment", "diffusion.noise.offset=0.05", "diffusion.prediction=v",
+     "diffusion.loss.type=huber", "diffusion.sampler=logit_normal"],
+    ["diffusion.schedule=flow", "diffusion.prediction=flow", "diffusion.weighting=constant", "data.batch_size=8",
+     "train.grad_accum=2"],
+])
+def test_text_runs_compose_with_strategies_and_resume_exactly(tmp_path, monkeypatch, over):
+    """The caption code travels where labels travel: look-ahead probes, the adaptive sampler's batches,
+    the interference probes, immiscible assignment, micro-batches; a resumed run continues bit for bit."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    common = DEMO + ["train.log_every=1", "train.ckpt_every=0", "data.batch_size=8"] + over
+    train(load_config("digits-text", [f"run_dir={tmp_path / 'a'}", "train.steps=4"] + common))
+    train(load_config("digits-text", [f"run_dir={tmp_path / 'b'}", "train.steps=2"] + common))
+    train(load_config("digits-text", [f"run_dir={tmp_path / 'b'}", "train.steps=4"] + common, resume=True),
+          resume=True)
+    la, lb = ([r["loss"] for r in map(json.loads, (tmp_path / x / "metrics.jsonl").read_text().splitlines())
+               if "loss" in r] for x in "ab")
+    assert len(la) == 4 and la == lb and all(v == v for v in la)
