@@ -326,4 +326,8 @@ def _text_network(cfg: dict, pre: bool, user: dict, class_name: str, pretrained:
     return DiffusersBackbone(model.train(), 0, None, sliced, text=text)
 
 
-register("diffusers", check=check, complete=complete, recorded=("config",))(build)
+def takes_text(args: dict) -> bool:
+    return args.get("class_name", "UNet2DModel") in TEXT_CLASSES
+
+
+register("diffusers", check=check, complete=complete, recorded=("config",), text=takes_text)(build)
