@@ -131,9 +131,10 @@ class Trainer:
         self.step_fn = graphs.step_function(partial(update, self.parts), self.parts, tc.cuda_graph,
                                             device=self.device, grad_accum=tc.grad_accum, announce=self.dist.is_main)
         peak = dist_utils.device_peak_flops()
+        text = {"text": self.spec.text} if self.spec.text is not None else {}  # the text network's shapes
         self.flops_per_image = 3 * forward_flops(cfg.model.name, in_channels=self.spec.channels,
                                                  image_size=self.spec.image_size, num_classes=self.spec.num_classes,
-                                                 **plain(cfg.model.args)) if peak else None
+                                                 **plain(cfg.model.args), **text) if peak else None
         self.peak_flops = peak * world if peak else None
 
     @property

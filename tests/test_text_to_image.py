@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from text_fixtures import CAPTIONS, save_sd1, save_sdxl, write_captioned
+from text_fixtures import CAPTIONS, UNET, save_sd1, save_sdxl, write_captioned
 
 from fasttrain.bundle import ModelBundle
 from fasttrain.cli import main
@@ -244,3 +244,44 @@ def test_text_runs_compose_with_strategies_and_resume_exactly(tmp_path, monkeypa
     la, lb = ([r["loss"] for r in map(json.loads, (tmp_path / x / "metrics.jsonl").read_text().splitlines())
                if "loss" in r] for x in "ab")
     assert len(la) == 4 and la == lb and all(v == v for v in la)
+
+
+# -- the pipeline's scheduler, per-block AC and compile, FLOPs ---------------------------------------------------
+def test_a_v_model_pipeline_trains_as_v_and_a_contradiction_is_one_line(sd1, tmp_path):
+    pipe = save_sd1(tmp_path / "sd2", prediction="v_prediction")  # an SD 2-style v-model
+    common = [f"run_dir={tmp_path / 'r'}", f"data.root={sd1['lat']}", f"model.args.pretrained={pipe}"] + TRAIN
+    assert load_config("default", common).diffusion.prediction == "v"
+    with pytest.raises(InvalidInput, match="diffusion.prediction.*eps.*v"):
+        load_config("default", common + ["diffusion.prediction=eps"])
+
+
+@pytest.mark.parametrize("parallel", [["parallel.ac=full"]])  # parallel.compile=blocks also matches: 3 min cold
+def test_text_unet_under_activation_checkpointing_matches_eager(sd1, tmp_path, parallel):
+    common = ["train.steps=2", f"data.root={sd1['lat']}", f"model.args.pretrained={sd1['pipe']}"] + TRAIN
+    train(load_config("default", [f"run_dir={tmp_path / 'eager'}"] + common))
+    train(load_config("default", [f"run_dir={tmp_path / 'wrapped'}"] + common + parallel))
+    la, lb = ([r["loss"] for r in map(json.loads, (tmp_path / x / "metrics.jsonl").read_text().splitlines())
+               if "loss" in r] for x in ("eager", "wrapped"))
+    torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-6)
+
+
+def test_forward_flops_of_a_text_unet(sd1):
+    from fasttrain.models import forward_flops
+
+    text = json.loads((sd1["lat"] / "fasttrain-manifest.json").read_text())["text"]
+    flops = forward_flops("diffusers", in_channels=4, image_size=8, class_name="UNet2DConditionModel",
+                          config={**UNET, "cross_attention_dim": 32}, text=text)
+    assert flops > 0
+
+
+def test_sd3_text_encoders_pad_clip_to_t5_and_append_its_states(tmp_path):
+    """SD3's CLIP pair (both with projection) without text_encoder_3: T5's part is zeros, as in
+    StableDiffusion3Pipeline; pooled = both CLIP text_embeds."""
+    tiny_clip(tmp_path, ["a", "cat"], width=16, max_length=8, projection=8)
+    tiny_clip(tmp_path, ["a", "cat"], width=24, max_length=8, projection=12, seed=1, subfolder="_2")
+    enc = TextEncoders.load(tmp_path)
+    enc.t5_width = 64  # the transformer's joint_attention_dim
+    out = enc.encode(["a cat"])
+    assert enc.family == "sd3" and out["states"].shape == (1, 8 + 256, 64) and out["pooled"].shape == (1, 20)
+    assert (out["states"][:, 8:] == 0).all() and (out["states"][:, :8, 40:] == 0).all()
+    assert out["states"][:, :8, :40].abs().sum() > 0
