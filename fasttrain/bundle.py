@@ -108,6 +108,7 @@ class ModelBundle:
         self.step, self.images = step, images
         self.vae_folder, self._codec = vae, None  # latent runs: another VAE folder than the recorded one
         self.text_folder, self._encoders = None, None  # text runs: another encoder folder than the recorded one
+        self._rows = 0  # text runs: rows of the prompt table being sampled from (its last: the negative prompt)
         df = cfg.diffusion
         self.schedule = make_schedule(df.schedule, df.T, df.zero_terminal_snr).to(self.device)
         self._alpha, self._sigma = self.schedule.alpha.float(), self.schedule.sigma.float()

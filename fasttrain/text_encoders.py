@@ -82,6 +82,7 @@ class TextEncoders:
                  device="cpu"):
         self.family, self.folder, self.tokenizers, self.encoders = family, folder, tokenizers, encoders
         self.clip_skip, self.device, self.warned, self.truncated = clip_skip, torch.device(device), False, 0
+        self.t5_width: int | None = None  # SD3 without T5: the transformer's joint_attention_dim (the caller's)
 
     @classmethod
     def load(cls, folder: str | Path, clip_skip: int | None = None, device="cpu") -> TextEncoders:
@@ -166,11 +167,11 @@ class TextEncoders:
         if self.family == "sd1":
             s, m, _ = self._clip(0, prompts, penultimate=False)
             return {"states": s.float().cpu(), "mask": m.bool().cpu(), "pooled": None}
-        (s1, m1, _p1), (s2, _m2, p2) = self._clip(0, prompts, True), self._clip(1, prompts, True)
+        (s1, m1, p1), (s2, _, p2) = self._clip(0, prompts, True), self._clip(1, prompts, True)
         clip = torch.cat([s1, s2], -1)
         if self.family == "sdxl":
             return {"states": clip.float().cpu(), "mask": m1.bool().cpu(), "pooled": p2.float().cpu()}
-        pooled = torch.cat([_p1, p2], -1)
+        pooled = torch.cat([p1, p2], -1)
         if self.encoders[2] is None:
             width = clip.shape[-1] if self.t5_width is None else self.t5_width
             t5 = torch.zeros(len(prompts), T5_LENGTH, width, device=clip.device)
@@ -182,8 +183,6 @@ class TextEncoders:
         states = torch.cat([clip, t5], -2)
         return {"states": states.float().cpu(), "mask": torch.cat([m1, t5_mask], -1).bool().cpu(),
                 "pooled": pooled.float().cpu()}
-
-    t5_width: int | None = None  # SD3 without T5: the transformer's joint_attention_dim (set by the caller)
 
 
 def tiny_clip(folder: str | Path, words: list[str], width: int = 32, layers: int = 2, heads: int = 2,
