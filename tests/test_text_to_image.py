@@ -293,3 +293,20 @@ def test_export_of_a_text_run_is_refused_in_one_line(sd1, tmp_path, capsys):
                                   f"model.args.pretrained={sd1['pipe']}"] + TRAIN))
     assert main(["export", str(run), "--to", "diffusers", str(tmp_path / "out")]) == 1
     assert "conditioned on text" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_sd3_text_encoders_with_t5(tmp_path):
+    from text_fixtures import save_tiny_t5
+
+    tiny_clip(tmp_path, ["a", "cat"], width=16, max_length=8, projection=8)
+    tiny_clip(tmp_path, ["a", "cat"], width=24, max_length=8, projection=12, seed=1, subfolder="_2")
+    save_tiny_t5(tmp_path, width=64)
+    enc = TextEncoders.load(tmp_path)
+    out = enc.encode(["a cat"])
+    assert enc.family == "sd3" and out["states"].shape == (1, 8 + 256, 64) and set(enc.identity()["sha256"]) == {
+        "text_encoder", "text_encoder_2", "text_encoder_3"}
+    with torch.no_grad():
+        ids = enc.tokenizers[2](["a cat"], padding="max_length", max_length=256, truncation=True,
+                                return_tensors="pt").input_ids
+        torch.testing.assert_close(out["states"][:, 8:], enc.encoders[2](ids)[0])  # T5's states follow CLIP's
+    assert out["mask"][0, 8:].sum() == 3  # "▁a", "▁cat", "</s>"

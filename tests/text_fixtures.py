@@ -67,3 +67,17 @@ def write_captioned(root, n: int = 4, size=(20, 24), metadata: bool = False):
     if metadata:
         (root / "metadata.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return root
+
+
+def save_tiny_t5(path, words=WORDS, width: int = 64, seed: int = 0):
+    """tokenizer_3/ (a unigram T5 tokenizer of `words` and single letters) and text_encoder_3/ (a
+    2-layer T5EncoderModel of width `width`), as an SD3 pipeline holds them."""
+    from transformers import T5Config, T5EncoderModel, T5Tokenizer
+
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [("▁" + w, -1.0) for w in words]
+    vocab += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz▁"]
+    T5Tokenizer(vocab=vocab, extra_ids=0).save_pretrained(str(path / "tokenizer_3"))
+    torch.manual_seed(seed)
+    cfg = T5Config(vocab_size=len(vocab), d_model=width, d_kv=16, d_ff=2 * width, num_layers=2, num_heads=4)
+    T5EncoderModel(cfg).save_pretrained(str(path / "text_encoder_3"))
+    return path
