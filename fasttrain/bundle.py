@@ -228,7 +228,8 @@ class ModelBundle:
         e = self.encoders.encode(list(prompts) + [negative])
         time_ids = None
         if self.spec.text.get("micro"):
-            side = self.spec.image_size * int((self.spec.latents or {}).get("vae", {}).get("downsample", 8))
+            lat = self.spec.latents or {}  # the images' side the latents were encoded at (data prepare --image-size)
+            side = lat.get("image_size") or self.spec.image_size * int((lat.get("vae") or {}).get("downsample", 8))
             time_ids = torch.tensor([[side, side, 0, 0, side, side]], dtype=torch.float32).repeat(len(prompts), 1)
         return table_of(e, [1] * len(prompts), time_ids).to(self.device)
 
