@@ -11,6 +11,12 @@ samples it. Its config.json is copied
 into the run's config when the run is configured (`complete`), so a checkpoint rebuilds the network
 without the pretrained folder; its weights are read only when a run starts.
 
+    model.args.class_name=UNet2DConditionModel model.args.pretrained=PIPE model.args.subfolder=unet  # text
+
+A UNet2DConditionModel (SD 1.x/2.x; SDXL with added_cond_kwargs) trains on captioned data: its text
+inputs are gathered from the run's cached encodings (conditioning.TextTable), the data decide its
+cross_attention_dim and SDXL's added-embedding width (`_text_network`).
+
 Conventions bridged here:
   classes   fasttrain's null label is `num_classes` (classifier-free guidance); it is mapped to the
             network's own last row (UNet2DModel: num_class_embeds − 1; DiT: num_embeds_ada_norm), so a
