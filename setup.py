@@ -48,11 +48,15 @@ DALI = ["nvidia-dali-cuda130>=2.0"]  # CPU pipelines work without a GPU (device_
 DIFFUSERS = ["diffusers>=0.42,<0.43", "huggingface-hub>=1.32", "safetensors>=0.8"]
 # WebDataset tar shards (fasttrain/data/shards.py: data.name=shards, data prepare --shards)
 WEBDATASET = ["webdataset>=1.0,<1.1"]
+# text-to-image: CLIP / T5 text encoders and tokenizers from a local pipeline folder (fasttrain/text_encoders.py);
+# 5.25 asks for the `kernels` package, which the project's indexes do not carry
+TEXT = DIFFUSERS + ["transformers>=5.20,<5.25", "tokenizers>=0.22"]
 EXTRAS = {
     "dali": DALI,
     "diffusers": DIFFUSERS,
     "webdataset": WEBDATASET,
-    "dev": ["pytest>=8", "pytest-benchmark>=4", "pytest-xdist>=3", "ruff>=0.17"] + DALI + DIFFUSERS + WEBDATASET,
+    "text": TEXT,
+    "dev": ["pytest>=8", "pytest-benchmark>=4", "pytest-xdist>=3", "ruff>=0.17"] + DALI + TEXT + WEBDATASET,
 }
 
 

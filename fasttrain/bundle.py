@@ -41,6 +41,7 @@ class DataSpec:
     label_dropout: float       # > 0: the null label (num_classes) gives the unconditional model
     latents: dict | None = None  # latent data: VAE identity, normalisation, statistics (vae.latent_record)
     class_names: list | None = None  # by label, where the data name them (an export's id2label)
+    text: dict | None = None   # captioned data: the text encoders' identity and shapes (data/captioned.py)
 
     @property
     def decodes(self) -> bool:
@@ -74,6 +75,8 @@ def build_network(cfg: DictConfig, spec: DataSpec) -> Denoiser:
     width = kind.out_channels(df, spec.channels)
     if width is not None:
         args["out_channels"] = width
+    if spec.text is not None:  # the width, length and pooled vector the text-conditioned network takes
+        args["text"] = spec.text
     net = build_model(cfg.model.name, in_channels=spec.channels, image_size=spec.image_size,
                       num_classes=spec.num_classes, **args)
     return Denoiser(net, kind.output_head(df, sched), sched, learned_weighting=df.learned_weighting,
@@ -104,6 +107,8 @@ class ModelBundle:
         self.cfg, self.spec, self.net, self.ema, self.device = cfg, spec, net, ema, torch.device(device)
         self.step, self.images = step, images
         self.vae_folder, self._codec = vae, None  # latent runs: another VAE folder than the recorded one
+        self.text_folder, self._encoders = None, None  # text runs: another encoder folder than the recorded one
+        self._rows = 0  # text runs: rows of the prompt table being sampled from (its last: the negative prompt)
         df = cfg.diffusion
         self.schedule = make_schedule(df.schedule, df.T, df.zero_terminal_snr).to(self.device)
         self._alpha, self._sigma = self.schedule.alpha.float(), self.schedule.sigma.float()
@@ -190,6 +195,44 @@ class ModelBundle:
         plots.save_samples(path, images, self.image_spec(images))
         return images
 
+    # -- text runs: prompts ------------------------------------------------------------------------------
+    @property
+    def encoders(self):
+        """The run's text encoders (text_encoders.TextEncoders), loaded on first use from the recorded folder
+        (or `text_folder`), checked against the recorded identity."""
+        if self._encoders is None:
+            from .data import data_kind
+            from .text_encoders import TextEncoders
+
+            rec = self.spec.text["encoders"]
+            folder = self.text_folder or data_kind(self.spec.name).text_encoders(rec)
+            enc = TextEncoders.load(folder, rec.get("clip_skip"), self.device)
+            enc.check(rec, "this run")
+            self._encoders = enc
+        return self._encoders
+
+    def prompt_args(self) -> dict:
+        """generate()'s prompt arguments from the run's `sample` settings (text runs; {} otherwise)."""
+        if self.spec.text is None:
+            return {}
+        return {"prompts": list(self.cfg.sample.prompts) or None, "negative_prompt": self.cfg.sample.negative_prompt}
+
+    def prompt_table(self, prompts: list[str], negative: str = ""):
+        """The encodings of `prompts` and, last, of `negative` (guidance's unconditional side) as a
+        TextTable whose rows are the prompts (time_ids: SDXL's micro-conditions of an uncropped image of
+        the training size)."""
+        from .data.captioned import table_of
+
+        if not prompts:
+            raise InvalidInput("a text-conditioned model samples from prompts: give at least one (--prompt)")
+        e = self.encoders.encode(list(prompts) + [negative])
+        time_ids = None
+        if self.spec.text.get("micro"):
+            lat = self.spec.latents or {}  # the images' side the latents were encoded at (data prepare --image-size)
+            side = lat.get("image_size") or self.spec.image_size * int((lat.get("vae") or {}).get("downsample", 8))
+            time_ids = torch.tensor([[side, side, 0, 0, side, side]], dtype=torch.float32).repeat(len(prompts), 1)
+        return table_of(e, [1] * len(prompts), time_ids).to(self.device)
+
     # -- the network as an estimator ---------------------------------------------------------------
     def x0_hat(self, x_t: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """The network's x̂0 at (x_t, t): its output head's conversion (a prediction type's, or a mixed
@@ -201,15 +244,16 @@ class ModelBundle:
         2022, Eq. 6, on x̂0) and clipping of x̂0 to the data range (ε̂ kept consistent with it)."""
         if guidance != guidance or guidance in (float("inf"), float("-inf")):
             raise InvalidInput(f"guidance must be a finite number, got {guidance}")
-        null = self.spec.num_classes
+        null = self.spec.num_classes if self.spec.text is None else None
 
         def denoise(x_t, t: int):
             tt = torch.full((x_t.shape[0],), t, device=x_t.device, dtype=torch.long)
             if labels is None or guidance == 1.0:
                 x0 = self.x0_hat(x_t, tt, labels)
             else:
-                both = self.x0_hat(torch.cat([x_t, x_t]), torch.cat([tt, tt]),
-                                   torch.cat([labels, torch.full_like(labels, null)]))
+                # text: the prompt table's last row is the negative prompt (its code `rows + row`, conditioning.py)
+                uncond = torch.full_like(labels, null) if null is not None else labels + self._rows
+                both = self.x0_hat(torch.cat([x_t, x_t]), torch.cat([tt, tt]), torch.cat([labels, uncond]))
                 cond, uncond = both.chunk(2)
                 x0 = uncond + guidance * (cond - uncond)
             a, s = self._alpha[t].to(x_t.device), self._sigma[t].to(x_t.device)
@@ -234,7 +278,8 @@ class ModelBundle:
     def generate(self, n: int, labels: torch.Tensor | None = None, *, seed: int = 0, steps: int = 50,
                  solver: str = "ddim", guidance: float = 1.0, ema: bool = True, progress: bool = False,
                  eta: float | None = None, chunk: int = 1024, spacing: str | None = None,
-                 first_image: int | None = None) -> torch.Tensor:
+                 first_image: int | None = None, prompts: list[str] | None = None,
+                 negative_prompt: str = "") -> torch.Tensor:
         """n samples in chunks of bounded memory, on the step spacing `spacing` (default: the run's
         sample.spacing). Chunk 0 draws its noise from torch.Generator().manual_seed(seed), as a diffusers
         pipeline given that generator does (solvers.randn), chunk i > 0 from seeds.derive(seed, "eval", i):
@@ -242,7 +287,23 @@ class ModelBundle:
         of a larger set and draws all its noise from its own generator, torch.Generator().manual_seed(seed +
         j + k), as EDM2's generate_images.py seeds image i with seed i (generation.py: a set split across
         ranks by image index; a diffusers pipeline given the list of those generators makes the same images).
+        Text runs: sample i is of prompts[labels[i]] (labels default to i mod the number of prompts), with
+        guidance against `negative_prompt`.
         Under FSDP every rank must call this in lockstep (forwards gather weights)."""
+        if self.spec.text is not None:
+            from .conditioning import using
+
+            table = self.prompt_table(list(prompts or self.spec.text.get("prompts") or []), negative_prompt)
+            if labels is None:
+                labels = (torch.arange(n, device=self.device) + (first_image or 0)) % (table.rows - 1)
+            self._rows = table.rows
+            with using(self.net, table):
+                return self._generate(n, labels, seed, steps, solver, guidance, ema, progress, eta, chunk, spacing,
+                              first_image)
+        return self._generate(n, labels, seed, steps, solver, guidance, ema, progress, eta, chunk, spacing,
+                              first_image)
+
+    def _generate(self, n, labels, seed, steps, solver, guidance, ema, progress, eta, chunk, spacing, first_image):
         if n < 1:
             raise InvalidInput(f"the number of samples must be >= 1, got {n}")
         if steps < 1:

@@ -6,7 +6,8 @@
     fasttrain report RUN
     fasttrain export RUN --to diffusers OUT
     fasttrain data prepare ROOT [--vae FOLDER | --encoder module:function] [--latents-out DIR] [--pack]
-                                [--shards DIR]
+                                [--shards DIR] [--text-encoders PIPE]   (captions cached beside the latents)
+    fasttrain sample --ckpt RUN --prompt TEXT [--negative-prompt TEXT] --guidance 4 --out DIR   (text runs)
 
 `sample` and `eval` also run under torchrun (`--num-samples` for `--n` there): the images split across
 ranks by index, resumable (generation.py).
@@ -111,6 +112,12 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--eta", type=_finite("--eta"), default=None, help="DDIM eta")
     sm.add_argument("--guidance", type=_finite("--guidance"), default=None, help="classifier-free guidance scale")
     sm.add_argument("--label", type=int, default=None, help="generate only this class (conditional runs)")
+    sm.add_argument("--prompt", action="append", default=None, help="text runs: a prompt (repeat for several; "
+                    "samples cycle through them; default: the run's sample.prompts or its data's first captions)")
+    sm.add_argument("--negative-prompt", default=None, help="text runs: guidance's unconditional side (default the "
+                    "run's sample.negative_prompt, the empty prompt)")
+    sm.add_argument("--text-encoders", default=None, help="text runs: encode prompts with this pipeline folder "
+                    "(default: the recorded one; it must hold the same encoders)")
     sm.add_argument("--seed", type=int, default=0, help="image i draws its noise from the seed + i (EDM2's rule)")
     sm.add_argument("--raw", action="store_true", help="use the raw weights instead of the EMA")
     sm.add_argument("--out", required=True, help="output directory: grid.png and one PNG per sample")
@@ -175,6 +182,13 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--bucket-reso-steps", type=_positive("--bucket-reso-steps"), default=64)
     pr.add_argument("--pack", action="store_true", help="also pack the .npy latents (ROOT's, or the encoded ones) "
                     "into one memory-mapped array + index, for data.name=packed (data/packed.py)")
+    pr.add_argument("--text-encoders", default=None, help="with --vae: also encode every image's captions (.txt "
+                    "beside it or metadata.jsonl) with this pipeline folder's text encoders (fp16 cache)")
+    pr.add_argument("--clip-skip", type=int, default=None,
+                    help="with --text-encoders: CLIP layers skipped from the end")
+    pr.add_argument("--caption-column", default="text", help="metadata.jsonl's caption column (default text)")
+    pr.add_argument("--allow-empty-captions", action="store_true", help="encode images without a caption as the "
+                    "empty prompt (default: refused, with their count)")
     return p
 
 
@@ -310,6 +324,9 @@ def _bundle(args):
     from .bundle import ModelBundle
 
     b = ModelBundle.load(args.ckpt, vae=args.vae)
+    b.text_folder = getattr(args, "text_encoders", None)
+    if b.spec.text is not None and b.text_folder:
+        b.encoders  # noqa: B018 - loads the text encoders and checks them against the recorded ones
     if args.vae and not b.spec.latents:
         raise InvalidInput(f"--vae: {args.ckpt} was not trained on VAE latents")
     if b.decodes:
@@ -364,6 +381,13 @@ def _data(args) -> int:
         raise InvalidInput("--vae and --encoder exclude each other")
     if args.buckets and not args.vae:
         raise InvalidInput("--buckets encodes VAE latents per aspect-ratio bucket: give --vae")
+    if args.text_encoders and not args.vae:
+        raise InvalidInput("--text-encoders needs --vae: captions are cached beside VAE latents")
+    if args.text_encoders:
+        from .text_encoders import family_of, transformers
+
+        transformers()
+        family_of(args.text_encoders)  # a missing or wrong folder before any encoding
     if args.vae:  # a missing VAE or extra before the folder is checked
         from . import optional
         from .data.encode import default_out
@@ -398,6 +422,17 @@ def _data(args) -> int:
         return 0
     if args.vae:
         res.update(_encode_with_vae(args, res["manifest"]))
+    if args.text_encoders:
+        import json
+
+        from .data.captioned import encode_captions
+
+        m = json.loads(Path(res["manifest"]).read_text())
+        t = encode_captions(m, args.latents_out, args.text_encoders, args.clip_skip, args.caption_column,
+                            args.allow_empty_captions, args.image_size)
+        cut = f"; {t['truncated']} truncated to the tokenizer's length" if t["truncated"] else ""
+        print(f"encoded {t['captions']} captions with the {t['family']} text encoders ({t['length']} tokens × "
+              f"{t['width']}){cut}")
     print(f"wrote {res['manifest']}" + (f" and {res['latents_manifest']}" if "latents_manifest" in res else ""))
     if args.shards:
         from .data.shards import write_shards

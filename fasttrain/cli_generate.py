@@ -31,7 +31,17 @@ def sample(args) -> int:
         if args.label is not None and not 0 <= args.label < classes:
             raise InvalidInput(f"--label must lie in [0, {classes}), got {args.label}")
     elif args.label is not None:
-        raise InvalidInput("--label: this model is unconditional")
+        raise InvalidInput("--label: this model is unconditional" if b.spec.text is None else
+                           "--label: this model is conditioned on text (use --prompt)")
+    prompts = {}
+    if b.spec.text is not None:
+        prompts = b.prompt_args()
+        if args.prompt:
+            prompts["prompts"] = args.prompt
+        if args.negative_prompt is not None:
+            prompts["negative_prompt"] = args.negative_prompt
+    elif args.prompt or args.negative_prompt is not None or args.text_encoders:
+        raise InvalidInput("--prompt/--negative-prompt/--text-encoders: this model is not conditioned on text")
     solver = args.solver or sc.solver
     eta = args.eta if args.eta is not None else (sc.eta if "eta" in SOLVERS.args(solver) else None)
     try:  # the same check as the config's sample.* keys
@@ -43,7 +53,7 @@ def sample(args) -> int:
         raise InvalidInput("--npz: this model does not make images (the .npz holds uint8 images)")
     s = gen.SampleSettings(args.n, args.seed, args.steps or sc.steps, solver, args.spacing or sc.spacing, eta,
                            sc.guidance if args.guidance is None else args.guidance, args.label, not args.raw,
-                           args.chunk)
+                           args.chunk, tuple(prompts.get("prompts") or ()) or None, prompts.get("negative_prompt"))
     done = gen.claim(out, gen.record_of(s, b, {"command": "sample"}), holds=_earlier_samples(args.out))
 
     def keep(x, lo, item):  # one chunk: its PNGs now (written before the chunk file marks it done)

@@ -66,6 +66,12 @@ class DataConfig:
     holdout: int = _f(400, "digits held out from training (for evaluation)", min=1)
     num_workers: int = _f(0, "loader workers: DataLoader processes or DALI threads (0 = main process / 1 thread; "
                           "more than the machine's cores: a warning)", min=0, max=THREADS)
+    caption_dropout: float = _f(0.1, "captioned data: probability of training on the empty prompt instead of the "
+                                "caption (classifier-free guidance; diffusers --proportion_empty_prompts, "
+                                "sd-scripts --caption_dropout_rate)", min=0, max=1)
+    shuffle_caption: bool = _f(False, "shuffle comma-separated caption tags per read (sd-scripts; needs live text "
+                               "encoding, which fasttrain does not run: refused with cached encodings)")
+    keep_tokens: int = _f(0, "with shuffle_caption: the leading tags kept in place (sd-scripts --keep_tokens)", min=0)
 
 
 @dataclass
@@ -193,6 +199,9 @@ class SampleConfig:
                               "square root)", min=0, max=1)
     guidance: float = _f(1.0, "classifier-free guidance scale (1 = off, 0 = unconditional)", min=0, max=100,
                          usual=(1, 20))
+    prompts: List[str] = _f([], "text runs: the prompts of the in-run sample grids (diffusers --validation_prompts; "
+                            "default: the data's first captions)")
+    negative_prompt: str = _f("", "text runs: the unconditional side of guidance (default the empty prompt)")
 
 
 @dataclass

@@ -144,7 +144,7 @@ def _validate(cfg: DictConfig) -> None:
         with _Key(f"diffusion.{group}"):
             reg.check_args(name, plain(d[group]), where=f"diffusion.{group}")
     args = plain(cfg.model.args)
-    for k in ("in_channels", "image_size", "num_classes"):
+    for k in ("in_channels", "image_size", "num_classes", "text"):
         if k in args:
             raise ConfigError(f"unknown config key 'model.args.{k}' (the data decide it)")
     with _Key("model.args"):
@@ -159,6 +159,15 @@ def _validate(cfg: DictConfig) -> None:
         kind = "images" if images else "2-D points"
         raise ConfigError(f"bad value for 'model.name': {cfg.model.name!r} does not take {kind} "
                           f"(data.name={cfg.data.name}; {'use an image model' if images else 'use mlp'})")
+    text = MODELS.get(cfg.model.name).text
+    if (data.traits.conditioning == "text") != bool(text and text(args)):  # captions need a text-conditioned net
+        if data.traits.conditioning == "text":
+            raise ConfigError(f"bad value for 'model.name': {cfg.model.name!r} with these model.args is not "
+                              f"conditioned on text, and data.name={cfg.data.name} is captioned (use model.name="
+                              f"diffusers model.args.class_name=UNet2DConditionModel)")
+        raise ConfigError(f"bad value for 'model.args.class_name': {args.get('class_name')!r} is conditioned on "
+                          f"text, and data.name={cfg.data.name} has no captions (use captioned data: "
+                          f"docs/text-to-image.md)")
     with _Key("data"):
         data.check(cfg.data)  # its own rules (a folder needs data.root, ...), naming the key
     if data.traits.needs_root:

@@ -116,8 +116,13 @@ def run_evaluation(bundle, settings: EvalSettings, reference: Reference) -> dict
             out["fidelity_error"] = f"no reference images: {reference.source}"
         else:
             labels = torch.arange(settings.num_samples, device=bundle.device) % classes if classes else None
+            prompts = {}
+            if spec.text is not None:  # text runs: the data's evaluation prompts (digits-text: one per class)
+                prompts = {"prompts": spec.text["prompts"], "negative_prompt": bundle.cfg.sample.negative_prompt}
+                labels = torch.arange(settings.num_samples, device=bundle.device) % len(spec.text["prompts"])
             x = bundle.generate(settings.num_samples, labels, seed=settings.seed, steps=settings.steps,
-                                solver=settings.solver)
+                                solver=settings.solver, guidance=bundle.cfg.sample.guidance if prompts else 1.0,
+                                **prompts)
             try:
                 x = bundle.decode(x) if decodes else x
             except UserError as e:  # the VAE is gone or unusable: the rest of the evaluation goes on

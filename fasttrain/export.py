@@ -96,6 +96,9 @@ def refusal(bundle) -> str | None:
     df, spec = bundle.cfg.diffusion, bundle.spec
     if not spec.image_size:
         return "it generates 2-D points; diffusers pipelines generate images"
+    if spec.text is not None:
+        return ("it is conditioned on text, and the export of text runs (a StableDiffusion pipeline with its "
+                "text encoders) is not written yet; sample it with `fasttrain sample --prompt`")
     if df.prediction not in (*PREDICTION_TYPES, "flow"):
         return (f"diffusion.prediction={df.prediction}: its heads and gate have no diffusers scheduler "
                 f"(schedulers take one prediction type)")

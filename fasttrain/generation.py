@@ -45,6 +45,8 @@ class SampleSettings:
     label: int | None = None  # None: balanced classes (i mod classes) for a conditional model
     ema: bool = True
     chunk: int = 256
+    prompts: tuple[str, ...] | None = None  # text runs: image i is of prompts[i mod len] (None: the run's own)
+    negative_prompt: str | None = None
 
     def __post_init__(self):
         if self.n < 1 or self.chunk < 1:
@@ -103,7 +105,8 @@ class ChunkStore:
 
 
 def record_of(settings: SampleSettings, bundle, extra: dict | None = None) -> dict:
-    return {**asdict(settings), "step": int(bundle.step), **(extra or {})}
+    """sampling.json's content, as it reads back (tuples as lists)."""
+    return json.loads(json.dumps({**asdict(settings), "step": int(bundle.step), **(extra or {})}))
 
 
 def claim(folder, record: dict, holds: Callable[[Path], str | None] | None = None) -> int:
@@ -151,13 +154,19 @@ def generate_set(bundle, s: SampleSettings, folder, sink: Callable[[torch.Tensor
         labels = labels_for(lo, hi, classes, s.label)
         x = bundle.generate(hi - lo, labels, seed=s.seed, steps=s.steps, solver=s.solver, guidance=s.guidance,
                             ema=s.ema, eta=s.eta, spacing=s.spacing, first_image=lo, chunk=max(s.chunk, hi - lo),
-                            progress=progress)
+                            progress=progress, **_prompts(s))
         item = {"lo": lo, "hi": hi, "labels": labels}
         item.update(sink(x, lo, item))
         store.save(k, item)
         made += hi - lo
     _barrier()
     return made
+
+
+def _prompts(s: SampleSettings) -> dict:
+    """generate()'s prompt arguments of a text run's settings (none: the run's own sample.prompts)."""
+    out = {} if s.prompts is None else {"prompts": list(s.prompts)}
+    return out if s.negative_prompt is None else {**out, "negative_prompt": s.negative_prompt}
 
 
 def write_adm_npz(path, items, n: int, shape_hwc: tuple[int, int, int], classes: int) -> Path:

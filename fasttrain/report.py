@@ -1,10 +1,12 @@
 """`fasttrain report RUN_DIR`: one self-contained HTML page per run (images inlined as base64): the
 loss curve, FID/KID/bits-per-dim over training, the per-timestep curves, a sample grid (for a latent
-run also decoded by its VAE), the final metrics and the config."""
+run also decoded by its VAE; for a text run with its prompts, one per column), the final metrics and
+the config."""
 from __future__ import annotations
 
 import base64
 import html
+import json
 import sys
 from pathlib import Path
 
@@ -26,6 +28,8 @@ tr:nth-child(even) { background: #f6f6f6; } pre { background: #f6f6f6; padding: 
 <h1>{{ name }}</h1>
 <p>{{ summary }}</p>
 {% for title, img in figures %}<h2>{{ title }}</h2><img src="data:image/png;base64,{{ img }}">
+{% if prompts and title.startswith("Samples") %}<p>One column per prompt, left to right:</p><ol>
+{% for p in prompts %}<li>{{ p if p else "(the empty prompt)" }}</li>{% endfor %}</ol>{% endif %}
 {% endfor %}
 {% if metrics %}<h2>Final evaluation</h2><table>
 {% for k, v in metrics %}<tr><th>{{ k }}</th><td>{{ v }}</td></tr>{% endfor %}
@@ -124,8 +128,16 @@ def write_report(run_dir: str | Path, vae: str | None = None) -> Path:
         summary += "; " + note
         print(f"fasttrain: report: {note}", file=sys.stderr)
     config = (run / "config.yaml").read_text() if (run / "config.yaml").is_file() else "(no config.yaml)"
+    prompts = []  # a text run's sample grid: one column per prompt (train.py)
+    if (run / "sample-prompts.json").is_file():
+        try:
+            prompts = [str(p) for p in json.loads((run / "sample-prompts.json").read_text())["columns"]]
+        except (ValueError, KeyError, TypeError):
+            print("fasttrain: report: sample-prompts.json is unreadable; the grid's prompts are not shown",
+                  file=sys.stderr)
     out = run / "report.html"
     out.write_text(PAGE.render(name=run.name, summary=summary, figures=figures,
-                               metrics=[(k, _fmt(v)) for k, v in last_eval.items()], config=config))
+                               metrics=[(k, _fmt(v)) for k, v in last_eval.items()], config=config,
+                               prompts=prompts))
     return out
 

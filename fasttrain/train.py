@@ -78,10 +78,15 @@ class Trainer:
                                      bucket_reso_steps=d.bucket_reso_steps)
         conditional = cfg.model.class_conditional and info.num_classes > 0
         self.spec = DataSpec(d.name, info.channels, info.image_size, info.num_classes if conditional else 0,
-                             cfg.model.label_dropout, info.latents, info.class_names if conditional else None)
+                             cfg.model.label_dropout, info.latents, info.class_names if conditional else None,
+                             info.text)
         with torch.random.fork_rng(devices=[]):  # the same initial weights on every rank
             torch.manual_seed(seeds.derive(tc.seed, "weights"))
             net = build_network(cfg, self.spec).to(self.device)
+        table = None
+        if info.text_table is not None:  # captioned data: the network gathers their cached encodings
+            table = info.text_table.to(self.device)
+            conditioning.attach(net, table)
         self.num_params = count_params(net)
         pc = cfg.parallel
         strategy = pc.strategy if pc.strategy != "auto" else ("fsdp" if world > 1 else "none")
@@ -110,7 +115,7 @@ class Trainer:
         generators = Generators(torch.Generator(self.device).manual_seed(seeds.derive(tc.seed, "timesteps", rank)),
                                 torch.Generator(self.device).manual_seed(seeds.derive(tc.seed, "labels", rank)))
         self.state = TrainState(self.device)
-        cond = conditioning.for_data(self.spec, cfg.model.label_dropout, generators.labels)
+        cond = conditioning.for_data(self.spec, cfg.model.label_dropout, generators.labels, table, d.caption_dropout)
         self.parts = StepParts(self.model, self.objective, self.opt, generators, ema=self.ema, scaler=self.scaler,
                                conditioning=cond, precision=self.precision, grad_clip=o.grad_clip, counters=self.state,
                                hooks=self.hooks, rank=rank, world_size=world)
@@ -133,9 +138,10 @@ class Trainer:
         self.step_fn = graphs.step_function(partial(update, self.parts), self.parts, graphed,
                                             device=self.device, grad_accum=tc.grad_accum, announce=self.dist.is_main)
         peak = dist_utils.device_peak_flops()
+        text = {"text": self.spec.text} if self.spec.text is not None else {}  # the text network's shapes
         self.flops_per_image = 3 * forward_flops(cfg.model.name, in_channels=self.spec.channels,
                                                  image_size=self.spec.image_size, num_classes=self.spec.num_classes,
-                                                 **plain(cfg.model.args)) if peak else None
+                                                 **plain(cfg.model.args), **text) if peak else None
         self.peak_flops = peak * world if peak else None
 
     @property
@@ -252,10 +258,16 @@ class Trainer:
                 labels = torch.arange(cfg.sample.num, device=self.device) % self.spec.num_classes
             n = cfg.sample.num if self.spec.image_size else max(cfg.sample.num, 2000)
             x = self.bundle.generate(n, labels, steps=cfg.sample.steps, solver=cfg.sample.solver,
-                                     guidance=cfg.sample.guidance, eta=cfg.sample.eta, progress=cfg.train.progress)
+                                     guidance=cfg.sample.guidance, eta=cfg.sample.eta, progress=cfg.train.progress,
+                                     **self.bundle.prompt_args())
             if self.dist.is_main:
                 ref = self.eval_reference().train if not self.spec.image_size else None
-                plots.save_samples(self.run_dir / "samples.png", x, self.spec, reference=ref)
+                nrow = None
+                if self.spec.text is not None:  # one column per prompt; the report lists them (report.py)
+                    prompts = self.bundle.prompt_args()["prompts"] or self.spec.text["prompts"]
+                    nrow = min(len(prompts), n)
+                    (self.run_dir / "sample-prompts.json").write_text(json.dumps({"columns": prompts[:nrow]}))
+                plots.save_samples(self.run_dir / "samples.png", x, self.spec, reference=ref, nrow=nrow)
                 if self.spec.decodes:  # latents: also as the images the run's VAE decodes them into
                     _report_failure("no decoded samples", lambda: self.bundle.save_decoded(
                         self.run_dir / "samples-decoded.png", x))

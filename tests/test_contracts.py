@@ -79,13 +79,16 @@ def test_every_data_kind_declares_its_traits_and_builds_what_they_say():
     for name in DATA_KINDS.names():
         kind = data_kind(name)
         assert isinstance(kind.traits, Traits) and kind.name == name
-        assert kind.traits.conditioning in ("class", "none")
+        assert kind.traits.conditioning in ("class", "none", "text")
         assert not (kind.traits.latents and kind.traits.pixels)
         if kind.traits.resident and kind.trainable:  # built-in: build one batch and check the declaration
             stream, info = build_data(name, batch_size=4, image_size=8, channels=3)
             x0, y = next(stream)
             assert (x0.ndim == 4) == kind.traits.images and (info.image_size is not None) == kind.traits.images
             assert (info.num_classes > 0) == (kind.traits.conditioning == "class")
+            text = kind.traits.conditioning == "text"  # batches carry caption groups of the cached encodings
+            assert (info.text_table is not None) == text and (info.text is not None) == text
+            assert not text or int(y.max()) < len(info.text_table.counts)
 
 
 # -- the step as one function over named parts ----------------------------------------------------------

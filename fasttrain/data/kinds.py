@@ -15,7 +15,8 @@ Traits (`Traits`):
                   (DataLoader or DALI), which `data.backend` chooses
   needs_root      read from `data.root`
   sized_by_config the image size is `data.image_size` (else the files decide it)
-  conditioning    what a batch's labels are: "class" (class labels; a set without classes has 0 of them)
+  conditioning    what a batch's labels are: "class" (class labels; a set without classes has 0 of them),
+                  "text" (caption groups into `DataInfo.text_table`: data/captioned.py), "none"
   extractor       the feature extractor `eval.extractor=auto` takes for it (None: by `pixels`)
 A new data kind (WebDataset shards, packed latents, text–image pairs) is one module in this package:
 a `DataKind` subclass with its traits, `build`, `reference` and `check`, registered with `@register`.
@@ -79,6 +80,8 @@ class DataInfo:
     size: int
     latents: dict | None = None  # a latent folder's VAE, normalisation and statistics (vae.latent_record)
     class_names: list | None = None  # the classes' names (folders: the class subfolders), by label
+    text: dict | None = None  # captioned kinds: the text encoders' identity and shapes (data/captioned.py)
+    text_table: object = None  # captioned kinds: their cached encodings (conditioning.TextTable), not recorded
 
 
 @dataclass
@@ -118,6 +121,10 @@ class DataKind:
         """(stream of (x0, labels) batches on the device, DataInfo); `backend`: "memory" for a resident
         kind, else the file reader `data.backend` resolved to ("dali" or "torch")."""
         raise NotImplementedError
+
+    def text_encoders(self, record: dict) -> str:
+        """Captioned kinds: the folder of the text encoders whose identity `record` is (the recorded one)."""
+        return record["path"]
 
     def reference(self, cfg, spec, ref_path: str | None, n: int) -> Reference:
         """The real data evaluations compare with: `ref_path` when given (a folder of images), else the

@@ -16,10 +16,13 @@ class LatentFolder(DataKind):
     traits = Traits(images=True, pixels=False, resident=False, needs_root=True, latents=True, sized_by_config=False)
 
     def build(self, a: DataArgs, backend: str):
+        check_folder_args(a, self.name)
+        return self.build_from(a, backend, folder_manifest(a))
+
+    def build_from(self, a: DataArgs, backend: str, m: dict):
+        """The stream and info of the folder whose (checked) manifest is `m`."""
         from ..vae import latent_record
 
-        check_folder_args(a, self.name)
-        m = folder_manifest(a)
         files = [tuple(f) for f in m["files"]]
         ds = LatentFolderDataset(a.root, m)
         shape = ds.shape()

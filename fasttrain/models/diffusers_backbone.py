@@ -11,6 +11,12 @@ samples it. Its config.json is copied
 into the run's config when the run is configured (`complete`), so a checkpoint rebuilds the network
 without the pretrained folder; its weights are read only when a run starts.
 
+    model.args.class_name=UNet2DConditionModel model.args.pretrained=PIPE model.args.subfolder=unet  # text
+
+A UNet2DConditionModel (SD 1.x/2.x; SDXL with added_cond_kwargs) trains on captioned data: its text
+inputs are gathered from the run's cached encodings (conditioning.TextTable), the data decide its
+cross_attention_dim and SDXL's added-embedding width (`_text_network`).
+
 Conventions bridged here:
   classes   fasttrain's null label is `num_classes` (classifier-free guidance); it is mapped to the
             network's own last row (UNet2DModel: num_class_embeds − 1; DiT: num_embeds_ada_norm), so a
@@ -60,15 +66,20 @@ def _dit_sizes(image_size: int, cfg: dict) -> None:
         raise InvalidInput(f"image_size {image_size} is not divisible by model.args.config.patch_size")
 
 
-# the classes model.args.class_name takes (a text-conditioned class is a new row and its conditioning)
+# the classes model.args.class_name takes; UNet2DConditionModel is conditioned on text (conditioning.py)
 KINDS = {"UNet2DModel": Kind("num_class_embeds", _unet_sizes, "unet"),
-         "DiTTransformer2DModel": Kind("num_embeds_ada_norm", _dit_sizes, "transformer")}
+         "DiTTransformer2DModel": Kind("num_embeds_ada_norm", _dit_sizes, "transformer"),
+         "UNet2DConditionModel": Kind("num_class_embeds", _unet_sizes, "unet")}
+TEXT_CLASSES = ("UNet2DConditionModel",)
 
 
 def _kind(class_name) -> Kind:
+    if class_name == "SD3Transformer2DModel":
+        raise InvalidInput("model.args.class_name=SD3Transformer2DModel is not supported yet: SD3 trains on a "
+                           "shifted flow schedule (shift 3) that fasttrain's flow schedule does not have, and it "
+                           "would train wrong; fine-tune SD 1.x/2.x or SDXL (UNet2DConditionModel)")
     if class_name not in KINDS:
-        raise InvalidInput(f"model.args.class_name must be one of {', '.join(KINDS)}, got {class_name!r} "
-                           f"(class-conditioned image models; text-conditioned ones are not supported)")
+        raise InvalidInput(f"model.args.class_name must be one of {', '.join(KINDS)}, got {class_name!r}")
     return KINDS[class_name]
 
 
@@ -169,12 +180,18 @@ def _fit(cfg: dict, key: str, want, strict: bool, what: str) -> None:
 
 
 class DiffusersBackbone(nn.Module):
-    """A diffusers UNet2DModel or DiTTransformer2DModel with fasttrain's forward(x, t, y) → prediction."""
+    """A diffusers UNet2DModel, DiTTransformer2DModel or UNet2DConditionModel with fasttrain's
+    forward(x, t, y) → prediction. A text-conditioned one reads y as caption codes into `text_table`
+    (conditioning.TextTable, attached by the trainer or the bundle; not a buffer: never in a checkpoint)."""
 
-    def __init__(self, model: nn.Module, num_classes: int, null_row: int | None, out_channels: int | None = None):
+    def __init__(self, model: nn.Module, num_classes: int, null_row: int | None, out_channels: int | None = None,
+                 text: dict | None = None):
         super().__init__()
         self.model, self.num_classes, self.null_row = model, num_classes, null_row
         self.out_channels = out_channels  # fewer than the model's: a learned-Σ half left unused
+        self.text = text
+        if text is not None:
+            self.text_table = None
         self.is_dit = type(model).__name__ == "DiTTransformer2DModel"
         if self.is_dit:
             for blk in model.transformer_blocks:  # the trainer drops labels; diffusers' own 10% would add to it
@@ -189,8 +206,27 @@ class DiffusersBackbone(nn.Module):
             return torch.full_like(t, self.null_row, dtype=torch.long)
         return torch.where(y == self.num_classes, torch.full_like(y, self.null_row), y)
 
+    def _text(self, y: torch.Tensor | None, x: torch.Tensor) -> dict:
+        """UNet2DConditionModel's text inputs: encoder_hidden_states (SD 1.x/2.x), and SDXL's
+        added_cond_kwargs {text_embeds: pooled, time_ids} (UNet2DConditionModel with addition_embed_type
+        "text_time"). The attention mask is not passed, as the stock pipelines do not."""
+        if self.text_table is None:  # no table (FLOP counting on the meta device): zero states of the right shape
+            b, r = x.shape[0], self.text
+            g = {"states": x.new_zeros(b, r["length"], r["width"]),
+                 "pooled": x.new_zeros(b, r["pooled"]) if r.get("pooled") else None,
+                 "time_ids": x.new_zeros(b, 6) if r.get("micro") else None}
+        else:
+            g = self.text_table.gather(y, x.shape[0], x.dtype)
+        kw = {"encoder_hidden_states": g["states"]}
+        if self.model.config.get("addition_embed_type") == "text_time":
+            kw["added_cond_kwargs"] = {"text_embeds": g["pooled"], "time_ids": g["time_ids"]}
+        return kw
+
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
-        out = self.model(x, t, class_labels=self._labels(y, t)).sample
+        if self.text is not None:
+            out = self.model(x, t, **self._text(y, x)).sample
+        else:
+            out = self.model(x, t, class_labels=self._labels(y, t)).sample
         return out if self.out_channels is None else out[:, :self.out_channels]
 
     def repeated_blocks(self) -> list[nn.Module]:
@@ -204,10 +240,16 @@ class DiffusersBackbone(nn.Module):
 
 def build(in_channels: int, image_size: int, num_classes: int = 0, out_channels: int | None = None,
           class_name: str = "UNet2DModel", config: dict | None = None, pretrained: str = "",
-          subfolder: str = "") -> DiffusersBackbone:
+          subfolder: str = "", text: dict | None = None) -> DiffusersBackbone:
     """The network from `config` (completed from `pretrained` by configure.py), with pretrained weights
-    when a run starts (not when a checkpoint's weights will replace them)."""
+    when a run starts (not when a checkpoint's weights will replace them). `text`: the run's text record
+    (data/captioned.py: the encoders' width, length, pooled width, micro-conditions) for a text class."""
     check(image_size, class_name, config, pretrained, subfolder)
+    if (class_name in TEXT_CLASSES) != (text is not None):
+        raise InvalidInput(f"model.args.class_name={class_name} is conditioned on "
+                           f"{'text' if class_name in TEXT_CLASSES else 'class labels'}, the data are "
+                           f"{'captioned' if text is not None else 'not captioned'} (captioned data train a "
+                           f"UNet2DConditionModel; others UNet2DModel or DiTTransformer2DModel)")
     user = dict(config or {})
     pre = bool(pretrained)
     if pre and "in_channels" not in user:  # built without configure.py's `complete`
@@ -225,6 +267,8 @@ def build(in_channels: int, image_size: int, num_classes: int = 0, out_channels:
     # the class table: rows 0..K-1 the data's classes, the last row the null label
     key = KINDS[class_name].label_key
     given = cfg.get(key) if (pre or key in user) else None
+    if text is not None:
+        return _text_network(cfg, pre, user, class_name, pretrained, subfolder, sliced, text, num_classes)
     if dit:
         if cfg.setdefault("norm_type", "ada_norm_zero") != "ada_norm_zero":
             raise InvalidInput("a DiTTransformer2DModel needs norm_type=ada_norm_zero here (timestep and class "
@@ -242,6 +286,11 @@ def build(in_channels: int, image_size: int, num_classes: int = 0, out_channels:
         raise InvalidInput(f"the diffusers {class_name} has {have}, the data need {num_classes + 1} ({num_classes} "
                            f"classes and the null label; model.class_conditional=false trains it unconditionally)")
     null_row = None if rows is None else rows - 1
+    model = _construct_loaded(class_name, cfg, pre, pretrained, subfolder)
+    return DiffusersBackbone(model.train(), num_classes, null_row, sliced)
+
+
+def _construct_loaded(class_name: str, cfg: dict, pre: bool, pretrained: str, subfolder: str) -> nn.Module:
     model = construct(class_name, cfg)
     if pre and load_pretrained():
         cls = getattr(optional.diffusers("model.name=diffusers"), class_name)
@@ -251,7 +300,40 @@ def build(in_channels: int, image_size: int, num_classes: int = 0, out_channels:
         except RuntimeError as e:
             raise InvalidInput(f"model.args.config changes the pretrained {class_name}'s shapes "
                                f"({str(e).strip().splitlines()[-1][:160]})") from None
-    return DiffusersBackbone(model.train(), num_classes, null_row, sliced)
+    return model
 
 
-register("diffusers", check=check, complete=complete, recorded=("config",))(build)
+def _text_network(cfg: dict, pre: bool, user: dict, class_name: str, pretrained: str, subfolder: str,
+                  sliced, text: dict, num_classes: int) -> DiffusersBackbone:
+    """A UNet2DConditionModel whose cross-attention width is the text encoders' (SD 1.x: 768, SD 2.x: 1024,
+    SDXL: 2048), and, for SDXL (addition_embed_type "text_time"), whose added embedding takes the pooled
+    vector and the six micro-conditions (projection_class_embeddings_input_dim = pooled + 6 · addition_time_embed_dim,
+    diffusers' UNet2DConditionModel)."""
+    if num_classes:
+        raise InvalidInput("a text-conditioned run has no class labels (model.class_conditional=false)")
+    if cfg.get("addition_embed_type") == "text_time":
+        if not text.get("pooled") or not text.get("micro"):
+            raise InvalidInput("this UNet2DConditionModel is SDXL's (addition_embed_type=text_time): it needs the "
+                               "pooled text vector and the size/crop micro-conditions, and the data have "
+                               f"{'no micro-conditions' if text.get('pooled') else 'no pooled vector'} (prepare them "
+                               "with SDXL's text encoder pair)")
+        want = text["pooled"] + 6 * int(cfg.get("addition_time_embed_dim") or 256)
+        _fit(cfg, "projection_class_embeddings_input_dim", want, pre or "projection_class_embeddings_input_dim" in user,
+             "the pooled width + 6 micro-conditions")
+    elif cfg.get("addition_embed_type") is not None:
+        raise InvalidInput(f"addition_embed_type={cfg['addition_embed_type']!r} is not a Stable Diffusion UNet's "
+                           f"(none: SD 1.x/2.x, text_time: SDXL)")
+    _fit(cfg, "cross_attention_dim", text["width"], pre or "cross_attention_dim" in user,
+         "the text encoders' width")
+    if cfg.get("class_embed_type") is not None or cfg.get("num_class_embeds"):
+        raise InvalidInput("a text-conditioned UNet2DConditionModel here has no class embedding "
+                           "(class_embed_type=None, num_class_embeds=None)")
+    model = _construct_loaded(class_name, cfg, pre, pretrained, subfolder)
+    return DiffusersBackbone(model.train(), 0, None, sliced, text=text)
+
+
+def takes_text(args: dict) -> bool:
+    return args.get("class_name", "UNet2DModel") in TEXT_CLASSES
+
+
+register("diffusers", check=check, complete=complete, recorded=("config",), text=takes_text)(build)
