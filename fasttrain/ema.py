@@ -21,12 +21,16 @@ def clean_name(name: str) -> str:
     return name[len("module."):] if name.startswith("module.") else name
 
 
-def _reshard(model: nn.Module) -> None:
+def fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules that FSDP2 made shardable (those with `reshard`): none for a plain or DDP model."""
+    return [m for m in model.modules() if type(m).__name__.startswith("FSDP") and hasattr(m, "reshard")]
+
+
+def _reshard(modules: list[nn.Module]) -> None:
     """FSDP2 keeps some blocks gathered after a forward without backward (reshard_after_forward=False):
     bring every parameter back to its sharded DTensor form before touching it."""
-    for m in model.modules():
-        if type(m).__name__.startswith("FSDP") and hasattr(m, "reshard"):
-            m.reshard()
+    for m in modules:
+        m.reshard()
 
 
 class EMA:
@@ -37,6 +41,17 @@ class EMA:
         # the update count lives on the device: the decay of each update is computed there, so an update
         # never syncs with the host and a captured CUDA graph replays it as it is (graphs.py)
         self.count = torch.zeros((), dtype=torch.int64, device=self.shadow[0].device if self.shadow else "cpu")
+        self._walked: tuple | None = None  # (model, its parameters, its FSDP modules): see _walk
+
+    def _walk(self, model: nn.Module) -> tuple[list[torch.Tensor], list[nn.Module]]:
+        """The model's parameters and FSDP modules, found once per model: walking the module tree
+        (model.parameters(), model.modules()) on every update was a per-step cost of its own on small
+        CPU models (issue 35). Parameters that a wrapper applied after the first update replaced are
+        found again (their first one is no longer the model's)."""
+        w = self._walked
+        if w is None or w[0] is not model or (w[1] and next(model.parameters()) is not w[1][0]):
+            w = self._walked = (model, list(model.parameters()), fsdp_modules(model))
+        return w[1], w[2]
 
     @property
     def n(self) -> int:
@@ -51,8 +66,8 @@ class EMA:
         """One EMA step with decay_n = min(decay, (1 + n)/(10 + n)) (warm-up) or `decay`. `applied` (a
         device 0/1 scalar) is 0 for an optimizer step that was skipped, which leaves the average
         unchanged; the count moves on either way. No host sync."""
-        _reshard(model)
-        params = [p.detach() for p in model.parameters()]
+        params, fsdp = self._walk(model)
+        _reshard(fsdp)  # (no_grad: the parameters are read as they are, without detached copies)
         if self.count.device != self.shadow[0].device:
             self.count = self.count.to(self.shadow[0].device)
         c = self.count.double()
@@ -68,8 +83,8 @@ class EMA:
     @contextlib.contextmanager
     def applied(self, model: nn.Module):
         """Inside the block the model holds the averaged weights; the trained ones come back after."""
-        _reshard(model)
-        params = [p for p in model.parameters()]
+        params, fsdp = self._walk(model)
+        _reshard(fsdp)
         with torch.no_grad():
             for p, s in zip(params, self.shadow):
                 tmp = p.detach().clone()
@@ -78,7 +93,7 @@ class EMA:
         try:
             yield model
         finally:
-            _reshard(model)
+            _reshard(fsdp)
             with torch.no_grad():
                 for p, s in zip(params, self.shadow):
                     tmp = p.detach().clone()
