@@ -117,7 +117,7 @@ def parallelize(model: nn.Module, strategy: str = "none", ac: str = "none", comp
         if value not in allowed:
             raise InvalidInput(f"bad value for '{key}': {value!r} (choose from {', '.join(allowed)})")
     device = torch.device(device)
-    if channels_last:  # NHWC convolutions (UNets on tensor cores): parameters only, inputs follow
+    if channels_last:  # NHWC convolutions (tensor cores; oneDNN on CPU): parameters only, inputs follow
         model.to(memory_format=torch.channels_last)
     apply_ac(model, ac)
     apply_compile(model, compile, compile_mode)
