@@ -1,7 +1,8 @@
 """Where the default run's time goes (issue 35): a short run of the default preset, its phases timed
 one by one, scaled to the whole run (4000 steps, evaluations at 2000 and at the end, samples, plots).
 
-    python bench/profile_default.py [--steps 300] [--threads 1] [--eval] [PRESET overrides ...]
+    python bench/profile_default.py [--steps 300] [--rounds 2] [--threads 1] [--eval] [overrides ...]
+    PYTHONPATH=/tmp/main-code python bench/profile_default.py --eval --out default-breakdown-cpu-main --label main
 
 Phases of one optimizer step, measured on the trainer's own parts (the model, objective, optimizer and
 EMA that `fasttrain train` builds), in the order of fasttrain/step.py's `update`:
@@ -169,6 +170,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=_env.count(), default=1, help="training threads (the default run: 1)")
     ap.add_argument("--eval", action="store_true", help="also time one evaluation and the run's end; write results")
     ap.add_argument("--preset", default="default")
+    ap.add_argument("--out", type=_env.stem, default=None, help="result files' stem (default: PRESET-breakdown-cpu)")
+    ap.add_argument("--label", default="", help="what code this is, for the table's title (e.g. 'main')")
     ap.add_argument("overrides", nargs="*", help="config overrides key=value")
     args = ap.parse_args(argv)
     timer, loop_timer = Timer(), Timer()
@@ -241,12 +244,14 @@ def main(argv=None) -> None:
     total = sum(r[3] for r in rows)
     step_ms = 1e3 * sum(per_step.values())
     out = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": info, "command": " ".join(sys.argv),
-           "preset": args.preset, "overrides": args.overrides, "measured_steps": n_steps, "run_steps": full_steps,
+           "preset": args.preset, "label": args.label, "overrides": args.overrides, "measured_steps": n_steps,
+           "run_steps": full_steps,
            "rows": [{"phase": r[0], "seconds_each": r[1], "count": r[2], "seconds_in_run": r[3]} for r in rows],
            "projected_run_seconds": total, "step_ms": step_ms,
            "loop_ms": loop_ms, "phases_ms": 1e3 * phase_sum, "evaluation_cpu_seconds": eval_cpu,
            "step_clock": "process CPU time", "evaluation_clock": "wall"}
-    lines = [f"# Where the `{args.preset}` run's time goes (cpu, {args.threads} training thread)", "",
+    label = f", {args.label}" if args.label else ""
+    lines = [f"# Where the `{args.preset}` run's time goes (cpu, {args.threads} training thread{label})", "",
              f"machine: {info['cpu']}, {info['cores']} cores, load {info['loadavg_1min']} at the start; "
              f"torch {info['torch']}  ", f"when: {out['when']}  ", f"command: `{out['command']}`", "",
              f"Step phases: process CPU time, mean over {n_steps} steps of the preset's own parts ({args.rounds} "
@@ -263,7 +268,7 @@ def main(argv=None) -> None:
               f"({int(total) // 60} min {int(total) % 60:02d} s)."]
     print("\n".join(lines))
     if args.eval:
-        name = f"{args.preset}-breakdown-cpu"
+        name = args.out or f"{args.preset}-breakdown-cpu"
         with _env.Results() as res:
             res.text(f"{name}.json", json.dumps(out, indent=2))
             res.text(f"{name}.md", "\n".join(lines) + "\n")

@@ -73,3 +73,23 @@ def test_evaluations_of_a_cpu_run_use_every_core_and_give_the_training_threads_b
             assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(kept)
+
+
+def test_the_cpu_ema_lerp_matches_the_average_and_a_skipped_step_leaves_it_unchanged():
+    torch.manual_seed(0)
+    m = nn.Linear(5, 4)
+    ema = EMA(m, decay=0.99, warmup=True)
+    for n in range(12):  # across warm-up's switch of lerp's formula (weight above and below 0.5)
+        expected = [s.clone() for s in ema.shadow]
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(torch.randn_like(p))
+        w = 1 - min(0.99, (1 + n) / (10 + n))
+        ema.update(m)
+        for s, e, p in zip(ema.shadow, expected, m.parameters()):
+            torch.testing.assert_close(s, e + w * (p.detach() - e), atol=1e-6, rtol=1e-6)
+    kept = [s.clone() for s in ema.shadow]
+    with torch.no_grad():
+        m.weight.add_(1.0)
+    ema.update(m, applied=torch.tensor(False))
+    assert all(torch.equal(s, k) for s, k in zip(ema.shadow, kept))
