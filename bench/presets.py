@@ -60,7 +60,7 @@ def run_preset(name: str, run: Path, code: Path | None) -> dict:
 
 def main(argv=None) -> None:
     import torch
-    from _env import Parser, Results
+    from _env import Parser, Results, stem
     from cases import machine
 
     from fasttrain.config import presets as known
@@ -69,6 +69,7 @@ def main(argv=None) -> None:
     ap.add_argument("presets", nargs="*", choices=sorted(known()), metavar="PRESET",
                     help=f"presets to run (default: {' '.join(PRESETS)})")
     ap.add_argument("--against", metavar="REF", help="also run the presets with the code of this git ref, in turn")
+    ap.add_argument("--out", type=stem, default=None, help="result files' stem (default: presets-<device>)")
     args = ap.parse_args(argv)
     presets = args.presets or PRESETS
     rows = []
@@ -101,8 +102,9 @@ def main(argv=None) -> None:
                      f"{f(r['recall'])} | {f(r['bpd'])} ± {f(r['bpd_se'])} | {f(r['digits_confidence'], '.3f')} | "
                      f"{f(r['digits_classes_present'], 'd')}/10 | {f(agree, '.0f')}% |")
     with Results(RESULTS) as res:  # once every preset has run (a failed one exits above)
-        res.text(f"presets-{dev}.json", json.dumps({**meta, "rows": rows}, indent=2))
-        res.text(f"presets-{dev}.md", "\n".join(lines) + "\n")
+        name = args.out or f"presets-{dev}"
+        res.text(f"{name}.json", json.dumps({**meta, "rows": rows}, indent=2))
+        res.text(f"{name}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
