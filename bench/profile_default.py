@@ -1,7 +1,7 @@
 """Where the default run's time goes (issue 35): a short run of the default preset, its phases timed
 one by one, scaled to the whole run (4000 steps, evaluations at 2000 and at the end, samples, plots).
 
-    python bench/profile_default.py [--steps 300] [--rounds 2] [--threads 1] [--eval] [overrides ...]
+    python bench/profile_default.py [--steps 300] [--rounds 2] [--threads N] [--eval] [overrides ...]
     PYTHONPATH=/tmp/main-code python bench/profile_default.py --eval --out default-breakdown-cpu-main --label main
 
 Phases of one optimizer step, measured on the trainer's own parts (the model, objective, optimizer and
@@ -167,7 +167,8 @@ def main(argv=None) -> None:
     ap = _env.Parser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=_env.count(), default=300, help="steps of each measurement round")
     ap.add_argument("--rounds", type=_env.count(), default=2, help="alternating rounds of phases and loop")
-    ap.add_argument("--threads", type=_env.count(), default=1, help="training threads (the default run: 1)")
+    ap.add_argument("--threads", type=_env.count(0), default=0,
+                    help="train.threads (0, the run's default: one training thread, evaluations on every core)")
     ap.add_argument("--eval", action="store_true", help="also time one evaluation and the run's end; write results")
     ap.add_argument("--preset", default="default")
     ap.add_argument("--out", type=_env.stem, default=None, help="result files' stem (default: PRESET-breakdown-cpu)")
@@ -178,7 +179,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
         cfg = read_config(args.preset, [f"run_dir={tmp}/run", "train.progress=false",
-                                        f"train.threads={args.threads}", *args.overrides])
+                                        *([f"train.threads={args.threads}"] if args.threads else []), *args.overrides])
         full_steps = cfg.train.steps
         tr = Trainer(cfg)
         setup = time.perf_counter() - t
@@ -207,24 +208,31 @@ def main(argv=None) -> None:
         # (within the noise of a shared machine the difference can come out below zero: shown as 0, kept in the JSON)
         per_step["per-step machinery (loop, data, LR, counters, actions not due)"] = max(
             0.0, loop_s / n_steps - phase_sum)
-        ev, eval_cpu = {}, {}
+        ev = {}  # name → (wall seconds, CPU seconds, threads while sampling)
         if args.eval:
+            seen = []
+            generate = tr.bundle.generate
+
+            def counted(*a, **kw):  # the thread count the evaluation samples with
+                seen.append(torch.get_num_threads())
+                return generate(*a, **kw)
+            tr.bundle.generate = counted
             t, c = time.perf_counter(), clock()
             tr.evaluate(tr.log)
-            ev["one evaluation (500 samples DDIM-50, FID features, judge, bits/dim 400x50)"] = time.perf_counter() - t
-            eval_cpu["one evaluation"] = clock() - c
+            ev["one evaluation (500 samples DDIM-50, FID features, judge, bits/dim 400x50)"] = (
+                time.perf_counter() - t, clock() - c, max(seen, default=1))
             t, c = time.perf_counter(), clock()
             e = tr.cfg.eval
             kept = e.num_samples, e.bpd
             e.num_samples, e.bpd = 0, False  # finish() less the evaluation timed above
             tr.finish(tr.log)
             e.num_samples, e.bpd = kept
-            ev["end of run (100 samples DDIM-50, plots, summary)"] = time.perf_counter() - t
-            eval_cpu["end of run"] = clock() - c
+            # (its CPU time counted whole: the plots, most of it, run on one thread)
+            ev["end of run (100 samples DDIM-50, plots, summary)"] = (time.perf_counter() - t, clock() - c, 1)
         tr.log.close()
         tr.close()
     info = machine()
-    info["threads"] = args.threads
+    info["threads"] = args.threads or "auto"
     rows = []  # (phase, seconds per occurrence, occurrences in the full run, seconds in the full run)
     for k, v in per_step.items():
         rows.append((k, v, full_steps, v * full_steps))
@@ -235,9 +243,11 @@ def main(argv=None) -> None:
         if k not in loop_timer.s and counts[k] and not k.endswith("evaluation"):
             rows.append((k + " (not in the window: not timed)", 0.0, counts[k], 0.0))
     n_eval = counts.get("action: evaluation", 0) + 1  # every `eval.every` before the last, and the end's
-    for k, v in ev.items():
+    for k, (_wall, cpu, threads) in ev.items():
+        # on a free machine: its CPU time spread over the threads it ran on (at best); the wall time
+        # measured under this machine's load is in the JSON
         n = n_eval if k.startswith("one evaluation") else 1
-        rows.append((k, v, n, v * n))
+        rows.append((f"{k}, CPU time / {threads}", cpu / threads, n, cpu / threads * n))
     imports = T_IMPORTS - T_START
     rows.append(("imports (python, torch, fasttrain)", imports, 1, imports))
     rows.append(("set-up (data, network, optimizer, ...)", setup, 1, setup))
@@ -248,17 +258,20 @@ def main(argv=None) -> None:
            "run_steps": full_steps,
            "rows": [{"phase": r[0], "seconds_each": r[1], "count": r[2], "seconds_in_run": r[3]} for r in rows],
            "projected_run_seconds": total, "step_ms": step_ms,
-           "loop_ms": loop_ms, "phases_ms": 1e3 * phase_sum, "evaluation_cpu_seconds": eval_cpu,
-           "step_clock": "process CPU time", "evaluation_clock": "wall"}
+           "evaluation": {k: {"wall_s": w, "cpu_s": c, "threads": n} for k, (w, c, n) in ev.items()},
+           "loop_ms": loop_ms, "phases_ms": 1e3 * phase_sum,
+           "step_clock": "process CPU time", "evaluation_clock": "process CPU time / threads"}
     label = f", {args.label}" if args.label else ""
-    lines = [f"# Where the `{args.preset}` run's time goes (cpu, {args.threads} training thread{label})", "",
+    threads = f"train.threads={args.threads}" if args.threads else "one training thread"
+    lines = [f"# Where the `{args.preset}` run's time goes (cpu, {threads}{label})", "",
              f"machine: {info['cpu']}, {info['cores']} cores, load {info['loadavg_1min']} at the start; "
              f"torch {info['torch']}  ", f"when: {out['when']}  ", f"command: `{out['command']}`", "",
              f"Step phases: process CPU time, mean over {n_steps} steps of the preset's own parts ({args.rounds} "
              "rounds alternating with the trainer's real loop, whose extra time is the machinery row); periodic "
-             "actions: CPU time where they act; evaluation, end of run, imports, set-up: wall time (evaluation "
-             f"CPU seconds in the JSON). Total: scaled to the run's {full_steps} steps, a projection for a free "
-             "machine (bench/presets.py measures the real run).", "",
+             "actions: CPU time where they act; evaluation and end of run: CPU time divided by the threads they "
+             "ran on (their wall time under this load is in the JSON); imports, set-up: wall time. Total: "
+             f"scaled to the run's {full_steps} steps, a projection for a free machine (bench/presets.py "
+             "measures the real run).", "",
              "| phase | each | times in the run | seconds in the run | share |", "|---|---|---|---|---|"]
     for r in rows:
         each = f"{r[1] * 1e3:.2f} ms" if r[1] < 1 else f"{r[1]:.1f} s"
