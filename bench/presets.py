@@ -21,8 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
-RUNS = Path(__file__).parent / ".presets"
+RESULTS = Path(__file__).resolve().parent / "results"
+RUNS = Path(__file__).resolve().parent / ".presets"
 PRESETS = ["default", "digits-adaptive", "digits-mixed", "digits-mixed-small"]
 
 
@@ -45,8 +45,10 @@ def run_preset(name: str, run: Path, code: Path | None) -> dict:
     if code is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(code), *filter(None, [env.get("PYTHONPATH")])])
     t0 = time.time()
+    # (`python -m` puts the working directory first on the path: REF's code runs from its own folder)
     out = subprocess.run([sys.executable, "-m", "fasttrain.cli", "train", name, f"run_dir={run}",
-                          "train.progress=false", "--restart"], capture_output=True, text=True, env=env)
+                          "train.progress=false", "--restart"], capture_output=True, text=True, env=env,
+                         cwd=code)
     seconds = time.time() - t0
     if out.returncode != 0:
         why = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode
