@@ -231,6 +231,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=_env.count(), default=3)
     ap.add_argument("--threads", type=_env.counts(), default=[1, 2], help="thread counts, e.g. 1,2")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="eager variants only")
+    ap.add_argument("--out", type=_env.stem, default=None, help="result files' stem (default: peer-diffusers-<device>)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one thread count, JSON out
     args = ap.parse_args(argv)
     if args.worker:
@@ -277,8 +278,9 @@ def main(argv=None) -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     with _env.Results() as res:
-        res.text(f"peer-diffusers-{dev}.json", json.dumps(meta, indent=2))
-        res.text(f"peer-diffusers-{dev}.md", text)
+        name = args.out or f"peer-diffusers-{dev}"
+        res.text(f"{name}.json", json.dumps(meta, indent=2))
+        res.text(f"{name}.md", text)
 
 
 if __name__ == "__main__":
