@@ -41,17 +41,21 @@ class EMA:
         # the update count lives on the device: the decay of each update is computed there, so an update
         # never syncs with the host and a captured CUDA graph replays it as it is (graphs.py)
         self.count = torch.zeros((), dtype=torch.int64, device=self.shadow[0].device if self.shadow else "cpu")
-        self._walked: tuple | None = None  # (model, its parameters, its FSDP modules): see _walk
+        self._walked: tuple | None = None  # (model, its FSDP modules, its parameters): see _walk
 
     def _walk(self, model: nn.Module) -> tuple[list[torch.Tensor], list[nn.Module]]:
-        """The model's parameters and FSDP modules, found once per model: walking the module tree
-        (model.parameters(), model.modules()) on every update was a per-step cost of its own on small
-        CPU models (issue 35). Parameters that a wrapper applied after the first update replaced are
-        found again (their first one is no longer the model's)."""
+        """The model's FSDP modules, resharded, then its parameters: found once per model, since walking
+        the module tree (model.modules(), model.parameters()) on every update was a per-step cost of its
+        own on small CPU models (issue 35). The parameters are listed after the reshard (FSDP2 registers
+        its sharded parameters back then), and listed again when the first one is no longer the model's
+        (a wrapper replaced them)."""
         w = self._walked
-        if w is None or w[0] is not model or (w[1] and next(model.parameters()) is not w[1][0]):
-            w = self._walked = (model, list(model.parameters()), fsdp_modules(model))
-        return w[1], w[2]
+        if w is None or w[0] is not model:
+            w = self._walked = (model, fsdp_modules(model), None)
+        _reshard(w[1])
+        if w[2] is None or (w[2] and next(model.parameters()) is not w[2][0]):
+            w = self._walked = (model, w[1], list(model.parameters()))
+        return w[2], w[1]
 
     @property
     def n(self) -> int:
@@ -66,8 +70,7 @@ class EMA:
         """One EMA step with decay_n = min(decay, (1 + n)/(10 + n)) (warm-up) or `decay`. `applied` (a
         device 0/1 scalar) is 0 for an optimizer step that was skipped, which leaves the average
         unchanged; the count moves on either way. No host sync."""
-        params, fsdp = self._walk(model)
-        _reshard(fsdp)  # (no_grad: the parameters are read as they are, without detached copies)
+        params, _ = self._walk(model)  # (no_grad: the parameters are read as they are, without detached copies)
         if self.count.device != self.shadow[0].device:
             self.count = self.count.to(self.shadow[0].device)
         c = self.count.double()
@@ -91,7 +94,6 @@ class EMA:
     def applied(self, model: nn.Module):
         """Inside the block the model holds the averaged weights; the trained ones come back after."""
         params, fsdp = self._walk(model)
-        _reshard(fsdp)
         with torch.no_grad():
             for p, s in zip(params, self.shadow):
                 tmp = p.detach().clone()
