@@ -135,10 +135,11 @@ class FasttrainLoop:
         from fasttrain.train_state import StepClock
 
         preset = Path(tmp) / f"{name}.yaml"
-        preset.write_text("data: {name: digits, batch_size: 16}\n" + model_yaml +
-                          "diffusion: {schedule: linear, prediction: eps, weighting: min_snr, sampler: uniform}\n"
-                          "optim: {lr: 1.0e-4, grad_clip: 1.0}\n"
-                          "parallel: {channels_last: true}\n")  # as the default preset (docs/performance-cpu.md)
+        with open(preset, "w") as f:  # a temporary preset (results go through _env.Results)
+            f.write("data: {name: digits, batch_size: 16}\n" + model_yaml +
+                    "diffusion: {schedule: linear, prediction: eps, weighting: min_snr, sampler: uniform}\n"
+                    "optim: {lr: 1.0e-4, grad_clip: 1.0}\n"
+                    "parallel: {channels_last: true}\n")  # as the default preset (docs/performance-cpu.md)
         cfg = read_config(str(preset), [f"run_dir={tmp}/{name}", "train.progress=false", f"train.threads={threads}",
                                         "train.steps=1000000", "train.ckpt_every=0", "eval.every=0",
                                         "diagnostics.interference_every=0",
