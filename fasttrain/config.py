@@ -212,7 +212,8 @@ class ParallelConfig:
     compile_mode: str = _f("default", "torch.compile mode")
     precision: str = _f("auto", "compute precision of the model (auto: bf16 on CUDA, fp32 on CPU); weights, optimizer, "
                         "EMA and statistics stay fp32")
-    channels_last: bool = _f(False, "channels-last memory format for convolutional models (CUDA UNets)")
+    channels_last: bool = _f(False, "channels-last memory format for convolutional models (UNets: tensor cores on "
+                             "CUDA, oneDNN's NHWC kernels on CPU; the default preset sets it)")
 
 
 @dataclass

@@ -16,10 +16,11 @@ torch keeps whatever policy torch started with (call `prepare_openmp()` before i
 on (its CPU affinity) is capped there, with one warning: intra-op threads beyond the cores only wait
 for each other (the default run's step took 52x as long with 16 threads as with 1 on 2 busy cores;
 docs/reliability.md). Loader workers above the cores are kept (a loader waiting on slow storage can
-use them) with one warning.
+use them) with one warning. Evaluations inside a CPU run use every core (evaluation_threads).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -71,3 +72,23 @@ def set_threads(n: int, cpu_run: bool = False) -> None:
         n = cores()
     if n > 0 or cpu_run:
         torch.set_num_threads(n if n > 0 else 1)
+
+
+@contextlib.contextmanager
+def evaluation_threads(n: int, cpu_run: bool):
+    """Evaluation inside a CPU training run (sampling 500 images at once, bits/dim over 400 held-out
+    images, their features) on every core: its ops are large and batched, where a second thread pays,
+    unlike the training step's tiny ones (set_threads). `n` is train.threads: a forced N (> 0) is kept
+    for evaluation too, and a GPU run is left alone. The training thread count comes back after, so
+    the training step's numerics do not change."""
+    import torch
+
+    if n > 0 or not cpu_run or cores() <= 1:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(cores())
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -11,6 +11,7 @@ parameter names carry no `module.` prefix.
 """
 from __future__ import annotations
 
+import sys
 from functools import partial
 
 import torch
@@ -117,7 +118,13 @@ def parallelize(model: nn.Module, strategy: str = "none", ac: str = "none", comp
         if value not in allowed:
             raise InvalidInput(f"bad value for '{key}': {value!r} (choose from {', '.join(allowed)})")
     device = torch.device(device)
-    if channels_last:  # NHWC convolutions (UNets on tensor cores): parameters only, inputs follow
+    if channels_last and strategy == "fsdp":
+        # FSDP2 shards contiguous parameters only (NotImplementedError on NHWC weights): the default
+        # preset sets channels_last for one process, and under torchrun it stays off, said once
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+            print("fasttrain: parallel.channels_last kept off: FSDP shards contiguous parameters only",
+                  file=sys.stderr)
+    elif channels_last:  # NHWC convolutions (tensor cores; oneDNN on CPU): parameters only, inputs follow
         model.to(memory_format=torch.channels_last)
     apply_ac(model, ac)
     apply_compile(model, compile, compile_mode)

@@ -66,6 +66,11 @@ class StepParts:
     rank: int = 0
     world_size: int = 1
 
+    def __post_init__(self):
+        # the parameters the step clips, listed once: model.parameters() walks the whole module tree
+        # (named_modules), which every step did for the clip before (issue 35's profile)
+        self.params = list(self.model.parameters())
+
     def autocast(self, cache: bool = True):
         return self.precision.context(cache=cache) if self.precision is not None else contextlib.nullcontext()
 
@@ -96,7 +101,7 @@ def update(parts: StepParts, *tensors: torch.Tensor | None, before: Sequence[Loo
     if parts.scaler:
         parts.scaler.unscale_(opt)  # true gradients before clipping (fp16)
     clip = parts.grad_clip
-    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
+    gnorm = torch.nn.utils.clip_grad_norm_(parts.params, clip if clip > 0 else math.inf)
     if hasattr(gnorm, "full_tensor"):
         gnorm = gnorm.full_tensor()  # a DTensor under FSDP
     finite = torch.isfinite(total) & torch.isfinite(gnorm)

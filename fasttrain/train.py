@@ -25,7 +25,7 @@ from . import conditioning, graphs, periodic, plots, seeds
 from . import distributed as dist_utils
 from .bundle import DataSpec, ModelBundle, build_network, build_objective
 from .config import plain
-from .cpu import set_threads
+from .cpu import evaluation_threads, set_threads
 from .data import build_data
 from .diffusion.interference import InterferenceDiagnostic
 from .diffusion.objective import kernel_backend
@@ -243,9 +243,15 @@ class Trainer:
             self._eval_reference = reference_for(self.cfg, self.spec)
         return self._eval_reference
 
+    def eval_threads(self):
+        """Evaluation and the end's samples on every core of a one-process CPU run (cpu.evaluation_threads;
+        under torchrun the ranks share the cores)."""
+        return evaluation_threads(self.cfg.train.threads, self.device.type == "cpu" and self.dist.world_size == 1)
+
     def evaluate(self, log) -> dict:
-        metrics = run_evaluation(self.bundle, EvalSettings.from_config(self.cfg),
-                                 self.eval_reference())  # on every rank (FSDP forwards are collective)
+        with self.eval_threads():
+            metrics = run_evaluation(self.bundle, EvalSettings.from_config(self.cfg),
+                                     self.eval_reference())  # on every rank (FSDP forwards are collective)
         log.log(self.step, images=self.images, **{f"eval/{k}": v for k, v in metrics.items()})
         return metrics
 
@@ -257,9 +263,10 @@ class Trainer:
             if self.spec.num_classes and self.spec.image_size:
                 labels = torch.arange(cfg.sample.num, device=self.device) % self.spec.num_classes
             n = cfg.sample.num if self.spec.image_size else max(cfg.sample.num, 2000)
-            x = self.bundle.generate(n, labels, steps=cfg.sample.steps, solver=cfg.sample.solver,
-                                     guidance=cfg.sample.guidance, eta=cfg.sample.eta, progress=cfg.train.progress,
-                                     **self.bundle.prompt_args())
+            with self.eval_threads():
+                x = self.bundle.generate(n, labels, steps=cfg.sample.steps, solver=cfg.sample.solver,
+                                         guidance=cfg.sample.guidance, eta=cfg.sample.eta,
+                                         progress=cfg.train.progress, **self.bundle.prompt_args())
             if self.dist.is_main:
                 ref = self.eval_reference().train if not self.spec.image_size else None
                 nrow = None

@@ -542,7 +542,10 @@ BENCH = Path(__file__).parents[1] / "bench"
     (["immiscible", "--sizes", "16,x"], "must be an integer, got 'x'"),
     (["adaptive_overhead", "--cases", "unet8,unet9"], "unknown case 'unet9'"),
     (["adaptive_digits", "--out", "../elsewhere"], "plain file-name stem"),
-    (["kernels_aot", "--out", str(BENCH / "results")], "give a stem in an existing folder")])
+    (["kernels_aot", "--out", str(BENCH / "results")], "give a stem in an existing folder"),
+    (["peer_diffusers", "--rounds", "0"], "--rounds: must be >= 1"),
+    (["profile_default", "--out", "../elsewhere"], "plain file-name stem"),
+    (["presets", "--out", "x.md"], "plain file-name stem")])
 def test_benchmark_arguments_that_would_measure_nothing_are_one_line(monkeypatch, capsys, argv, needle):
     import importlib
 

@@ -72,6 +72,20 @@ class AttnBlock(nn.Module):
         self.proj = zero_module(nn.Conv1d(ch, ch, 1))
 
     def forward(self, x, emb=None):
+        # The 1x1 projections as matmuls over the channel dimension (F.linear on the Conv1d weights, so the
+        # parameters and the checkpoint keys stay those of a Conv1d): on a CPU a width-1 convolution goes
+        # through oneDNN's convolution at several times a matmul's cost for these small sizes (issue 35,
+        # bench/results/default-breakdown-cpu.md), and tokens-last is the layout attention wants anyway.
+        B, C, H, W = x.shape
+        tokens = self.norm(x).view(B, C, H * W).transpose(1, 2)                      # [B, HW, C]
+        qkv = F.linear(tokens, self.qkv.weight.squeeze(-1), self.qkv.bias)          # channels (3, heads, d)
+        q, k, v = qkv.view(B, H * W, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        h = F.scaled_dot_product_attention(q, k, v)                                  # [B, heads, HW, d]
+        out = F.linear(h.transpose(1, 2).reshape(B, H * W, C), self.proj.weight.squeeze(-1), self.proj.bias)
+        return x + out.transpose(1, 2).reshape(B, C, H, W)
+
+    def forward_conv(self, x, emb=None):
+        """The same block through its Conv1d layers (the reference the matmul form is tested against)."""
         B, C, H, W = x.shape
         q, k, v = self.qkv(self.norm(x).view(B, C, H * W)).view(B, 3, self.heads, C // self.heads, H * W).unbind(1)
         h = F.scaled_dot_product_attention(q.transpose(-1, -2), k.transpose(-1, -2), v.transpose(-1, -2))
