@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -60,6 +61,15 @@ def run_preset(name: str, run: Path, code: Path | None) -> dict:
         "digits_label_agreement")}}
 
 
+def default_stem(dev: str, presets: list[str], against: str | None) -> str:
+    """presets-<device> holds the full default set measured alone; a subset or a side-by-side run gets a
+    stem of its own, so that it never replaces that table with fewer rows."""
+    if list(presets) == list(PRESETS) and not against:
+        return f"presets-{dev}"
+    tail = "-".join(presets) + (f"-vs-{re.sub(r'[^A-Za-z0-9_.]+', '_', against)}" if against else "")
+    return f"presets-{dev}-{tail}"
+
+
 def main(argv=None) -> None:
     import torch
     from _env import Parser, Results, stem
@@ -104,7 +114,7 @@ def main(argv=None) -> None:
                      f"{f(r['recall'])} | {f(r['bpd'])} ± {f(r['bpd_se'])} | {f(r['digits_confidence'], '.3f')} | "
                      f"{f(r['digits_classes_present'], 'd')}/10 | {f(agree, '.0f')}% |")
     with Results(RESULTS) as res:  # once every preset has run (a failed one exits above)
-        name = args.out or f"presets-{dev}"
+        name = args.out or default_stem(dev, presets, args.against)
         res.text(f"{name}.json", json.dumps({**meta, "rows": rows}, indent=2))
         res.text(f"{name}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -91,3 +91,15 @@ def test_immiscible_bench_runs_on_tiny_sizes():
     for r in rows:
         assert r["batches"] == 2 and r["gap_mean"] >= -1e-9 and r["ms"] > 0
         assert 0 <= r["fp16_lost_mean"] < 1
+
+
+def test_a_subset_of_presets_never_replaces_the_full_presets_table():
+    """bench/presets.py's default result stem: the full default set alone writes presets-<device>; a subset
+    or a side-by-side run (--against) writes a table of its own (it once replaced the committed table)."""
+    from presets import PRESETS, default_stem
+
+    assert default_stem("cpu", list(PRESETS), None) == "presets-cpu"
+    stems = {default_stem("cpu", ["default"], None), default_stem("cpu", list(PRESETS), "main"),
+             default_stem("cpu", ["default"], "origin/main~2")}
+    assert "presets-cpu" not in stems and len(stems) == 3
+    assert all("/" not in s and "~" not in s for s in stems)
