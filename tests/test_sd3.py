@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from text_fixtures import save_sd3, write_captioned
+from text_fixtures import SD3, save_sd3, write_captioned
 
 from fasttrain.bundle import ModelBundle
 from fasttrain.cli import main
@@ -106,3 +106,13 @@ def test_sd3_trains_resumes_exactly_samples_and_exports(sd3, tmp_path):
                sigmas=sigmas, height=16, width=16, output_type="latent",
                generator=[torch.Generator().manual_seed(i) for i in range(2)]).images
     assert (got - ours).abs().max() <= 1e-4
+
+
+def test_forward_flops_of_an_sd3_transformer(sd3):
+    """The trainer counts FLOPs on the meta device (on a GPU): the SD3 network takes the run's σ table there."""
+    from fasttrain.models import forward_flops
+
+    text = json.loads((sd3["lat"] / "fasttrain-manifest.json").read_text())["text"]
+    flops = forward_flops("diffusers", in_channels=4, image_size=8, class_name="SD3Transformer2DModel",
+                          config=dict(SD3), text=text, flow_sigma=schedule("flow", 1000, shift=3.0).sigma)
+    assert flops > 0

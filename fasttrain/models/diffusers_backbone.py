@@ -204,7 +204,8 @@ class DiffusersBackbone(nn.Module):
             self.text_table = None
         self.is_sd3 = type(model).__name__ == "SD3Transformer2DModel"
         if self.is_sd3:  # its time input is σ_t·T (FlowMatchEulerDiscreteScheduler.timesteps); not in checkpoints
-            self.register_buffer("flow_time", (flow_sigma * flow_sigma.numel()).float(), persistent=False)
+            here = torch.empty(0).device  # the device being built on (meta when FLOPs are counted)
+            self.register_buffer("flow_time", (flow_sigma * flow_sigma.numel()).float().to(here), persistent=False)
         self.is_dit = type(model).__name__ == "DiTTransformer2DModel"
         if self.is_dit:
             for blk in model.transformer_blocks:  # the trainer drops labels; diffusers' own 10% would add to it
