@@ -116,3 +116,28 @@ def test_forward_flops_of_an_sd3_transformer(sd3):
     flops = forward_flops("diffusers", in_channels=4, image_size=8, class_name="SD3Transformer2DModel",
                           config=dict(SD3), text=text, flow_sigma=schedule("flow", 1000, shift=3.0).sigma)
     assert flops > 0
+
+
+@pytest.mark.parametrize("over", [
+    ["diffusion.sampler=logit_normal", "diffusion.weighting=sd3_sigma_sqrt", "diffusion.noise.offset=0.05"],
+    ["diffusion.sampler=adaptive", "diffusion.sampler_args.every=2", "diffusion.noise.immiscible=assignment",
+     "diffusion.loss.type=huber"],
+])
+def test_sd3_composes_with_strategies_and_resumes_exactly(sd3, tmp_path, over):
+    """Timestep samplers, weightings and noise/loss options read the shifted tables; a resumed run continues
+    bit for bit."""
+    train(load_config("default", _args(sd3, tmp_path / "a", "train.steps=4", "sample.num=0", *over)))
+    train(load_config("default", _args(sd3, tmp_path / "b", "train.steps=2", "sample.num=0", *over)))
+    train(load_config("default", _args(sd3, tmp_path / "b", "train.steps=4", "sample.num=0", *over), resume=True),
+          resume=True)
+    la, lb = ([r["loss"] for r in map(json.loads, (tmp_path / x / "metrics.jsonl").read_text().splitlines())
+               if "loss" in r] for x in "ab")
+    assert len(la) == 4 and la == lb and all(v == v for v in la)
+
+
+def test_sd3_under_per_block_activation_checkpointing_matches_eager(sd3, tmp_path):
+    train(load_config("default", _args(sd3, tmp_path / "eager", "train.steps=2", "sample.num=0")))
+    train(load_config("default", _args(sd3, tmp_path / "ac", "train.steps=2", "sample.num=0", "parallel.ac=full")))
+    la, lb = ([r["loss"] for r in map(json.loads, (tmp_path / x / "metrics.jsonl").read_text().splitlines())
+               if "loss" in r] for x in ("eager", "ac"))
+    torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-6)
