@@ -92,6 +92,9 @@ def test_sd3_trains_resumes_exactly_samples_and_exports(sd3, tmp_path):
     ours = ba.generate(2, seed=0, steps=steps, solver="flow_euler", guidance=guidance, first_image=0,
                        prompts=prompts, negative_prompt="a dog", spacing="trailing")
     assert ours.shape == (2, 4, 8, 8) and not torch.allclose(ours[0], ours[1])
+    assert main(["sample", "--ckpt", str(a), "--n", "2", "--steps", "2", "--prompt", "a red square",
+                 "--negative-prompt", "a dog", "--guidance", "2", "--out", str(tmp_path / "s")]) == 0
+    assert (tmp_path / "s" / "00001.png").is_file()  # decoded by the SD3-style VAE (shift_factor)
 
     out = tmp_path / "export"
     assert main(["export", str(a), "--to", "diffusers", str(out)]) == 0
@@ -121,7 +124,7 @@ def test_forward_flops_of_an_sd3_transformer(sd3):
 @pytest.mark.parametrize("over", [
     ["diffusion.sampler=logit_normal", "diffusion.weighting=sd3_sigma_sqrt", "diffusion.noise.offset=0.05"],
     ["diffusion.sampler=adaptive", "diffusion.sampler_args.every=2", "diffusion.noise.immiscible=assignment",
-     "diffusion.loss.type=huber"],
+     "diffusion.loss.type=huber", "diffusion.backend=torch"],
 ])
 def test_sd3_composes_with_strategies_and_resumes_exactly(sd3, tmp_path, over):
     """Timestep samplers, weightings and noise/loss options read the shifted tables; a resumed run continues
@@ -141,3 +144,12 @@ def test_sd3_under_per_block_activation_checkpointing_matches_eager(sd3, tmp_pat
     la, lb = ([r["loss"] for r in map(json.loads, (tmp_path / x / "metrics.jsonl").read_text().splitlines())
                if "loss" in r] for x in ("eager", "ac"))
     torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-6)
+
+
+def test_sd3_export_refuses_latents_the_pipeline_cannot_decode(sd3, tmp_path, capsys):
+    run = tmp_path / "run"
+    train(load_config("default", _args(sd3, run, "train.steps=1", "sample.num=0", "data.latent_norm=channel")))
+    assert main(["export", str(run), "--to", "diffusers", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "z / scaling_factor + shift_factor: train with data.latent_norm=vae" in err
+    assert not (tmp_path / "out").exists()
