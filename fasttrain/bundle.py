@@ -28,7 +28,7 @@ from .diffusion.samplers import SAMPLERS
 from .diffusion.solvers import generate as run_solver
 from .ema import EMA
 from .errors import CheckpointError, InvalidInput
-from .models import build_model, weights_from_checkpoint
+from .models import MODELS, build_model, weights_from_checkpoint
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ def build_network(cfg: DictConfig, spec: DataSpec) -> Denoiser:
     """The backbone (as wide as the prediction kind's output) in its Denoiser wrapper, with the
     prediction kind's output → x̂0 conversion."""
     df = cfg.diffusion
-    sched = make_schedule(df.schedule, df.T, df.zero_terminal_snr)
+    sched = make_schedule(df.schedule, df.T, df.zero_terminal_snr, df.flow_shift)
     kind = objective_class(df.prediction)
     args = plain(cfg.model.args)
     width = kind.out_channels(df, spec.channels)
@@ -77,6 +77,9 @@ def build_network(cfg: DictConfig, spec: DataSpec) -> Denoiser:
         args["out_channels"] = width
     if spec.text is not None:  # the width, length and pooled vector the text-conditioned network takes
         args["text"] = spec.text
+    flow = MODELS.get(cfg.model.name).flow
+    if flow is not None and flow(args):  # SD3: its time input is the (shifted) flow σ_t·T
+        args["flow_sigma"] = sched.sigma
     net = build_model(cfg.model.name, in_channels=spec.channels, image_size=spec.image_size,
                       num_classes=spec.num_classes, **args)
     return Denoiser(net, kind.output_head(df, sched), sched, learned_weighting=df.learned_weighting,
@@ -90,7 +93,7 @@ def build_objective(cfg: DictConfig, net: Denoiser | None = None, rank: int = 0,
     output head receives what the objective learns for generation, e.g. mixed argmin's choice);
     `backend` the concrete kernel backend decided at set-up (default: the config's choice)."""
     df = cfg.diffusion
-    sched = make_schedule(df.schedule, df.T, df.zero_terminal_snr)
+    sched = make_schedule(df.schedule, df.T, df.zero_terminal_snr, df.flow_shift)
     sampler_args = plain(df.sampler_args)
     if SAMPLERS.get(df.sampler).seeded and "seed" not in sampler_args:  # a learned sampler's own weights
         sampler_args["seed"] = seeds.derive(cfg.train.seed, "policy")
@@ -110,7 +113,7 @@ class ModelBundle:
         self.text_folder, self._encoders = None, None  # text runs: another encoder folder than the recorded one
         self._rows = 0  # text runs: rows of the prompt table being sampled from (its last: the negative prompt)
         df = cfg.diffusion
-        self.schedule = make_schedule(df.schedule, df.T, df.zero_terminal_snr).to(self.device)
+        self.schedule = make_schedule(df.schedule, df.T, df.zero_terminal_snr, df.flow_shift).to(self.device)
         self._alpha, self._sigma = self.schedule.alpha.float(), self.schedule.sigma.float()
 
     # -- construction --------------------------------------------------------------------------------

@@ -139,6 +139,8 @@ class DiffusionConfig:
     schedule: str = _f("linear", "the noise schedule")
     T: int = _f(1000, "number of discrete timesteps", min=2, max=100_000)
     zero_terminal_snr: bool = _f(False, "rescale a VP schedule to SNR = 0 at t = T-1 (Lin et al. 2024)")
+    flow_shift: float = _f(1.0, "the flow schedule's time shift σ' = shift·σ/(1+(shift-1)·σ) (SD3: 3.0; 1: none)",
+                             above=0)
     prediction: str = _f("eps", "what the network predicts (mixed: several heads and a gate, see diffusion.mixed)")
     weighting: str = _f("min_snr", "loss weighting, defined in x0 space")
     weighting_args: Dict[str, Any] = _f({}, "arguments of the weighting, e.g. diffusion.weighting_args.gamma=5")

@@ -144,7 +144,7 @@ def _validate(cfg: DictConfig) -> None:
         with _Key(f"diffusion.{group}"):
             reg.check_args(name, plain(d[group]), where=f"diffusion.{group}")
     args = plain(cfg.model.args)
-    for k in ("in_channels", "image_size", "num_classes", "text"):
+    for k in ("in_channels", "image_size", "num_classes", "text", "flow_sigma"):
         if k in args:
             raise ConfigError(f"unknown config key 'model.args.{k}' (the data decide it)")
     with _Key("model.args"):
@@ -168,6 +168,13 @@ def _validate(cfg: DictConfig) -> None:
         raise ConfigError(f"bad value for 'model.args.class_name': {args.get('class_name')!r} is conditioned on "
                           f"text, and data.name={cfg.data.name} has no captions (use captioned data: "
                           f"docs/text-to-image.md)")
+    flow = MODELS.get(cfg.model.name).flow
+    if flow is not None and flow(args) and (d.schedule != "flow" or d.prediction != "flow"):
+        key, value = ("diffusion.schedule", d.schedule) if d.schedule != "flow" else ("diffusion.prediction",
+                                                                                       d.prediction)
+        raise ConfigError(f"bad value for '{key}': {value!r} ({args.get('class_name')} trains on the flow schedule "
+                          f"with flow prediction: diffusion.schedule=flow diffusion.prediction=flow, and SD3's "
+                          f"diffusion.flow_shift=3.0; a pretrained pipeline's scheduler sets them)")
     with _Key("data"):
         data.check(cfg.data)  # its own rules (a folder needs data.root, ...), naming the key
     if data.traits.needs_root:
@@ -177,8 +184,11 @@ def _validate(cfg: DictConfig) -> None:
     noise_options.check_config(d.noise, images=images)  # the cross-key rules, one line naming the key
     with _Key("diffusion.noise"):
         noise_options.options(d.noise)
+    if d.flow_shift != 1.0 and d.schedule != "flow":  # a shift on a VP schedule: named by its own key
+        raise ConfigError(f"bad value for 'diffusion.flow_shift': {d.flow_shift!r} (a time shift applies to the flow "
+                          f"schedule only, not {d.schedule!r}: set diffusion.schedule=flow or drop it)")
     with _Key("diffusion.T", cfg):
-        sched = make_schedule(d.schedule, d.T, d.zero_terminal_snr)
+        sched = make_schedule(d.schedule, d.T, d.zero_terminal_snr, d.flow_shift)
     with _Key("diffusion.prediction", cfg):
         objective_class(d.prediction).check_config(d, sched, args)
     with _Key("diffusion.weighting_args"):  # a single prediction's own space; other kinds weight x0-space errors

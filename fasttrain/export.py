@@ -114,7 +114,7 @@ def scheduler_for(bundle):
     cfg = bundle.cfg
     df, spacing = cfg.diffusion, cfg.sample.spacing
     name, config = to_diffusers(df.schedule, df.T, df.zero_terminal_snr, df.prediction, bundle.spec.is_images,
-                                spacing)
+                                spacing, df.flow_shift)
     note = None
     if df.schedule != "flow" and config["timestep_spacing"] != spacing:
         note = (f"the run samples with sample.spacing={spacing}, on which diffusers' DDIMScheduler cannot step "
@@ -160,7 +160,8 @@ def settings(e: Export) -> dict:
     """The `fasttrain` entry of model_index.json: what FasttrainPipeline samples with."""
     b = e.bundle
     cfg, spec = b.cfg, b.spec
-    out = {"T": b.schedule.T, "schedule": cfg.diffusion.schedule, "prediction": cfg.diffusion.prediction,
+    out = {"T": b.schedule.T, "schedule": cfg.diffusion.schedule, "flow_shift": float(cfg.diffusion.flow_shift),
+           "prediction": cfg.diffusion.prediction,
            "channels": spec.channels, "image_size": spec.image_size, "num_classes": spec.num_classes,
            "null_label": e.null, "clip": 1.0 if spec.is_images else None, "timestep_frequencies": e.frequencies,
            "steps": int(cfg.sample.steps), "guidance": float(cfg.sample.guidance), "run_step": b.step}
@@ -197,6 +198,10 @@ def export_diffusers(run: str, out: str, vae: str | None = None, ema: bool = Tru
     b = ModelBundle.load(run, device="cpu", vae=vae)
     if vae and not b.spec.latents:
         raise InvalidInput(f"--vae: {run} was not trained on VAE latents (nothing was written)")
+    from .export_sd3 import export_sd3, is_sd3
+
+    if is_sd3(b):  # StableDiffusion3Pipeline with its text encoders (export_sd3.py)
+        return export_sd3(run, out, b, ema)
     why = refusal(b)
     if why:
         raise InvalidInput(f"{run} cannot be exported to diffusers: {why}")

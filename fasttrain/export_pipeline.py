@@ -114,7 +114,10 @@ class FasttrainPipeline(DiffusionPipeline):
     def predict(self, x: torch.Tensor, t, class_labels: torch.Tensor | None = None) -> torch.Tensor:
         """The network's output at the scheduler's timestep t, with fasttrain's labels (None: the null label)."""
         null, c = self.settings.get("null_label"), self.settings["channels"]
-        t_model = float(t) - 1 if self.settings.get("schedule") == "flow" else float(t)
+        t_model = float(t)
+        if self.settings.get("schedule") == "flow":  # the scheduler's σ·T, shifted → fasttrain's t (s_t = (t+1)/T)
+            k, sig = float(self.settings.get("flow_shift", 1.0)), float(t) / self.settings["T"]
+            t_model = (sig / (k - (k - 1) * sig)) * self.settings["T"] - 1 if k != 1.0 else float(t) - 1
         tt = torch.full((x.shape[0],), t_model, device=x.device)
         if null is None:
             return self.network(x, tt).sample[:, :c]

@@ -12,9 +12,9 @@ terminal SNR (Lin et al. 2024, Alg. 1; DPM-Solver, Euler and UniPC then set the 
 themselves), `clip_sample` set explicitly (diffusers' default True would clip latents), trailing
 spacing (solvers.py: the one spacing on which DDIMScheduler's t − T//n step and every other
 scheduler's list agree, when n divides T), `set_alpha_to_one` (the last step lands on x̂0, as
-fasttrain's). The flow schedule as `FlowMatchEulerDiscreteScheduler` (shift 1: its training sigmas
-(t+1)/T are fasttrain's grid; the model timestep σ·T is fasttrain's t + 1, which export_pipeline.py
-undoes).
+fasttrain's). The flow schedule as `FlowMatchEulerDiscreteScheduler` with the run's `diffusion.flow_shift`
+as its `shift` (its training sigmas, shift((t+1)/T), are fasttrain's grid; at shift 1 the model timestep
+σ·T is fasttrain's t + 1, which export_pipeline.py undoes; SD3's transformer takes σ·T itself).
 
 Fine-tuning from a pipeline folder (`model.args.pretrained` with the network in a subfolder) takes its
 scheduler: schedule, T, zero terminal SNR, prediction type and spacing. The betas are matched against
@@ -34,7 +34,8 @@ from .errors import ConfigError, InvalidInput, UserError
 PREDICTION_TYPES = {"eps": "epsilon", "v": "v_prediction", "x0": "sample"}
 FLOW_SCHEDULERS = ("FlowMatchEulerDiscreteScheduler", "FlowMatchHeunDiscreteScheduler")
 # the keys a pipeline's scheduler decides (a resumed fine-tune takes them from its checkpoint: configure.py)
-KEYS = ("diffusion.schedule", "diffusion.T", "diffusion.zero_terminal_snr", "diffusion.prediction", "sample.spacing")
+KEYS = ("diffusion.schedule", "diffusion.T", "diffusion.zero_terminal_snr", "diffusion.flow_shift",
+        "diffusion.prediction", "sample.spacing")
 
 
 def betas_config(schedule: str, T: int) -> dict:
@@ -51,10 +52,10 @@ def betas_config(schedule: str, T: int) -> dict:
 
 
 def to_diffusers(schedule: str, T: int, zero_terminal_snr: bool, prediction: str, clip: bool,
-                 spacing: str = "trailing") -> tuple[str, dict]:
+                 spacing: str = "trailing", shift: float = 1.0) -> tuple[str, dict]:
     """(scheduler class name, its config) for a run's schedule and prediction type (module docstring)."""
     if schedule == "flow":
-        return "FlowMatchEulerDiscreteScheduler", {"num_train_timesteps": T, "shift": 1.0,
+        return "FlowMatchEulerDiscreteScheduler", {"num_train_timesteps": T, "shift": float(shift),
                                                    "use_dynamic_shifting": False}
     spacing = spacing if spacing in ("trailing", "leading") else "trailing"  # linspace: DDIM's step disagrees
     return "DDIMScheduler", {"num_train_timesteps": T, **betas_config(schedule, T), "trained_betas": None,
@@ -95,11 +96,14 @@ def from_diffusers(config: dict, where: str) -> dict:
     if not isinstance(T, int) or T < 2:
         raise InvalidInput(f"{where}: num_train_timesteps must be an integer >= 2, got {T!r}")
     if name in FLOW_SCHEDULERS:
-        if config.get("shift", 1.0) != 1.0 or config.get("use_dynamic_shifting"):
-            raise InvalidInput(f"{where}: a shifted flow schedule (shift={config.get('shift')}) has no fasttrain "
-                               f"schedule (diffusion.schedule=flow is shift 1)")
+        if config.get("use_dynamic_shifting"):  # Flux's resolution-dependent shift: no fixed table
+            raise InvalidInput(f"{where}: use_dynamic_shifting (a shift that depends on the image size) has no "
+                               f"fasttrain schedule (diffusion.flow_shift is one fixed shift)")
+        shift = config.get("shift", 1.0)
+        if not isinstance(shift, (int, float)) or isinstance(shift, bool) or not 0 < shift < float("inf"):
+            raise InvalidInput(f"{where}: shift must be a finite number > 0, got {shift!r}")
         return {"diffusion.schedule": "flow", "diffusion.T": T, "diffusion.zero_terminal_snr": False,
-                "diffusion.prediction": "flow"}
+                "diffusion.flow_shift": float(shift), "diffusion.prediction": "flow"}
     pred = {v: k for k, v in PREDICTION_TYPES.items()}.get(config.get("prediction_type", "epsilon"))
     if pred is None:
         raise InvalidInput(f"{where}: prediction_type {config.get('prediction_type')!r} is not one fasttrain "
@@ -114,7 +118,7 @@ def from_diffusers(config: dict, where: str) -> dict:
         raise InvalidInput(f"{where}: its betas match none of fasttrain's schedules "
                            f"({', '.join(s for s in SCHEDULES if s != 'flow')}) at T={T}")
     keys = {"diffusion.schedule": match, "diffusion.T": T, "diffusion.zero_terminal_snr": zts,
-            "diffusion.prediction": pred}
+            "diffusion.flow_shift": 1.0, "diffusion.prediction": pred}
     spacing = config.get("timestep_spacing", "leading")  # diffusers' default for the DDPM/DDIM family
     if spacing in ("trailing", "linspace", "leading"):
         keys["sample.spacing"] = spacing

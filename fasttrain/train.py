@@ -32,7 +32,7 @@ from .diffusion.objective import kernel_backend
 from .errors import DeviceError, InvalidInput
 from .evaluate import EvalSettings, reference_for, run_evaluation
 from .logger import MetricLogger
-from .models import count_params, forward_flops, weights_from_checkpoint
+from .models import MODELS, count_params, forward_flops, weights_from_checkpoint
 from .optim import apply_optimizer_config, make_optimizer
 from .parallel import parallelize
 from .precision import resolve as resolve_precision
@@ -139,6 +139,9 @@ class Trainer:
                                             device=self.device, grad_accum=tc.grad_accum, announce=self.dist.is_main)
         peak = dist_utils.device_peak_flops()
         text = {"text": self.spec.text} if self.spec.text is not None else {}  # the text network's shapes
+        flow = MODELS.get(cfg.model.name).flow
+        if flow is not None and flow(plain(cfg.model.args)):  # SD3: its time input is the flow σ table
+            text["flow_sigma"] = self.bundle.schedule.sigma.cpu()
         self.flops_per_image = 3 * forward_flops(cfg.model.name, in_channels=self.spec.channels,
                                                  image_size=self.spec.image_size, num_classes=self.spec.num_classes,
                                                  **plain(cfg.model.args), **text) if peak else None

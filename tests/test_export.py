@@ -84,6 +84,17 @@ def test_flow_dit_and_diffusers_backbone_export(tmp_path):
     torch.testing.assert_close(got, (x * 0.5 + 0.5).clamp(0, 1), rtol=0, atol=1e-4)
 
 
+def test_shifted_flow_dit_export_samples_as_fasttrain(tmp_path):
+    """diffusion.flow_shift=3 (SD3's shifted grid) on a fasttrain DiT: the scheduler gets shift 3 and the
+    pipeline maps its σ·T back to fasttrain's t."""
+    run = _run(tmp_path, "shift", *DIT, "diffusion.schedule=flow", "diffusion.prediction=flow",
+               "diffusion.weighting=simple", "diffusion.flow_shift=3.0")
+    export_diffusers(str(run), str(tmp_path / "shift-export"))
+    conf = json.loads((tmp_path / "shift-export" / "scheduler" / "scheduler_config.json").read_text())
+    assert conf["shift"] == 3.0 and not conf["use_dynamic_shifting"]
+    _pipeline_equals_fasttrain(run, tmp_path / "shift-export", [1, 2], solver="flow_euler")
+
+
 def test_scheduler_config_reads_the_same_in_every_stock_scheduler(tmp_path, capsys):
     """Named betas (no trained_betas list), clip_sample set explicitly (latents are never clipped),
     trailing spacing, zero terminal SNR as rescale_betas_zero_snr; a run that samples on linspace is

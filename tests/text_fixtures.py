@@ -81,3 +81,24 @@ def save_tiny_t5(path, words=WORDS, width: int = 64, seed: int = 0):
     cfg = T5Config(vocab_size=len(vocab), d_model=width, d_kv=16, d_ff=2 * width, num_layers=2, num_heads=4)
     T5EncoderModel(cfg).save_pretrained(str(path / "text_encoder_3"))
     return path
+
+
+SD3 = {"sample_size": 8, "patch_size": 2, "in_channels": 4, "out_channels": 4, "num_layers": 2,
+       "attention_head_dim": 8, "num_attention_heads": 2, "caption_projection_dim": 16, "pos_embed_max_size": 8}
+
+
+def save_sd3(path, seed: int = 0, shift: float = 3.0):
+    """An SD3-shaped pipeline: CLIP-L/G-shaped pair (widths 16 and 24, projections 8 and 12: pooled 20), a T5 of
+    width 64 (joint_attention_dim), a VAE, a 2-block SD3Transformer2DModel and SD3's scheduler (shift 3)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
+    tiny_clip(path, WORDS, width=16, max_length=12, projection=8, seed=seed)
+    tiny_clip(path, WORDS, width=24, max_length=12, projection=12, seed=seed + 1, subfolder="_2")
+    save_tiny_t5(path, width=64, seed=seed)
+    save_tiny_vae(path / "vae", seed=seed, scaling_factor=1.5, shift_factor=0.1)  # SD3's VAE shifts, then scales
+    torch.manual_seed(seed)
+    SD3Transformer2DModel(joint_attention_dim=64, pooled_projection_dim=20, **SD3).save_pretrained(
+        path / "transformer")
+    FlowMatchEulerDiscreteScheduler(shift=shift).save_pretrained(path / "scheduler")
+    (path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
+    return path

@@ -2,7 +2,10 @@
 
 Every per-timestep quantity in fasttrain is a length-T float64 table that kernels gather by `t`.
 VP schedules (linear, scaled_linear, cosine, quad) have alpha² + sigma² = 1 with alpha = sqrt(ᾱ_t);
-`flow` is rectified flow (alpha = 1 - s, sigma = s) on the grid s_t = (t+1)/T.
+`flow` is rectified flow (alpha = 1 - s, sigma = s) on the grid s_t = (t+1)/T; with `shift` ≠ 1 the grid
+is shifted as SD3 trains and samples it (Esser et al. 2024, "Scaling Rectified Flow Transformers", Eq. 23;
+diffusers' FlowMatchEulerDiscreteScheduler): σ_t = shift·s_t / (1 + (shift − 1)·s_t), alpha = 1 − σ_t.
+Every table (alpha, sigma, snr) follows, so every weighting, timestep sampler, solver and kernel does.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ class NoiseSchedule:
     name: str
     alpha: torch.Tensor  # float64 [T]
     sigma: torch.Tensor  # float64 [T]
+    shift: float = 1.0   # the flow schedule's time shift (1: plain rectified flow)
 
     @property
     def T(self) -> int:
@@ -46,7 +50,7 @@ class NoiseSchedule:
         return self.alpha.device
 
     def to(self, device) -> NoiseSchedule:
-        return NoiseSchedule(self.name, self.alpha.to(device), self.sigma.to(device))
+        return NoiseSchedule(self.name, self.alpha.to(device), self.sigma.to(device), self.shift)
 
     def edm_sigma(self) -> torch.Tensor:
         """Noise level in EDM/VE units, sigma/alpha = SNR^-1/2 (inf at a zero-terminal step)."""
@@ -92,12 +96,26 @@ def _zero_terminal_snr(alpha: np.ndarray) -> np.ndarray:
     return (alpha - aT) * a0 / (a0 - aT)
 
 
-def schedule(name: str = "linear", T: int = 1000, zero_terminal_snr: bool = False) -> NoiseSchedule:
-    """Build a schedule by name; tables are float64 CPU tensors (use `.to(device)` to move them)."""
+def shifted(s, shift: float):
+    """SD3's time shift of a flow noise level (Esser et al. 2024, Eq. 23): shift·s / (1 + (shift − 1)·s);
+    it keeps s = 0 and s = 1 and, for shift > 1, moves the levels between towards noise."""
+    return shift * s / (1.0 + (shift - 1.0) * s)
+
+
+def schedule(name: str = "linear", T: int = 1000, zero_terminal_snr: bool = False,
+             shift: float = 1.0) -> NoiseSchedule:
+    """Build a schedule by name; tables are float64 CPU tensors (use `.to(device)` to move them).
+    `shift`: the flow schedule's time shift (SD3: 3.0); other schedules take only 1."""
     if not isinstance(T, int) or T < 2:
         raise InvalidInput(f"T must be an integer >= 2, got {T!r}")
+    shift = float(shift)
+    if not (shift > 0 and shift < float("inf")):
+        raise InvalidInput(f"the flow shift must be a finite number > 0, got {shift!r}")
+    if shift != 1.0 and name != "flow":
+        raise InvalidInput(f"a time shift ({shift}) applies to the flow schedule only, not {name!r}")
     if name == "flow":
         s = (np.arange(T, dtype=np.float64) + 1.0) / T  # s_{T-1} = 1: pure noise, SNR = 0 already
+        s = shifted(s, shift) if shift != 1.0 else s
         alpha, sigma = 1.0 - s, s
     else:
         betas = _betas(name, T)
@@ -109,4 +127,4 @@ def schedule(name: str = "linear", T: int = 1000, zero_terminal_snr: bool = Fals
             alpha = _zero_terminal_snr(alpha)
         sigma = np.sqrt(1.0 - alpha**2)
     return NoiseSchedule(name, torch.from_numpy(np.ascontiguousarray(alpha)),
-                         torch.from_numpy(np.ascontiguousarray(sigma)))
+                         torch.from_numpy(np.ascontiguousarray(sigma)), shift)

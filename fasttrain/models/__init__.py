@@ -18,8 +18,9 @@ from ..registry import Registry, discover
 # from elsewhere (a pretrained folder's architecture) written into the run's config (configure.py);
 # recorded: the arguments a checkpoint's config records that a resumed run takes from it when the
 # command line does not give them (a convention older checkpoints used, a pretrained architecture);
-# text(args) -> bool: whether the network these arguments build is conditioned on text (captioned data)
-MODELS = Registry("model", defaults={"check": None, "complete": None, "recorded": (), "text": None})
+# text(args) -> bool: whether the network these arguments build is conditioned on text (captioned data);
+# flow(args) -> bool: whether it trains on the flow schedule only, taking its σ table (`flow_sigma`: SD3)
+MODELS = Registry("model", defaults={"check": None, "complete": None, "recorded": (), "text": None, "flow": None})
 register = MODELS.register
 
 # False while a model is built to receive a checkpoint's weights: a factory that would read pretrained

@@ -12,6 +12,7 @@ into the run's config when the run is configured (`complete`), so a checkpoint r
 without the pretrained folder; its weights are read only when a run starts.
 
     model.args.class_name=UNet2DConditionModel model.args.pretrained=PIPE model.args.subfolder=unet  # text
+    model.args.class_name=SD3Transformer2DModel model.args.pretrained=PIPE model.args.subfolder=transformer
 
 A UNet2DConditionModel (SD 1.x/2.x; SDXL with added_cond_kwargs) trains on captioned data: its text
 inputs are gathered from the run's cached encodings (conditioning.TextTable), the data decide its
@@ -23,10 +24,13 @@ Conventions bridged here:
             pretrained table with more classes than the data works. A DiT's built-in label dropout
             (10%, drawn independently in every block, diffusers' `LabelEmbedding`) is switched off:
             the trainer drops labels itself (`model.label_dropout`).
-  timesteps the integer t ∈ [0, T−1] is passed as diffusers' schedulers pass it.
+  timesteps the integer t ∈ [0, T−1] is passed as diffusers' schedulers pass it; an SD3Transformer2DModel
+            (trained on the shifted flow schedule only) gets σ_t·T, as FlowMatchEulerDiscreteScheduler's
+            timesteps are, from the run's σ table (`flow_sigma`, a non-persistent buffer).
   blocks    the repeated units (`repeated_blocks()`: per-block activation checkpointing, compile and
             sharding, parallel.py): a UNet2DModel's down, mid and up blocks, a DiT's transformer blocks
-            but the first (whose embedding the final layer reuses; it stays with the root).
+            but the first (whose embedding the final layer reuses; it stays with the root), an SD3
+            transformer's joint blocks.
 """
 from __future__ import annotations
 
@@ -66,18 +70,24 @@ def _dit_sizes(image_size: int, cfg: dict) -> None:
         raise InvalidInput(f"image_size {image_size} is not divisible by model.args.config.patch_size")
 
 
+def _sd3_sizes(image_size: int, cfg: dict) -> None:
+    _dit_sizes(image_size, cfg)
+    patch, most = int(cfg.get("patch_size", 2)), cfg.get("pos_embed_max_size", 96)
+    if most is not None and image_size > patch * int(most):
+        raise InvalidInput(f"image_size {image_size} is larger than the SD3 transformer's position table "
+                           f"(pos_embed_max_size {most} × patch_size {patch})")
+
+
 # the classes model.args.class_name takes; UNet2DConditionModel is conditioned on text (conditioning.py)
 KINDS = {"UNet2DModel": Kind("num_class_embeds", _unet_sizes, "unet"),
          "DiTTransformer2DModel": Kind("num_embeds_ada_norm", _dit_sizes, "transformer"),
-         "UNet2DConditionModel": Kind("num_class_embeds", _unet_sizes, "unet")}
-TEXT_CLASSES = ("UNet2DConditionModel",)
+         "UNet2DConditionModel": Kind("num_class_embeds", _unet_sizes, "unet"),
+         "SD3Transformer2DModel": Kind("", _sd3_sizes, "transformer")}
+TEXT_CLASSES = ("UNet2DConditionModel", "SD3Transformer2DModel")
+FLOW_CLASSES = ("SD3Transformer2DModel",)  # trained on the (shifted) flow schedule only, timestep input σ·T
 
 
 def _kind(class_name) -> Kind:
-    if class_name == "SD3Transformer2DModel":
-        raise InvalidInput("model.args.class_name=SD3Transformer2DModel is not supported yet: SD3 trains on a "
-                           "shifted flow schedule (shift 3) that fasttrain's flow schedule does not have, and it "
-                           "would train wrong; fine-tune SD 1.x/2.x or SDXL (UNet2DConditionModel)")
     if class_name not in KINDS:
         raise InvalidInput(f"model.args.class_name must be one of {', '.join(KINDS)}, got {class_name!r}")
     return KINDS[class_name]
@@ -185,13 +195,17 @@ class DiffusersBackbone(nn.Module):
     (conditioning.TextTable, attached by the trainer or the bundle; not a buffer: never in a checkpoint)."""
 
     def __init__(self, model: nn.Module, num_classes: int, null_row: int | None, out_channels: int | None = None,
-                 text: dict | None = None):
+                 text: dict | None = None, flow_sigma: torch.Tensor | None = None):
         super().__init__()
         self.model, self.num_classes, self.null_row = model, num_classes, null_row
         self.out_channels = out_channels  # fewer than the model's: a learned-Σ half left unused
         self.text = text
         if text is not None:
             self.text_table = None
+        self.is_sd3 = type(model).__name__ == "SD3Transformer2DModel"
+        if self.is_sd3:  # its time input is σ_t·T (FlowMatchEulerDiscreteScheduler.timesteps); not in checkpoints
+            here = torch.empty(0).device  # the device being built on (meta when FLOPs are counted)
+            self.register_buffer("flow_time", (flow_sigma * flow_sigma.numel()).float().to(here), persistent=False)
         self.is_dit = type(model).__name__ == "DiTTransformer2DModel"
         if self.is_dit:
             for blk in model.transformer_blocks:  # the trainer drops labels; diffusers' own 10% would add to it
@@ -218,12 +232,16 @@ class DiffusersBackbone(nn.Module):
         else:
             g = self.text_table.gather(y, x.shape[0], x.dtype)
         kw = {"encoder_hidden_states": g["states"]}
-        if self.model.config.get("addition_embed_type") == "text_time":
+        if self.is_sd3:  # StableDiffusion3Pipeline: CLIP-L+G (padded) ++ T5 states, CLIP-L ++ CLIP-G pooled
+            kw["pooled_projections"] = g["pooled"]
+        elif self.model.config.get("addition_embed_type") == "text_time":
             kw["added_cond_kwargs"] = {"text_embeds": g["pooled"], "time_ids": g["time_ids"]}
         return kw
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
-        if self.text is not None:
+        if self.is_sd3:
+            out = self.model(x, timestep=self.flow_time[t].to(x.dtype), **self._text(y, x)).sample
+        elif self.text is not None:
             out = self.model(x, t, **self._text(y, x)).sample
         else:
             out = self.model(x, t, class_labels=self._labels(y, t)).sample
@@ -235,15 +253,18 @@ class DiffusersBackbone(nn.Module):
             # not block 0: DiTTransformer2DModel's final layer calls block 0's time/label embedding from
             # the root's forward, after the block (where FSDP has resharded a unit's parameters)
             return list(m.transformer_blocks)[1:]
+        if self.is_sd3:
+            return list(m.transformer_blocks)
         return [*m.down_blocks, *([m.mid_block] if m.mid_block is not None else []), *m.up_blocks]
 
 
 def build(in_channels: int, image_size: int, num_classes: int = 0, out_channels: int | None = None,
           class_name: str = "UNet2DModel", config: dict | None = None, pretrained: str = "",
-          subfolder: str = "", text: dict | None = None) -> DiffusersBackbone:
+          subfolder: str = "", text: dict | None = None, flow_sigma: torch.Tensor | None = None) -> DiffusersBackbone:
     """The network from `config` (completed from `pretrained` by configure.py), with pretrained weights
     when a run starts (not when a checkpoint's weights will replace them). `text`: the run's text record
-    (data/captioned.py: the encoders' width, length, pooled width, micro-conditions) for a text class."""
+    (data/captioned.py: the encoders' width, length, pooled width, micro-conditions) for a text class.
+    `flow_sigma`: the run's flow σ table (bundle.py passes it to the FLOW_CLASSES)."""
     check(image_size, class_name, config, pretrained, subfolder)
     if (class_name in TEXT_CLASSES) != (text is not None):
         raise InvalidInput(f"model.args.class_name={class_name} is conditioned on "
@@ -263,11 +284,14 @@ def build(in_channels: int, image_size: int, num_classes: int = 0, out_channels:
         sliced = want
     else:
         _fit(cfg, "out_channels", want, pre or "out_channels" in user, "the prediction's output channels")
-    _fit(cfg, "sample_size", image_size, dit and (pre or "sample_size" in user), "data.image_size")
+    if not (pre and class_name in FLOW_CLASSES):  # SD3 crops its position table to the input: size is free
+        _fit(cfg, "sample_size", image_size, dit and (pre or "sample_size" in user), "data.image_size")
     # the class table: rows 0..K-1 the data's classes, the last row the null label
     key = KINDS[class_name].label_key
     given = cfg.get(key) if (pre or key in user) else None
     if text is not None:
+        if class_name in FLOW_CLASSES:
+            return _sd3_network(cfg, pre, user, pretrained, subfolder, sliced, text, num_classes, flow_sigma)
         return _text_network(cfg, pre, user, class_name, pretrained, subfolder, sliced, text, num_classes)
     if dit:
         if cfg.setdefault("norm_type", "ada_norm_zero") != "ada_norm_zero":
@@ -332,8 +356,32 @@ def _text_network(cfg: dict, pre: bool, user: dict, class_name: str, pretrained:
     return DiffusersBackbone(model.train(), 0, None, sliced, text=text)
 
 
+def _sd3_network(cfg: dict, pre: bool, user: dict, pretrained: str, subfolder: str, sliced, text: dict,
+                 num_classes: int, flow_sigma: torch.Tensor | None) -> DiffusersBackbone:
+    """An SD3Transformer2DModel: its joint attention takes the text states (joint_attention_dim: T5's width,
+    the CLIP pair zero-padded to it) and its time embedding the pooled CLIP pair (pooled_projection_dim)."""
+    if num_classes:
+        raise InvalidInput("a text-conditioned run has no class labels (model.class_conditional=false)")
+    if flow_sigma is None:
+        raise InvalidInput("an SD3Transformer2DModel takes the flow schedule's noise level as its time input "
+                           "(built by the trainer with diffusion.schedule=flow)")
+    if not text.get("pooled"):
+        raise InvalidInput("an SD3Transformer2DModel needs the pooled text vector, and the data have none (prepare "
+                           "them with SD3's text encoders: CLIP-L, CLIP-G and T5)")
+    _fit(cfg, "joint_attention_dim", text["width"], pre or "joint_attention_dim" in user, "the text encoders' width")
+    _fit(cfg, "pooled_projection_dim", text["pooled"], pre or "pooled_projection_dim" in user,
+         "the pooled text vector's width")
+    model = _construct_loaded("SD3Transformer2DModel", cfg, pre, pretrained, subfolder)
+    return DiffusersBackbone(model.train(), 0, None, sliced, text=text, flow_sigma=flow_sigma)
+
+
 def takes_text(args: dict) -> bool:
     return args.get("class_name", "UNet2DModel") in TEXT_CLASSES
 
 
-register("diffusers", check=check, complete=complete, recorded=("config",), text=takes_text)(build)
+def flow_only(args: dict) -> bool:
+    return args.get("class_name", "UNet2DModel") in FLOW_CLASSES
+
+
+register("diffusers", check=check, complete=complete, recorded=("config",), text=takes_text,
+         flow=flow_only)(build)
