@@ -97,8 +97,8 @@ def refusal(bundle) -> str | None:
     if not spec.image_size:
         return "it generates 2-D points; diffusers pipelines generate images"
     if spec.text is not None:
-        return ("it is conditioned on text, and the export of text runs (a StableDiffusion pipeline with its "
-                "text encoders) is not written yet; sample it with `fasttrain sample --prompt`")
+        from .export_sd import refusal as text_refusal
+        return text_refusal(bundle)
     if df.prediction not in (*PREDICTION_TYPES, "flow"):
         return (f"diffusion.prediction={df.prediction}: its heads and gate have no diffusers scheduler "
                 f"(schedulers take one prediction type)")
@@ -197,6 +197,9 @@ def export_diffusers(run: str, out: str, vae: str | None = None, ema: bool = Tru
     b = ModelBundle.load(run, device="cpu", vae=vae)
     if vae and not b.spec.latents:
         raise InvalidInput(f"--vae: {run} was not trained on VAE latents (nothing was written)")
+    if b.spec.text is not None:  # stock SD / SDXL pipelines with their text encoders (export_sd.py)
+        from .export_sd import export_text
+        return export_text(run, out, b, ema)
     why = refusal(b)
     if why:
         raise InvalidInput(f"{run} cannot be exported to diffusers: {why}")
