@@ -29,11 +29,17 @@ def _reshard(model: nn.Module) -> None:
             m.reshard()
 
 
+def trained(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters the optimizer updates (all of them but a LoRA run's frozen base, lora.py): the ones
+    the EMA averages."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
 class EMA:
     def __init__(self, model: nn.Module, decay: float = 0.999, warmup: bool = True):
         self.decay, self.warmup = decay, warmup
-        self.names = [clean_name(n) for n, _ in model.named_parameters()]
-        self.shadow = [p.detach().clone() for p in model.parameters()]
+        self.names = [clean_name(n) for n, _ in trained(model)]
+        self.shadow = [p.detach().clone() for _, p in trained(model)]
         # the update count lives on the device: the decay of each update is computed there, so an update
         # never syncs with the host and a captured CUDA graph replays it as it is (graphs.py)
         self.count = torch.zeros((), dtype=torch.int64, device=self.shadow[0].device if self.shadow else "cpu")
@@ -52,7 +58,7 @@ class EMA:
         device 0/1 scalar) is 0 for an optimizer step that was skipped, which leaves the average
         unchanged; the count moves on either way. No host sync."""
         _reshard(model)
-        params = [p.detach() for p in model.parameters()]
+        params = [p.detach() for _, p in trained(model)]
         if self.count.device != self.shadow[0].device:
             self.count = self.count.to(self.shadow[0].device)
         c = self.count.double()
@@ -69,7 +75,7 @@ class EMA:
     def applied(self, model: nn.Module):
         """Inside the block the model holds the averaged weights; the trained ones come back after."""
         _reshard(model)
-        params = [p for p in model.parameters()]
+        params = [p for _, p in trained(model)]
         with torch.no_grad():
             for p, s in zip(params, self.shadow):
                 tmp = p.detach().clone()

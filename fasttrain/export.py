@@ -39,7 +39,7 @@ from . import optional
 from .errors import InvalidInput
 from .scheduler_config import PREDICTION_TYPES, to_diffusers
 
-FORMATS = ("diffusers",)
+FORMATS = ("diffusers", "lora")  # lora: a LoRA run's adapter (export_sd.py)
 PIPELINE_FILE = Path(__file__).with_name("export_pipeline.py")
 
 
@@ -185,8 +185,9 @@ def _convert(b, ema: bool) -> tuple[str, torch.nn.Module, str, int | None, float
     return component, model, frequencies, null, err
 
 
-def export_diffusers(run: str, out: str, vae: str | None = None, ema: bool = True) -> dict:
-    """Write the pipeline folder `out` for the run's checkpoint; returns a summary."""
+def export_diffusers(run: str, out: str, vae: str | None = None, ema: bool = True, to: str = "diffusers") -> dict:
+    """Write the pipeline folder `out` for the run's checkpoint (`to="lora"`: a LoRA run's adapter as
+    pytorch_lora_weights.safetensors); returns a summary."""
     from .bundle import ModelBundle
     from .model_card import model_card
 
@@ -197,6 +198,9 @@ def export_diffusers(run: str, out: str, vae: str | None = None, ema: bool = Tru
     b = ModelBundle.load(run, device="cpu", vae=vae)
     if vae and not b.spec.latents:
         raise InvalidInput(f"--vae: {run} was not trained on VAE latents (nothing was written)")
+    if to == "lora":
+        from .export_sd import export_lora
+        return export_lora(run, out, b, ema)
     if b.spec.text is not None:  # stock SD / SDXL pipelines with their text encoders (export_sd.py)
         from .export_sd import export_text
         return export_text(run, out, b, ema)

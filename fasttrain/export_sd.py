@@ -29,6 +29,7 @@ is compared with fasttrain's on probe prompts; a difference refuses the export w
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import shutil
 import sys
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from . import optional
+from . import lora, optional
 from .errors import InvalidInput
 from .scheduler_config import PREDICTION_TYPES
 
@@ -112,6 +113,8 @@ def export_text(run: str, out: Path, b, ema: bool) -> dict:
     encoders = b.encoders  # the recorded folder, its hashes checked (bundle.encoders)
     with b.averaged(ema) as net:
         unet = copy.deepcopy(net.net.model).eval()
+    if lora.identity(b.net):  # a LoRA run's full pipeline: the adapter folded into the base weights
+        unet = lora.merged(unet)
     sched, note = scheduler_for(b)
     if sched.config.timestep_spacing == "leading":  # the SD pipelines force steps_offset=1 on it; fasttrain's is 0
         sched = type(sched).from_config(sched.config, timestep_spacing="trailing")
@@ -134,3 +137,39 @@ def export_text(run: str, out: Path, b, ema: bool) -> dict:
     return {"out": str(out), "pipeline": type(pipe).__name__, "network": type(unet).__name__,
             "scheduler": type(sched).__name__, "vae": True, "text_encoders": family, "max_abs_diff": err,
             "step": b.step, "weights": "ema" if ema else "raw", "remote_code": False}
+
+
+def export_lora(run: str, out: Path, b, ema: bool) -> dict:
+    """OUT/pytorch_lora_weights.safetensors: a LoRA run's adapter in diffusers' format, written by the
+    pipeline class's own `save_lora_weights` (as diffusers' train_text_to_image_lora.py), which
+    `pipe.load_lora_weights(OUT)` applies to the base pipeline the run was trained on."""
+    diffusers = optional.diffusers("export --to lora")
+    from diffusers.utils import convert_state_dict_to_diffusers
+
+    if not lora.identity(b.net):
+        raise InvalidInput(f"{run} was not trained with LoRA (model.lora.rank=0): it has no adapter to export; "
+                           f"export the whole pipeline with --to diffusers")
+    why = refusal(b) if b.spec.text else "LoRA weights are exported for SD / SDXL pipelines (text runs)"
+    if why:
+        raise InvalidInput(f"{run} cannot be exported as LoRA weights: {why}")
+    family = b.spec.text["family"]
+    with b.averaged(ema) as net:
+        unet = net.net.model
+        layers = {k: v.detach().clone().contiguous() for k, v in
+                  convert_state_dict_to_diffusers(lora.adapter_state(unet)).items()}
+        meta = unet.peft_config["default"].to_dict()
+    cls = getattr(diffusers, PIPELINES[family])
+    kwargs = {"unet_lora_layers": layers, "safe_serialization": True}
+    if "unet_lora_adapter_metadata" in inspect.signature(cls.save_lora_weights).parameters:
+        meta["target_modules"] = sorted(meta["target_modules"])
+        kwargs["unet_lora_adapter_metadata"] = meta  # keeps alpha (the scale alpha / rank) with the weights
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        cls.save_lora_weights(str(out), **kwargs)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    base = lora.identity(b.net)["pipeline"]
+    return {"out": str(out), "pipeline": PIPELINES[family], "network": "LoRA", "scheduler": "-", "vae": False,
+            "max_abs_diff": 0.0, "step": b.step, "weights": "ema" if ema else "raw", "remote_code": False,
+            "base": base, "tensors": len(layers)}
