@@ -116,6 +116,9 @@ class Trainer:
         generators = Generators(torch.Generator(self.device).manual_seed(seeds.derive(tc.seed, "timesteps", rank)),
                                 torch.Generator(self.device).manual_seed(seeds.derive(tc.seed, "labels", rank)))
         self.state = TrainState(self.device)
+        if lora.enabled(cfg) and cfg.model.lora.dropout > 0:
+            # peft's dropout draws from the global stream: seeded per rank here, held by checkpoints (RankRNG)
+            torch.manual_seed(seeds.derive(tc.seed, "lora_dropout", rank))
         cond = conditioning.for_data(self.spec, cfg.model.label_dropout, generators.labels, table, d.caption_dropout)
         self.parts = StepParts(self.model, self.objective, self.opt, generators, ema=self.ema, scaler=self.scaler,
                                conditioning=cond, precision=self.precision, grad_clip=o.grad_clip, counters=self.state,

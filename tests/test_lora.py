@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_export_sd import PROMPTS, _same_samples
 from test_text_to_image import TRAIN, _prepare
-from text_fixtures import save_sd1
+from text_fixtures import save_sd1, save_sdxl
 
 from fasttrain.bundle import ModelBundle
 from fasttrain.cli import main
@@ -37,9 +37,10 @@ def _cfg(sd1, run, steps, extra=(), resume=False):
 
 def test_lora_trains_the_adapter_alone_and_resumes_exactly(sd1, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    train(_cfg(sd1, a, 6))
-    train(_cfg(sd1, b, 3))
-    train(_cfg(sd1, b, 6, resume=True), resume=True)
+    drop = ["model.lora.dropout=0.1"]  # peft's dropout draws from the global stream, which checkpoints hold
+    train(_cfg(sd1, a, 6, drop))
+    train(_cfg(sd1, b, 3, drop))
+    train(_cfg(sd1, b, 6, drop, resume=True), resume=True)
     loss = [[r["loss"] for r in map(json.loads, (r / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
             for r in (a, b)]
     assert len(loss[0]) == 6 and loss[0] == loss[1]
@@ -81,29 +82,45 @@ def test_a_changed_base_is_refused_and_lora_export_needs_a_lora_run(sd1, tmp_pat
         train(load_config("default", [f"run_dir={tmp_path / 'u'}", "train.steps=1", "model.lora.rank=2"]))
 
 
-def test_lora_export_is_applied_by_load_lora_weights(sd1, tmp_path):
-    run = tmp_path / "run"
-    train(_cfg(sd1, run, 3))
+def _lora_exports_match(run, pipe_folder, tmp_path, cls):
+    """export --to lora applied by the base pipeline's load_lora_weights, and --to diffusers (the adapter
+    merged), both give fasttrain's samples; returns the base pipeline folder and the samples."""
     out = tmp_path / "lora"
     assert main(["export", str(run), "--to", "lora", str(out)]) == 0
     assert (out / "pytorch_lora_weights.safetensors").is_file()
 
-    class WithLora(diffusers.StableDiffusionPipeline):  # the base pipeline, then load_lora_weights(out)
+    class WithLora(cls):  # the base pipeline, then load_lora_weights(out)
         @classmethod
-        def from_pretrained(cls, folder, **kw):
-            pipe = diffusers.StableDiffusionPipeline.from_pretrained(folder, **kw)
+        def from_pretrained(cls_, folder, **kw):
+            pipe = cls.from_pretrained(folder, **kw)
             pipe.load_lora_weights(str(out))
             return pipe
 
     full = tmp_path / "full"
     assert main(["export", str(run), "--to", "diffusers", str(full)]) == 0  # the adapter merged
-    _same_samples(run, full, diffusers.StableDiffusionPipeline)
+    _same_samples(run, full, cls)
     # the base pipeline: the full export with its UNet replaced by the pretrained one (the run's scheduler)
     base = tmp_path / "base"
     shutil.copytree(full, base, ignore=shutil.ignore_patterns("unet"))
-    diffusers.UNet2DConditionModel.from_pretrained(sd1["pipe"], subfolder="unet").save_pretrained(base / "unet")
+    diffusers.UNet2DConditionModel.from_pretrained(pipe_folder, subfolder="unet").save_pretrained(base / "unet")
     ours, pipe = _same_samples(run, base, WithLora)
     assert len(PROMPTS) == ours.shape[0] and pipe.get_active_adapters()
+    return base, ours
+
+
+def test_sdxl_lora_export_is_applied_by_load_lora_weights(tmp_path):
+    pipe = save_sdxl(tmp_path / "xl")
+    lat = _prepare(tmp_path, pipe, "xl-lat")
+    run = tmp_path / "run"
+    train(load_config("default", [f"run_dir={run}", "train.steps=3", "sample.num=0", f"data.root={lat}",
+                                  f"model.args.pretrained={pipe}"] + TRAIN + LORA))
+    _lora_exports_match(run, pipe, tmp_path, diffusers.StableDiffusionXLPipeline)
+
+
+def test_lora_export_is_applied_by_load_lora_weights(sd1, tmp_path):
+    run = tmp_path / "run"
+    train(_cfg(sd1, run, 3))
+    base, ours = _lora_exports_match(run, sd1["pipe"], tmp_path, diffusers.StableDiffusionPipeline)
     plain = diffusers.StableDiffusionPipeline.from_pretrained(base)  # without the adapter: other samples
     x = plain(PROMPTS, num_inference_steps=4, guidance_scale=3.0, height=16, width=16, output_type="latent",
               generator=[torch.Generator().manual_seed(i) for i in range(len(PROMPTS))]).images
