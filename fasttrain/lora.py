@@ -79,7 +79,10 @@ def apply(net, cfg) -> None:
                                lora_dropout=float(lc.dropout), init_lora_weights="gaussian",
                                target_modules=list(lc.target_modules))
     try:
-        model.add_adapter(config)
+        if hasattr(model, "add_adapter"):  # diffusers' PeftAdapterMixin (UNet2DConditionModel, transformers)
+            model.add_adapter(config)
+        else:  # UNet2DModel has no mixin: peft's own injection, the same layers
+            peft().inject_adapter_in_model(config, model)
     except ValueError as e:  # no module matches
         first = str(e).strip().splitlines()[0][:160]
         raise InvalidInput(f"model.lora.target_modules={list(lc.target_modules)}: {first}") from None
@@ -135,8 +138,18 @@ def adapter_state(unet) -> dict:
     return get_peft_model_state_dict(unet)
 
 
-def merged(unet) -> torch.nn.Module:
-    """The UNet with its adapter folded into the base weights and the peft layers removed (a stock model)."""
-    unet.fuse_lora()
-    unet.unload_lora()
-    return unet
+def merged(model: torch.nn.Module) -> torch.nn.Module:
+    """The model with its adapter folded into the base weights (W + alpha/r · B A, peft's merge) and the
+    peft layers replaced by their base layers: a stock diffusers model."""
+    from diffusers.utils.peft_utils import recurse_remove_peft_layers
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for m in model.modules():
+        if isinstance(m, BaseTunerLayer):
+            m.merge()
+    recurse_remove_peft_layers(model)
+    if hasattr(model, "peft_config"):  # diffusers' mixin: no adapter left to name
+        del model.peft_config
+    if hasattr(model, "_hf_peft_config_loaded"):
+        model._hf_peft_config_loaded = False
+    return model

@@ -125,3 +125,22 @@ def test_lora_export_is_applied_by_load_lora_weights(sd1, tmp_path):
     x = plain(PROMPTS, num_inference_steps=4, guidance_scale=3.0, height=16, width=16, output_type="latent",
               generator=[torch.Generator().manual_seed(i) for i in range(len(PROMPTS))]).images
     assert float((x - ours).abs().max()) > 1e-3
+
+
+def test_lora_on_a_class_conditional_unet2dmodel_exports_merged(tmp_path, capsys):
+    from diffusers_fixtures import save_tiny_unet
+
+    pre = save_tiny_unet(tmp_path / "pretrained")  # digits-sized UNet2DModel: LoRA comes with the backbone
+    run = tmp_path / "run"
+    train(load_config("default", [f"run_dir={run}", "model.name=diffusers", "model.args.class_name=UNet2DModel",
+                                  f"model.args.pretrained={pre}", "train.steps=2", "model.lora.rank=2",
+                                  "model.lora.target_modules=[conv1,conv2]", "train.progress=false", "sample.num=0",
+                                  "eval.num_samples=0", "eval.bpd=false", "train.threads=1", "data.batch_size=8",
+                                  "optim.lr=1e-2", "optim.warmup_steps=1"]))
+    saved = torch.load(run / "last.pt", weights_only=True)
+    assert all("lora_" in k for k in saved["model"])
+    assert main(["export", str(run), "--to", "diffusers", str(tmp_path / "out")]) == 0  # verified on probes
+    unet = diffusers.UNet2DModel.from_pretrained(tmp_path / "out", subfolder="unet")
+    assert not any("lora" in k for k in unet.state_dict())
+    assert main(["export", str(run), "--to", "lora", str(tmp_path / "l")]) == 1
+    assert "LoRA weights are exported for SD / SDXL pipelines" in capsys.readouterr().err
