@@ -72,6 +72,11 @@ def test_a_changed_base_is_refused_and_lora_export_needs_a_lora_run(sd1, tmp_pat
         pipe / "unet")
     with pytest.raises(CheckpointError, match="is not the one this LoRA run was trained on"):
         ModelBundle.load(tmp_path / "r", device="cpu")
+    more = load_config("default", [f"run_dir={tmp_path / 'r'}", "train.steps=2", "sample.num=0",
+                                   f"data.root={sd1['lat']}", f"model.args.pretrained={pipe}"] + TRAIN + LORA,
+                       resume=True)
+    with pytest.raises(CheckpointError, match="is not the one this LoRA run was trained on"):
+        train(more, resume=True)  # nor resumed
     plain = tmp_path / "plain"
     train(load_config("default", [f"run_dir={plain}", "train.steps=1", "sample.num=0", f"data.root={sd1['lat']}",
                                   f"model.args.pretrained={sd1['pipe']}"] + TRAIN))
