@@ -118,9 +118,17 @@ def _lora_exports_match(run, pipe_folder, tmp_path, cls):
 def test_sdxl_lora_export_is_applied_by_load_lora_weights(tmp_path):
     pipe = save_sdxl(tmp_path / "xl")
     lat = _prepare(tmp_path, pipe, "xl-lat")
-    run = tmp_path / "run"
-    train(load_config("default", [f"run_dir={run}", "train.steps=3", "sample.num=0", f"data.root={lat}",
-                                  f"model.args.pretrained={pipe}"] + TRAIN + LORA))
+    def cfg(run, steps, resume=False):
+        return load_config("default", [f"run_dir={run}", f"train.steps={steps}", "sample.num=0", f"data.root={lat}",
+                                       f"model.args.pretrained={pipe}"] + TRAIN + LORA, resume=resume)
+
+    run, other = tmp_path / "run", tmp_path / "other"
+    train(cfg(run, 4))
+    train(cfg(other, 2))
+    train(cfg(other, 4, resume=True), resume=True)  # SDXL: resumes exactly too
+    loss = [[r["loss"] for r in map(json.loads, (x / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+            for x in (run, other)]
+    assert len(loss[0]) == 4 and loss[0] == loss[1]
     _lora_exports_match(run, pipe, tmp_path, diffusers.StableDiffusionXLPipeline)
 
 
