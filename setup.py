@@ -51,12 +51,15 @@ WEBDATASET = ["webdataset>=1.0,<1.1"]
 # text-to-image: CLIP / T5 text encoders and tokenizers from a local pipeline folder (fasttrain/text_encoders.py);
 # 5.25 asks for the `kernels` package, which the project's indexes do not carry
 TEXT = DIFFUSERS + ["transformers>=5.20,<5.25", "tokenizers>=0.22"]
+# LoRA adapters on diffusers backbones (fasttrain/lora.py: model.lora.rank) and their export
+LORA = TEXT + ["peft>=0.21,<0.22"]
 EXTRAS = {
     "dali": DALI,
     "diffusers": DIFFUSERS,
     "webdataset": WEBDATASET,
     "text": TEXT,
-    "dev": ["pytest>=8", "pytest-benchmark>=4", "pytest-xdist>=3", "ruff>=0.17"] + DALI + TEXT + WEBDATASET,
+    "lora": LORA,
+    "dev": ["pytest>=8", "pytest-benchmark>=4", "pytest-xdist>=3", "ruff>=0.17"] + DALI + LORA + WEBDATASET,
 }
 
 

@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from . import checkpoint as ckpt
-from . import seeds
+from . import lora, seeds
 from .config import plain
 from .diffusion import schedule as make_schedule
 from .diffusion.denoiser import Denoiser
@@ -80,8 +80,12 @@ def build_network(cfg: DictConfig, spec: DataSpec) -> Denoiser:
     flow = MODELS.get(cfg.model.name).flow
     if flow is not None and flow(args):  # SD3: its time input is the (shifted) flow σ_t·T
         args["flow_sigma"] = sched.sigma
-    net = build_model(cfg.model.name, in_channels=spec.channels, image_size=spec.image_size,
-                      num_classes=spec.num_classes, **args)
+    adapted = lora.enabled(cfg)
+    with lora.base_weights() if adapted else contextlib.nullcontext():  # a LoRA checkpoint holds no base weights
+        net = build_model(cfg.model.name, in_channels=spec.channels, image_size=spec.image_size,
+                          num_classes=spec.num_classes, **args)
+    if adapted:
+        lora.apply(net, cfg)
     return Denoiser(net, kind.output_head(df, sched), sched, learned_weighting=df.learned_weighting,
                     gate_heads=kind.gate_heads(df), logvar_layer=df.logvar_layer,
                     logvar_seed=seeds.derive(cfg.train.seed, "logvar"))
@@ -153,7 +157,8 @@ class ModelBundle:
             state, model_sd, ema_sd = ckpt.read_bundle_state(path, lambda st: build_network(cfg_of(st), spec_of(st)))
             cfg, spec = cfg_of(state), spec_of(state)
             net = build_network(cfg, spec)
-        ckpt.load_weights(net, model_sd, path)
+        lora.check(state.get("lora"), net, path)
+        ckpt.load_weights(net, lora.completed(net, model_sd), path)
         net = net.to(device)
         ema = EMA(net, cfg.optim.ema_decay, cfg.optim.ema_warmup)
         ema.load_state_dict(ema_sd)

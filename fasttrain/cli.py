@@ -154,7 +154,9 @@ def _parser() -> argparse.ArgumentParser:
 
     ex = sub.add_parser("export", help="write a run as a pipeline folder of another library (diffusers)")
     ex.add_argument("run", help="run directory, checkpoint file or DCP folder")
-    ex.add_argument("--to", required=True, choices=("diffusers",), help="the library")
+    ex.add_argument("--to", required=True, choices=("diffusers", "lora"),
+                    help="the library: diffusers (a pipeline folder), or lora (a LoRA run's adapter as "
+                         "pytorch_lora_weights.safetensors for pipe.load_lora_weights)")
     ex.add_argument("out", help="the pipeline folder to write (new or empty)")
     ex.add_argument("--vae", default=None, help="latent runs: the VAE to ship (default: the recorded one)")
     ex.add_argument("--raw", action="store_true", help="export the raw weights instead of the EMA")
@@ -361,7 +363,12 @@ def _export(args) -> int:
     from .export import export_diffusers
 
     check_output(args.out, "the export folder", _reads(args, ModelBundle.load(args.run, vae=args.vae)))
-    res = export_diffusers(args.run, args.out, vae=args.vae, ema=not args.raw)
+    res = export_diffusers(args.run, args.out, vae=args.vae, ema=not args.raw, to=args.to)
+    if args.to == "lora":
+        print(f"wrote {res['out']}/pytorch_lora_weights.safetensors ({res['tensors']} tensors, {res['weights']} "
+              f"weights of step {res['step']}); apply it with {res['pipeline']}.from_pretrained({res['base']!r})"
+              f".load_lora_weights({res['out']!r})")
+        return 0
     print(f"wrote {res['out']}: {res['network']} ({res['weights']} weights of step {res['step']}, equal to the run's "
           f"network to {res['max_abs_diff']:.1g}), {res['scheduler']}{', the VAE' if res['vae'] else ''} as a "
           f"{res['pipeline']}; load it with diffusers.DiffusionPipeline.from_pretrained({res['out']!r}"

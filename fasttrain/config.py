@@ -75,11 +75,24 @@ class DataConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = _f(0, "LoRA rank through peft (0: off, the whole network trains; sd-scripts --network_dim, diffusers "
+                   "--rank); diffusers backbones only (fasttrain/lora.py)", min=0)
+    alpha: Optional[float] = _f(None, "LoRA alpha: the update is scaled by alpha / rank (None: the rank, as diffusers' "
+                                "LoRA scripts; sd-scripts --network_alpha)", above=0)
+    dropout: float = _f(0.0, "dropout on the LoRA branch's input (peft lora_dropout)", min=0, below=1)
+    target_modules: List[str] = _f(["to_k", "to_q", "to_v", "to_out.0"],
+                                   "module names the adapters wrap (default: the attention projections, as diffusers' "
+                                   "LoRA scripts)")
+
+
+@dataclass
 class ModelConfig:
     name: str = _f("unet_tiny", "the network (registry: fasttrain/models)")
     class_conditional: bool = _f(True, "condition on labels (ignored for unlabelled data)")
     label_dropout: float = _f(0.1, "probability of dropping the label (classifier-free guidance)", min=0, below=1)
     args: Dict[str, Any] = _f({}, "overrides passed to the model factory, e.g. model.args.ch=48")
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

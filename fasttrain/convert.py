@@ -190,6 +190,10 @@ def to_diffusers(backbone: nn.Module, model_args: dict | None = None):
     diffusers = optional.diffusers("export --to diffusers")
     if isinstance(backbone, DiffusersBackbone):
         m = copy.deepcopy(backbone.model).float().eval()
+        if getattr(backbone, "lora_base", None):  # a LoRA run (lora.py): the adapter folded into the stock model
+            from .lora import merged
+
+            m = merged(m)
         return ("transformer" if backbone.is_dit else "unet"), m, "diffusers", backbone.null_row
     if isinstance(backbone, DiT):
         cfg = dit_config(backbone)

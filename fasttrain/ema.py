@@ -33,11 +33,17 @@ def _reshard(modules: list[nn.Module]) -> None:
         m.reshard()
 
 
+def trained(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters the optimizer updates (all of them but a LoRA run's frozen base, lora.py): the ones
+    the EMA averages."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
 class EMA:
     def __init__(self, model: nn.Module, decay: float = 0.999, warmup: bool = True):
         self.decay, self.warmup = decay, warmup
-        self.names = [clean_name(n) for n, _ in model.named_parameters()]
-        self.shadow = [p.detach().clone() for p in model.parameters()]
+        self.names = [clean_name(n) for n, _ in trained(model)]
+        self.shadow = [p.detach().clone() for _, p in trained(model)]
         # the update count lives on the device: the decay of each update is computed there, so an update
         # never syncs with the host and a captured CUDA graph replays it as it is (graphs.py)
         self.count = torch.zeros((), dtype=torch.int64, device=self.shadow[0].device if self.shadow else "cpu")
@@ -48,13 +54,14 @@ class EMA:
         the module tree (model.modules(), model.parameters()) on every update was a per-step cost of its
         own on small CPU models (issue 35). The parameters are listed after the reshard (FSDP2 registers
         its sharded parameters back then), and listed again when the first one is no longer the model's
-        (a wrapper replaced them)."""
+        (a wrapper replaced them). They are the trained ones (`trained`: not a LoRA run's frozen base)."""
         w = self._walked
         if w is None or w[0] is not model:
-            w = self._walked = (model, fsdp_modules(model), None)
+            w = self._walked = (model, fsdp_modules(model), None, None)
         _reshard(w[1])
-        if w[2] is None or (w[2] and next(model.parameters()) is not w[2][0]):
-            w = self._walked = (model, w[1], list(model.parameters()))
+        first = next(model.parameters(), None)
+        if w[2] is None or first is not w[3]:
+            w = self._walked = (model, w[1], [p for _, p in trained(model)], first)
         return w[2], w[1]
 
     @property

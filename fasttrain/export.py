@@ -39,7 +39,7 @@ from . import optional
 from .errors import InvalidInput
 from .scheduler_config import PREDICTION_TYPES, to_diffusers
 
-FORMATS = ("diffusers",)
+FORMATS = ("diffusers", "lora")  # lora: a LoRA run's adapter (export_sd.py)
 PIPELINE_FILE = Path(__file__).with_name("export_pipeline.py")
 
 
@@ -97,8 +97,8 @@ def refusal(bundle) -> str | None:
     if not spec.image_size:
         return "it generates 2-D points; diffusers pipelines generate images"
     if spec.text is not None:
-        return ("it is conditioned on text, and the export of text runs (a StableDiffusion pipeline with its "
-                "text encoders) is not written yet; sample it with `fasttrain sample --prompt`")
+        from .export_sd import refusal as text_refusal
+        return text_refusal(bundle)
     if df.prediction not in (*PREDICTION_TYPES, "flow"):
         return (f"diffusion.prediction={df.prediction}: its heads and gate have no diffusers scheduler "
                 f"(schedulers take one prediction type)")
@@ -186,8 +186,9 @@ def _convert(b, ema: bool) -> tuple[str, torch.nn.Module, str, int | None, float
     return component, model, frequencies, null, err
 
 
-def export_diffusers(run: str, out: str, vae: str | None = None, ema: bool = True) -> dict:
-    """Write the pipeline folder `out` for the run's checkpoint; returns a summary."""
+def export_diffusers(run: str, out: str, vae: str | None = None, ema: bool = True, to: str = "diffusers") -> dict:
+    """Write the pipeline folder `out` for the run's checkpoint (`to="lora"`: a LoRA run's adapter as
+    pytorch_lora_weights.safetensors); returns a summary."""
     from .bundle import ModelBundle
     from .model_card import model_card
 
@@ -198,10 +199,16 @@ def export_diffusers(run: str, out: str, vae: str | None = None, ema: bool = Tru
     b = ModelBundle.load(run, device="cpu", vae=vae)
     if vae and not b.spec.latents:
         raise InvalidInput(f"--vae: {run} was not trained on VAE latents (nothing was written)")
+    if to == "lora":
+        from .export_sd import export_lora
+        return export_lora(run, out, b, ema)
     from .export_sd3 import export_sd3, is_sd3
 
     if is_sd3(b):  # StableDiffusion3Pipeline with its text encoders (export_sd3.py)
         return export_sd3(run, out, b, ema)
+    if b.spec.text is not None:  # stock SD / SDXL pipelines with their text encoders (export_sd.py)
+        from .export_sd import export_text
+        return export_text(run, out, b, ema)
     why = refusal(b)
     if why:
         raise InvalidInput(f"{run} cannot be exported to diffusers: {why}")

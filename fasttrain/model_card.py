@@ -32,6 +32,12 @@ def _call(kind, index: dict, b) -> tuple[str, str]:
     labels = [i % classes for i in range(4)] if classes else None
     # `fasttrain sample` seeds image i with seed + i (generation.py): one generator per image
     args = [f"num_inference_steps={steps}", "generator=[torch.Generator().manual_seed(i) for i in range(4)]"]
+    if b.spec.text is not None:  # export_sd.py: a stock SD / SDXL pipeline, the empty prompt as negative
+        prompt = (list(sc.prompts) or list(b.spec.text.get("prompts") or []) or ["a photo"])[0]
+        args = [f"prompt=[{prompt!r}] * 4", f"guidance_scale={guidance}"] + args
+        return (f"pipe({', '.join(args)}).images",
+                f"--n 4 --seed 0 --steps {steps} --spacing trailing --solver ddim --prompt {json.dumps(prompt)} "
+                f"--guidance {guidance}")
     if kind.name == "DDIMPipeline":
         args = ["batch_size=4"] + args + ["eta=0.0", "use_clipped_model_output=True"]
     elif labels is not None:
@@ -49,17 +55,19 @@ def model_card(run: str, b, kind, index: dict, ema: bool) -> str:
     cfg, spec = b.cfg, b.spec
     df, o, d = cfg.diffusion, cfg.optim, cfg.data
     network = next(v[1] for k, v in index.items() if k in ("transformer", "unet") and v[0])
-    tags = ["fasttrain", f"diffusers:{kind.name}", "class-conditional" if spec.num_classes else "unconditional",
+    conditioning = "text-to-image" if spec.text else "class-conditional" if spec.num_classes else "unconditional"
+    tags = ["fasttrain", f"diffusers:{kind.name}", conditioning,
             "latent-diffusion" if spec.latents else "pixel-diffusion"]
     front = ["---", "library_name: diffusers"]
     if not spec.num_classes:
-        front.append("pipeline_tag: unconditional-image-generation")
+        front.append(f"pipeline_tag: {'text-to-image' if spec.text else 'unconditional-image-generation'}")
     front += ["tags:"] + [f"- {t}" for t in tags] + ["---", ""]
     call, flags = _call(kind, index, b)
     remote = ", trust_remote_code=True" if kind.custom else ""
     size = f"{spec.image_size}×{spec.image_size}"
     lines = [f"# {Path(str(run)).name or run}: a {network} trained with fasttrain", "",
-             f"{'Class-conditional' if spec.num_classes else 'Unconditional'} {'latent' if spec.latents else 'pixel'} "
+             f"{'Text-conditioned' if spec.text else 'Class-conditional' if spec.num_classes else 'Unconditional'} "
+             f"{'latent' if spec.latents else 'pixel'} "
              f"diffusion on `{d.name}` ({spec.channels}×{size}), {b.step} step{'' if b.step == 1 else 's'} "
              f"({b.images} images), "
              f"exported with its {'EMA' if ema else 'raw'} weights as a diffusers `{kind.name}`"

@@ -16,13 +16,14 @@ purpose never shifts an old one.
     posterior    draws from VAE posteriors stored with latents (per rank and data position)
     logvar       the learned log-variance layer's Fourier features and initial weight (the same on every rank)
     labels       label dropout for classifier-free guidance (per rank; conditioning.py)
+    lora_dropout the global stream peft's LoRA dropout draws from (per rank; train.py, lora.py)
 """
 from __future__ import annotations
 
 import hashlib
 
 PURPOSES = ("weights", "data", "augment", "timesteps", "noise", "reseed", "policy", "eval", "probe", "posterior",
-            "logvar", "labels")
+            "logvar", "labels", "lora_dropout")
 
 
 def derive(seed: int, purpose: str, *ids: int) -> int:

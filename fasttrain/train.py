@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
-from . import conditioning, graphs, periodic, plots, seeds
+from . import conditioning, graphs, lora, periodic, plots, seeds
 from . import distributed as dist_utils
 from .bundle import DataSpec, ModelBundle, build_network, build_objective
 from .config import plain
@@ -107,7 +107,8 @@ class Trainer:
             self.interference = InterferenceDiagnostic(self.objective.T, dg.interference_every, dg.buckets,
                                                        dg.probe_size, seeds.derive(tc.seed, "probe"))
         self.hooks = self.objective.lookaheads() + ([self.interference] if self.interference else [])
-        self.opt = make_optimizer(list(self.model.parameters()), cfg.optim, self.device)
+        # a LoRA run (lora.py): the adapter alone; otherwise every parameter
+        self.opt = make_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optim, self.device)
         o = cfg.optim
         self.lr_sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: min(1.0, (s + 1) / o.warmup_steps) if o.warmup_steps else 1.0)
@@ -115,6 +116,9 @@ class Trainer:
         generators = Generators(torch.Generator(self.device).manual_seed(seeds.derive(tc.seed, "timesteps", rank)),
                                 torch.Generator(self.device).manual_seed(seeds.derive(tc.seed, "labels", rank)))
         self.state = TrainState(self.device)
+        if lora.enabled(cfg) and cfg.model.lora.dropout > 0:
+            # peft's dropout draws from the global stream: seeded per rank here, held by checkpoints (RankRNG)
+            torch.manual_seed(seeds.derive(tc.seed, "lora_dropout", rank))
         cond = conditioning.for_data(self.spec, cfg.model.label_dropout, generators.labels, table, d.caption_dropout)
         self.parts = StepParts(self.model, self.objective, self.opt, generators, ema=self.ema, scaler=self.scaler,
                                conditioning=cond, precision=self.precision, grad_clip=o.grad_clip, counters=self.state,
@@ -125,7 +129,8 @@ class Trainer:
         self.clock: StepClock | None = None  # the log interval's training time, kept by fit
         self.images_per_step = d.batch_size * tc.grad_accum * world
         self.checkpoints = ckpt.CheckpointManager(
-            self.run_dir, self.dist, meta={"config": OmegaConf.to_container(cfg), "data_spec": asdict(self.spec)},
+            self.run_dir, self.dist, meta={"config": OmegaConf.to_container(cfg), "data_spec": asdict(self.spec),
+                                 **({"lora": lora.identity(net)} if lora.identity(net) else {})},
             model=self.model, optimizer=self.opt, ema=self.ema,
             states={"train": self.state, "lr_sched": self.lr_sched, "objective": self.objective, "data": self.data,
                     "interference": self.interference, "scaler": self.scaler},

@@ -289,14 +289,6 @@ def test_sd3_text_encoders_pad_clip_to_t5_and_append_its_states(tmp_path):
     assert out["states"][:, :8, :40].abs().sum() > 0
 
 
-def test_export_of_a_text_run_is_refused_in_one_line(sd1, tmp_path, capsys):
-    run = tmp_path / "run"
-    train(load_config("default", [f"run_dir={run}", "train.steps=1", "sample.num=0", f"data.root={sd1['lat']}",
-                                  f"model.args.pretrained={sd1['pipe']}"] + TRAIN))
-    assert main(["export", str(run), "--to", "diffusers", str(tmp_path / "out")]) == 1
-    assert "conditioned on text" in capsys.readouterr().err and not (tmp_path / "out").exists()
-
-
 def test_sd3_text_encoders_with_t5(tmp_path):
     from text_fixtures import save_tiny_t5
 

@@ -329,7 +329,10 @@ def read_bundle_state(path: str | os.PathLike, build_model) -> tuple[dict, dict,
         return state, state["model"], state["ema"]
     extra = read_dcp_extra(path)
     model = build_model(extra)
-    holder = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-              "ema": {k: v.detach().clone() for k, v in model.named_parameters()}}
+    from .. import lora
+    from ..ema import trained
+
+    holder = {"model": lora.checkpoint_view(model, {k: v.detach().clone() for k, v in model.state_dict().items()}),
+              "ema": {k: v.detach().clone() for k, v in trained(model)}}
     load_dcp(path, holder)
     return extra, holder["model"], {"n": extra["ema"]["n"], "shadow": holder["ema"]}

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .. import lora
 from ..errors import CheckpointError
 from .formats import FORMAT, latest, load_dcp, load_file, read_dcp_extra, save_dcp, save_file, to_tensor
 
@@ -72,7 +73,7 @@ class CheckpointManager:
 
         shadow = self.ema.state_dict()["shadow"]
         plain = self._plain()
-        model_sd = get_model_state_dict(self.model)
+        model_sd = lora.checkpoint_view(self.model, get_model_state_dict(self.model))  # LoRA: the adapter
         optim_sd = get_optimizer_state_dict(self.model, self.optimizer)
         if self.dist.world_size > 1:
             if name != "last.pt":
@@ -96,7 +97,7 @@ class CheckpointManager:
         if path.is_dir():
             plain = read_dcp_extra(path)
             self._check_config(plain, path)
-            holder = {"model": get_model_state_dict(self.model),
+            holder = {"model": lora.checkpoint_view(self.model, get_model_state_dict(self.model)),
                       "optim": get_optimizer_state_dict(self.model, self.optimizer),
                       "ema": self.ema.state_dict()["shadow"]}
             load_dcp(path, holder)
@@ -105,8 +106,10 @@ class CheckpointManager:
             plain = load_file(path)
             self._check_config(plain, path)
             model_sd, optim_sd, shadow, full = plain["model"], plain["optimizer"], plain["ema"]["shadow"], True
+        lora.check(plain.get("lora"), self.model, path)  # a LoRA run's base must be the recorded one
+        model_sd = lora.completed(self.model, model_sd) if full else model_sd
         world, rank = self.dist.world_size, self.dist.rank
-        opts = StateDictOptions(full_state_dict=full and world > 1)
+        opts = StateDictOptions(full_state_dict=full and world > 1, strict=not (lora.identity(self.model) and not full))
         try:
             set_model_state_dict(self.model, model_sd, options=opts)
         except (RuntimeError, KeyError, ValueError) as e:  # another model or other sizes
