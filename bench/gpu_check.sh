@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # On a CUDA machine: the GPU tests, the kernel benchmarks (the noise + diffusion loss ops, the mixed loss
 # op) and the throughput tables (timestep machinery; small batch on one GPU: eager, compiled, compiled +
-# CUDA graph); numbers land in bench/results/gpu-* (and mixed-loss-cuda.*).
-# Budget: under 10 minutes on one H100/H200 (native build ~1 min, tests ~2-3 min, kernels ~2 min, mixed
-# loss < 1 min, throughput ~4 min; each part has its own timeout so a slow one cannot starve the rest).
+# CUDA graph) and the text-to-image step against diffusers' train_text_to_image.py loop; numbers land in
+# bench/results/gpu-* (and mixed-loss-cuda.*, peer-text-to-image-cuda.*).
+# Budget: under 13 minutes on one H100/H200 (native build ~1 min, tests ~2-3 min, kernels ~2 min, mixed
+# loss < 1 min, throughput ~4 min, text-to-image peer ~3 min; each part has its own timeout so a slow one
+# cannot starve the rest).
 # The install builds fasttrain._C with its CUDA ops where nvcc is present (FASTTRAIN_CUDA_ARCHS, default
 # sm_80 + sm_90); the native CUDA tests and the benchmark's native column skip or drop out without it.
 # Uses a python3 that already has a CUDA torch (the lent GPU machines have one and no network),
@@ -36,5 +38,7 @@ timeout 150 $PY -m pytest -q -p no:cacheprovider bench/bench_diffusion_loss.py -
 timeout 60 $PY bench/bench_mixed_loss.py 2>&1 | tee bench/results/gpu-mixed-loss.txt || rc=1
 timeout 240 $PY bench/throughput.py --small-batch --threads 8 --steps 60 --round 20 --warmup 8 \
   2>&1 | tee bench/results/gpu-throughput.txt || rc=1
+timeout 240 $PY bench/peer_text_to_image.py --device cuda --threads 8 --rounds 5 --steps 20 \
+  2>&1 | tee bench/results/gpu-peer-text-to-image.txt || rc=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> bench/results/gpu-tests.txt 2>&1
 exit $rc

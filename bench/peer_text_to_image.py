@@ -14,16 +14,17 @@ plain MSE, and its --snr_gamma 5 against fasttrain's min_snr):
   time      interleaved rounds of --steps steps per loop (the order rotating each round, so that load from
             other processes hits all alike) at each thread count: median wall and CPU ms per step, and
             each loop's CPU-time ratio to the peer's (on a shared machine the CPU time is the steadier clock);
-  memory    each loop alone in a fresh process: the peak above the memory held after building (CPU: the
-            resident set, its high-water mark reset through /proc/self/clear_refs; CUDA:
-            torch.cuda.max_memory_allocated), over its first --memory-steps steps (so the optimizer's and
-            the EMA's state are included).
+  memory    each loop alone in a fresh process (after one step of a tiny instance, which loads what a first
+            call loads): the peak above the memory held after building (CPU: the resident set, its
+            high-water mark reset through /proc/self/clear_refs; CUDA: torch.cuda.max_memory_allocated),
+            over its first --memory-steps steps (so the optimizer's and the EMA's state are included).
 
 Writes bench/results/peer-text-to-image-<device>.{json,md}.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -130,7 +131,14 @@ def _status(key: str) -> int:
 def memory_of(args, device) -> dict:
     """One loop alone (this process): its peak memory above what it holds once built."""
     torch.set_num_threads(1)
-    _, step = build(args.memory_of, setup_of(args, args.weightings[0]), device)
+    setup = setup_of(args, args.weightings[0])
+    # one step of a tiny instance first: what the first call loads (code, kernels, lazily imported modules)
+    # is not the step's memory (it was +25 MiB of the resident set on CPU, alike for all loops)
+    tiny = dataclasses.replace(setup, size=8, captions=setup.batch, length=8, channels=(16, 32))
+    warm = build(args.memory_of, tiny, device)
+    warm[1](0)
+    del warm
+    _, step = build(args.memory_of, setup, device)
     if device.type == "cuda":
         sync(device)
         base = torch.cuda.memory_allocated()
