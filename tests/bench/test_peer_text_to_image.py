@@ -58,3 +58,20 @@ def test_benchmark_parts_run_on_tiny_shapes():
     assert mem["loop"] == "fasttrain" and mem["peak_above_base_mib"] >= 0
     with pytest.raises(SystemExit):
         bench.parse(["--channels", "12,32"])
+
+
+def test_the_emas_differ_only_in_their_first_update():
+    """diffusers' EMAModel takes decay 0 at its first step (training_utils.get_decay: step − 1 = 0), so its
+    average becomes the weights; fasttrain's takes min(decay, (1+n)/(10+n)) = 0.1 at n = 0. Later updates
+    share the decay k/(9+k) (what docs/benchmarks.md says)."""
+    setup = Setup(use_ema=True, **TINY)
+    _, _, _, (ft, peer, start) = equal_noise_run(setup, 1, "cpu", "torch")
+    w1 = list(ft.model.parameters())
+    assert len(ft.parts.ema.shadow) == len(w1) == len(peer.ema.shadow_params)
+    for s, p in zip(peer.ema.shadow_params, peer.unet.parameters()):  # s − 1·(s − p): p up to rounding
+        torch.testing.assert_close(s, p.detach(), rtol=1e-6, atol=1e-7)
+    for s, w, w0 in zip(ft.parts.ema.shadow, w1, start.parameters()):
+        torch.testing.assert_close(s, w0 + 0.9 * (w.detach() - w0), rtol=1e-6, atol=1e-7)
+    gap = max(float((s - w.detach()).abs().max()) for s, w in zip(ft.parts.ema.shadow, w1))
+    assert gap > 1e-6  # a tenth of the first step's move (AdamW, lr 1e-4): above the tolerance used above
+    assert ft.parts.ema.current_decay() == peer.ema.get_decay(peer.ema.optimization_step + 1) == 2 / 11
