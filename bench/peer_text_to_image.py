@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -139,6 +140,7 @@ def memory_of(args, device) -> dict:
     warm[1](0)
     del warm
     _, step = build(args.memory_of, setup, device)
+    gc.collect()  # the peer's build made a fasttrain loop for its initial UNet: freed before the baseline
     if device.type == "cuda":
         sync(device)
         base = torch.cuda.memory_allocated()
