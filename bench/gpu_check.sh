@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # On a CUDA machine: the GPU tests, the kernel benchmarks (the noise + diffusion loss ops, the mixed loss
 # op) and the throughput tables (timestep machinery; small batch on one GPU: eager, compiled, compiled +
-# CUDA graph); numbers land in bench/results/gpu-* (and mixed-loss-cuda.*).
-# Budget: about 10 minutes on one H100/H200 (native build ~1 min, tests ~2-3 min, kernels ~2 min, mixed
-# loss < 1 min, throughput ~4 min, the diffusers peer loop ~2 min (not yet run on a GPU); each part has its
-# own timeout so a slow one cannot starve the rest).
+# CUDA graph), the step against diffusers' train_unconditional.py and train_text_to_image.py loops;
+# numbers land in bench/results/gpu-* (and mixed-loss-cuda.*, peer-text-to-image-cuda.*).
+# Budget: about 15 minutes on one H100/H200 (native build ~1 min, tests ~2-3 min, kernels ~2 min, mixed
+# loss < 1 min, throughput ~4 min, the two diffusers peer loops ~2 and ~3 min, neither run on a GPU yet;
+# each part has its own timeout so a slow one cannot starve the rest).
 # The install builds fasttrain._C with its CUDA ops where nvcc is present (FASTTRAIN_CUDA_ARCHS, default
 # sm_80 + sm_90); the native CUDA tests and the benchmark's native column skip or drop out without it.
 # Uses a python3 that already has a CUDA torch (the lent GPU machines have one and no network),
@@ -40,5 +41,7 @@ timeout 240 $PY bench/throughput.py --small-batch --threads 8 --steps 60 --round
 # fasttrain's step against diffusers' example loop (bench/peer_diffusers.py; CPU table: peer-diffusers-cpu.md)
 timeout 240 $PY bench/peer_diffusers.py --threads 8 --steps 50 --rounds 3 \
   2>&1 | tee bench/results/gpu-peer-diffusers.txt || rc=1
+timeout 240 $PY bench/peer_text_to_image.py --device cuda --threads 8 --rounds 5 --steps 20 \
+  2>&1 | tee bench/results/gpu-peer-text-to-image.txt || rc=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> bench/results/gpu-tests.txt 2>&1
 exit $rc
