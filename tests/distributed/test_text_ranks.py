@@ -2,6 +2,7 @@
 captioned latents trains, and a run stopped and resumed on two ranks continues with the losses and weights
 of the run that never stopped; so does a LoRA run, whose sharded checkpoint holds the adapter alone."""
 import pytest
+import torch
 from conftest import cli
 from test_cli_runs import _losses, _same_weights
 from text_fixtures import save_sd1, write_captioned
@@ -39,9 +40,12 @@ def _stop_and_resume(tmp_path, common):
 
 
 @pytest.mark.slow
-def test_text_unet_under_fsdp_resumes_exactly_on_two_ranks(sd1, tmp_path):
-    _stop_and_resume(tmp_path, sd1)
+def test_text_unet_under_fsdp_bf16_and_ac_resumes_exactly_on_two_ranks(sd1, tmp_path):
+    """FSDP2 with bf16 parameters (fp32 reductions and master weights) and per-block AC on the UNet's blocks."""
+    _stop_and_resume(tmp_path, sd1 + ["parallel.precision=bf16", "parallel.ac=full"])
     _same_weights(tmp_path / "a", tmp_path / "b")
+    net = ModelBundle.load(tmp_path / "a").net
+    assert all(p.dtype == torch.float32 for p in net.parameters())  # checkpoints keep fp32 weights
 
 
 @pytest.mark.slow
