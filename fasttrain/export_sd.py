@@ -141,28 +141,38 @@ def export_text(run: str, out: Path, b, ema: bool) -> dict:
 
 def export_lora(run: str, out: Path, b, ema: bool) -> dict:
     """OUT/pytorch_lora_weights.safetensors: a LoRA run's adapter in diffusers' format, written by the
-    pipeline class's own `save_lora_weights` (as diffusers' train_text_to_image_lora.py), which
-    `pipe.load_lora_weights(OUT)` applies to the base pipeline the run was trained on."""
+    pipeline class's own `save_lora_weights` (as diffusers' train_text_to_image_lora.py, and for SD3's
+    transformer as train_dreambooth_lora_sd3.py), which `pipe.load_lora_weights(OUT)` applies to the base
+    pipeline the run was trained on."""
     diffusers = optional.diffusers("export --to lora")
     from diffusers.utils import convert_state_dict_to_diffusers
+
+    from . import export_sd3
 
     if not lora.identity(b.net):
         raise InvalidInput(f"{run} was not trained with LoRA (model.lora.rank=0): it has no adapter to export; "
                            f"export the whole pipeline with --to diffusers")
-    why = refusal(b) if b.spec.text else "LoRA weights are exported for SD / SDXL pipelines (text runs)"
+    sd3 = export_sd3.is_sd3(b)
+    if sd3:
+        why = export_sd3.refusal(b)
+    else:
+        why = refusal(b) if b.spec.text else ("LoRA weights are exported for SD / SDXL pipelines and SD3 "
+                                              "pipelines (text runs)")
     if why:
         raise InvalidInput(f"{run} cannot be exported as LoRA weights: {why}")
-    family = b.spec.text["family"]
+    name = "StableDiffusion3Pipeline" if sd3 else PIPELINES[b.spec.text["family"]]
+    part = "transformer" if sd3 else "unet"  # the save_lora_weights argument: {part}_lora_layers
     with b.averaged(ema) as net:
-        unet = net.net.model
+        model = net.net.model
+        state = lora.adapter_state(model)  # SD3's script saves peft's names as they are; the UNet's convert
         layers = {k: v.detach().clone().contiguous() for k, v in
-                  convert_state_dict_to_diffusers(lora.adapter_state(unet)).items()}
-        meta = unet.peft_config["default"].to_dict()
-    cls = getattr(diffusers, PIPELINES[family])
-    kwargs = {"unet_lora_layers": layers, "safe_serialization": True}
-    if "unet_lora_adapter_metadata" in inspect.signature(cls.save_lora_weights).parameters:
+                  (state if sd3 else convert_state_dict_to_diffusers(state)).items()}
+        meta = model.peft_config["default"].to_dict()
+    cls = getattr(diffusers, name)
+    kwargs = {f"{part}_lora_layers": layers, "safe_serialization": True}
+    if f"{part}_lora_adapter_metadata" in inspect.signature(cls.save_lora_weights).parameters:
         meta["target_modules"] = sorted(meta["target_modules"])
-        kwargs["unet_lora_adapter_metadata"] = meta  # keeps alpha (the scale alpha / rank) with the weights
+        kwargs[f"{part}_lora_adapter_metadata"] = meta  # keeps alpha (the scale alpha / rank) with the weights
     out.mkdir(parents=True, exist_ok=True)
     try:
         cls.save_lora_weights(str(out), **kwargs)
@@ -170,6 +180,6 @@ def export_lora(run: str, out: Path, b, ema: bool) -> dict:
         shutil.rmtree(out, ignore_errors=True)
         raise
     base = lora.identity(b.net)["pipeline"]
-    return {"out": str(out), "pipeline": PIPELINES[family], "network": "LoRA", "scheduler": "-", "vae": False,
+    return {"out": str(out), "pipeline": name, "network": "LoRA", "scheduler": "-", "vae": False,
             "max_abs_diff": 0.0, "step": b.step, "weights": "ema" if ema else "raw", "remote_code": False,
             "base": base, "tensors": len(layers)}

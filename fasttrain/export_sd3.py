@@ -9,6 +9,9 @@ diffusers loads without remote code.
     OUT/model_index.json             written by diffusers' own save_pretrained
     OUT/README.md                    how to load it and which fasttrain command makes the same images
 
+A LoRA run (model.lora.rank > 0) gets its adapter merged into the transformer here; `--to lora` writes the
+adapter alone (export_sd.export_lora, through StableDiffusion3Pipeline.save_lora_weights).
+
 The pipeline samples what `fasttrain sample` does: its transformer takes σ·T (the backbone's time input,
 models/diffusers_backbone.py), its latents are divided by the VAE's scaling_factor and shifted by its
 shift_factor (fasttrain's data.latent_norm=vae), guidance mixes the velocities of the prompt and the
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from . import optional
+from . import lora, optional
 from .errors import InvalidInput
 from .scheduler_config import to_diffusers
 
@@ -119,6 +122,8 @@ def export_sd3(run: str, out: Path, b, ema: bool) -> dict:
         raise InvalidInput(f"{run} cannot be exported to diffusers: {why}")
     with b.averaged(ema) as net:
         transformer = copy.deepcopy(net.net.model).float().eval()
+        if lora.identity(b.net):  # a LoRA run's full pipeline: the adapter folded into the base weights
+            transformer = lora.merged(transformer)
         err = verify(b, net.net, transformer)
     df = b.cfg.diffusion
     name, config = to_diffusers(df.schedule, df.T, False, df.prediction, False, shift=df.flow_shift)
