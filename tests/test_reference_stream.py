@@ -98,3 +98,27 @@ def test_an_empty_reference_folder_is_one_line_and_writes_nothing(run, tmp_path,
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "holds no" in err and str(empty) in err
     assert not (tmp_path / "r.npz").exists()
+
+
+def test_shards_reference_streams_the_same_images(tmp_path):
+    """The run's own data when it is WebDataset shards: decoded a chunk at a time, the same images in the
+    same order as the whole reference (the first n decodable samples, centre-cropped)."""
+    pytest.importorskip("webdataset")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "data"))
+    from folder_fixtures import write_images
+
+    images, shards, run = tmp_path / "images", tmp_path / "shards", tmp_path / "run"
+    write_images(images, n_per_class=6)
+    assert main(["data", "prepare", str(images), "--shards", str(shards), "--shard-size", "5"]) == 0
+    assert main(["train", f"run_dir={run}", "data.name=shards", f"data.root={shards}", "data.image_size=8",
+                 "data.batch_size=4", "model.name=dit_tiny", "model.args.hidden=32", "model.args.depth=1",
+                 "model.args.heads=2", "train.steps=1", "train.progress=false", "sample.num=0",
+                 "eval.num_samples=0", "eval.bpd=false", "train.threads=1"]) == 0
+    b = ModelBundle.load(run)
+    kind = data_kind(b.spec.name)
+    whole = kind.reference(b.cfg, b.spec, None, 9).train
+    parts = list(kind.reference_images(b.cfg, b.spec, None, 9).chunks(4))
+    assert [len(x) for x in parts] == [4, 4, 1] and torch.equal(torch.cat(parts), whole)
