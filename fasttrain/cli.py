@@ -144,7 +144,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--samples", default=None, help="folder for the generated set's resumable chunks (default "
                     "RUN/eval-samples/<settings hash>)")
     ev.add_argument("--chunk", type=_positive("--chunk"), default=64,
-                    help="images per batch and per resumable chunk (under torchrun chunks go round-robin to ranks)")
+                    help="images per batch and per resumable chunk (under torchrun chunks go round-robin to ranks); "
+                         "the reference statistics are computed this many images at a time")
     ev.add_argument("--out", default=None, help="JSON file (default: RUN/eval.json)")
     ev.add_argument("--vae", default=None, help="latent runs: decode with this VAE folder (default: the recorded one)")
 

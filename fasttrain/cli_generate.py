@@ -169,10 +169,12 @@ def evaluate(args) -> int:
     extractor = resolve_extractor(s.extractor, b.spec)
     metrics = {"step": b.step}
     if s.num_samples and (b.spec.is_images or b.decodes) and extractor != "none":
-        reference, res = None, {}
+        res = {}
+        # bits/dim reads the first items of the reference as the evaluation without FID would
+        ref_n = 5000 if args.ref_stats and Path(args.ref_stats).is_file() else args.ref_n
         if info.is_main:  # the reference once, on rank 0 (the others wait for its verdict)
             try:
-                reference, res = _reference_stats(args, b, s, extractor)
+                res = _reference_stats(args, b, s, extractor)
             except UserError as e:  # e.g. an unreadable --ref-stats: every rank stops with its line
                 res = {"user_error": _first_line(e)}
         res = all_gather_objects({k: v for k, v in res.items() if k in ("fidelity_error", "user_error")})[0]
@@ -180,9 +182,9 @@ def evaluate(args) -> int:
             raise InvalidInput(res["user_error"])
         metrics.update(res)
         if "fidelity_error" not in metrics:
-            metrics.update(_fidelity_across_ranks(args, b, s, extractor, reference, info))
+            metrics.update(_fidelity_across_ranks(args, b, s, extractor, info))
         if info.is_main:  # bits/dim (rank 0): the rest of run_evaluation without its single-process FID
-            reference = reference or reference_for(b.cfg, b.spec, args.ref)
+            reference = reference_for(b.cfg, b.spec, args.ref, n=min(ref_n, s.bpd_samples))  # bpd's first items
             metrics.update(run_evaluation(b, replace(s, num_samples=0), reference))
     elif info.is_main:
         metrics.update(run_evaluation(b, s, reference_for(b.cfg, b.spec, args.ref)))
@@ -199,11 +201,11 @@ def evaluate(args) -> int:
     return code
 
 
-def _reference_stats(args, b, s, extractor):
-    """(the reference data or None, {} or {"fidelity_error": ...}); the statistics read from --ref-stats
-    when it exists, else computed from the reference data (and written to --ref-stats when given).
-    Rank 0; kept on `args` for the fidelity step."""
-    from .evaluate import reference_for
+def _reference_stats(args, b, s, extractor) -> dict:
+    """{} or {"fidelity_error": ...}; the statistics read from --ref-stats when it exists, else computed
+    from the reference images read --chunk at a time (only their features kept: feature_stats.py) and
+    written to --ref-stats when given. Rank 0; kept on `args` for the fidelity step."""
+    from .data import data_kind
     from .feature_stats import Extractor, ReferenceStats
 
     try:
@@ -211,25 +213,24 @@ def _reference_stats(args, b, s, extractor):
     except UserError:
         raise
     except Exception as e:  # e.g. Inception weights that cannot be downloaded: before any image is generated
-        return None, {"fidelity_error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        return {"fidelity_error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
     args._extractor = ex
     if args.ref_stats and Path(args.ref_stats).is_file():
         args._ref_stats = ReferenceStats.load(args.ref_stats, ex.name)
-        return None, {}
-    reference = reference_for(b.cfg, b.spec, args.ref, n=args.ref_n)
-    if reference.train is None:
-        return reference, {"fidelity_error": f"no reference images: {reference.source}"}
-    from .generation import to_uint8
-
-    feats = ex(to_uint8(reference.train))
-    args._ref_stats = ReferenceStats.from_features(feats, ex, reference.source)
+        return {}
+    images = data_kind(b.spec.name).reference_images(b.cfg, b.spec, args.ref, args.ref_n)
+    stats = None if images.items is None else ReferenceStats.from_images(images, ex, args.chunk)
+    if stats is None:
+        return {"fidelity_error": f"no reference images: {images.source}"}
+    args._ref_stats = stats
     if args.ref_stats:
-        args._ref_stats.save(out_file(args.ref_stats, "--ref-stats"))
-        print(f"wrote the reference statistics of {len(reference.train)} images to {args.ref_stats}", file=sys.stderr)
-    return reference, {}
+        stats.save(out_file(args.ref_stats, "--ref-stats"))
+        count = len(next(iter(stats.features.values())))
+        print(f"wrote the reference statistics of {count} images to {args.ref_stats}", file=sys.stderr)
+    return {}
 
 
-def _fidelity_across_ranks(args, b, s, extractor, reference, info) -> dict:
+def _fidelity_across_ranks(args, b, s, extractor, info) -> dict:
     """Generate the evaluation set split across ranks (generation.py), each rank computing the features of
     its chunks; rank 0 gathers them (the chunk files) and scores them against the reference statistics."""
     import hashlib

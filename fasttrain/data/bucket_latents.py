@@ -167,3 +167,8 @@ class BucketLatents(DataKind):
 
         ref = latent_reference(spec, _NoRoot(cfg.data), ref_path, n)
         return Reference(ref.train, None, ref.source)
+
+    def reference_images(self, cfg, spec, ref_path, n):
+        from .reference import latent_images
+
+        return latent_images(spec, ref_path, n)

@@ -103,6 +103,13 @@ class Digits(DataKind):
         test, labels = digits(spec.image_size, "test", holdout=cfg.data.holdout)
         return Reference(digits(spec.image_size, "train", holdout=cfg.data.holdout)[0][:n], test, "digits", labels)
 
+    def reference_images(self, cfg, spec, ref_path, n):
+        if ref_path is not None:  # a folder: read as it goes
+            from .reference import folder_images
+
+            return folder_images(ref_path, spec, cfg.data, n)
+        return super().reference_images(cfg, spec, ref_path, n)
+
 
 @register("synthetic")
 class Synthetic(DataKind):
@@ -120,6 +127,13 @@ class Synthetic(DataKind):
         if ref_path is not None:
             return super().reference(cfg, spec, ref_path, n)
         return Reference(None, None, "none (synthetic data have nothing to compare with)")
+
+    def reference_images(self, cfg, spec, ref_path, n):
+        if ref_path is not None:  # a folder: read as it goes
+            from .reference import folder_images
+
+            return folder_images(ref_path, spec, cfg.data, n)
+        return super().reference_images(cfg, spec, ref_path, n)
 
 
 class Toy(DataKind):

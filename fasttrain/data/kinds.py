@@ -5,6 +5,7 @@ Every module outside `fasttrain/data/` asks a kind's traits, never its name (tes
     kind.traits.images, kind.traits.resident, kind.traits.conditioning     # what it is
     stream, info = kind.build(DataArgs(...))                              # batches on the device
     kind.reference(cfg, spec, ref_path, n)                                 # what evaluation compares with
+    kind.reference_images(cfg, spec, ref_path, n).chunks(k)               # its images, k at a time
 
 Traits (`Traits`):
   images          samples are [C, S, S] arrays (else flat points: the 2-D toys)
@@ -132,6 +133,17 @@ class DataKind:
         from .reference import folder_reference
 
         return folder_reference(cfg, spec, ref_path or cfg.data.root, n)
+
+    def reference_images(self, cfg, spec, ref_path: str | None, n: int):
+        """`reference`'s FID images read as they go (data/reference.py `ReferenceImages`), for statistics
+        of a reference too large to hold. The folder reference streams; a kind that overrides `reference`
+        streams where it overrides this too, else its reference is loaded and handed out in chunks."""
+        from .reference import ReferenceImages, folder_images
+
+        if type(self).reference is DataKind.reference:
+            return folder_images(ref_path or cfg.data.root, spec, cfg.data, n)
+        ref = self.reference(cfg, spec, ref_path, n)
+        return ReferenceImages.held(ref.train, ref.source)
 
 
 def data_kind(name: str) -> DataKind:

@@ -44,6 +44,13 @@ class LatentFolder(DataKind):
             return latent_reference(spec, cfg.data, ref_path, n)
         return folder_reference(cfg, spec, ref_path or cfg.data.root, n)
 
+    def reference_images(self, cfg, spec, ref_path, n):
+        from .reference import folder_images, latent_images
+
+        if spec.latents:
+            return latent_images(spec, ref_path, n)
+        return folder_images(ref_path or cfg.data.root, spec, cfg.data, n)
+
 
 @register("decoded")
 class Decoded(DataKind):

@@ -163,6 +163,11 @@ class Packed(DataKind):
             test = prepare_batch(rows, spec.latents) if spec.latents else rows
         return Reference(ref.train, test, ref.source if spec.latents else str(d.root))
 
+    def reference_images(self, cfg, spec, ref_path, n):
+        from .reference import ReferenceImages, latent_images
+
+        return latent_images(spec, ref_path, n) if spec.latents else ReferenceImages(None, "")
+
 
 class _NoRoot:
     """The data config without its root, so latent_reference reads no latent folder (the packed file

@@ -254,17 +254,31 @@ class Shards(DataKind):
         """--ref (a folder), else the first n samples of the shards in their written order, centre-cropped."""
         if ref_path is not None:
             return super().reference(cfg, spec, ref_path, n)
+        images = self.reference_images(cfg, spec, None, n)
+        xs = list(images.items or ())
+        x = torch.stack(xs) if xs else None
+        return Reference(x, x, images.source)
+
+    def reference_images(self, cfg, spec, ref_path, n):
+        """`reference`'s images, decoded as they go."""
+        from .reference import ReferenceImages, folder_images
+
+        if ref_path is not None:
+            return folder_images(ref_path, spec, cfg.data, n)
         root = cfg.data.root
         if not root or not (Path(root) / INDEX).is_file():
-            return Reference(None, None, f"none (the shards {root!r} are gone: pass --ref PATH)")
-        s = ShardSet(root)
-        st = ShardStream(s, 1, 0, spec.image_size, spec.channels, world_size=1, buffer=1)
-        xs = []
-        for sample in s.samples(s.names, st._note):
-            x = st._decode(sample, (0.0, 0.5, 0.5))
-            if x is not None:
-                xs.append(x)
-            if len(xs) >= n:
-                break
-        x = torch.stack(xs) if xs else None
-        return Reference(x, x, str(root))
+            return ReferenceImages(None, f"none (the shards {root!r} are gone: pass --ref PATH)")
+        return ReferenceImages(_first_images(ShardSet(root), spec, n), str(root))
+
+
+def _first_images(s, spec, n: int):
+    """The first n decodable samples of the shards in their written order, centre-cropped, unflipped."""
+    st = ShardStream(s, 1, 0, spec.image_size, spec.channels, world_size=1, buffer=1)
+    count = 0
+    for sample in s.samples(s.names, st._note):
+        x = st._decode(sample, (0.0, 0.5, 0.5))
+        if x is not None:
+            count += 1
+            yield x
+        if count >= n:  # before the next sample is read (its errors would be noted)
+            return
