@@ -2,8 +2,8 @@
 same step (FSDP2), and the run resumes on one process at the global batch where the two stopped."""
 import numpy as np
 import torch
-from conftest import cli
 from PIL import Image
+from torchrun_launch import cli
 
 from fasttrain.cli import main
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import cli
+from torchrun_launch import cli
 
 from fasttrain import checkpoint as ckpt
 from fasttrain.bundle import ModelBundle

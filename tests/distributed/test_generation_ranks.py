@@ -4,7 +4,7 @@ two ranks finishes on one (generation.py)."""
 import json
 
 import numpy as np
-from conftest import cli
+from torchrun_launch import cli
 
 from fasttrain import generation as gen
 from fasttrain.cli import main

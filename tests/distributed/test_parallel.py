@@ -2,7 +2,7 @@
 against one process on the global batch, for a DiT and for a UNet's stages, and for diffusers' DiT and
 UNet2DModel as backbones; per-rank streams."""
 import pytest
-from conftest import worker
+from torchrun_launch import worker
 
 
 @pytest.mark.slow

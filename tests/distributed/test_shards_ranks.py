@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HERE, cli, torchrun
+from torchrun_launch import HERE, cli, torchrun
 
 from fasttrain.cli import main
 from fasttrain.data import build_data

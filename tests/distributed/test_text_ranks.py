@@ -3,9 +3,9 @@ captioned latents trains, and a run stopped and resumed on two ranks continues w
 of the run that never stopped; so does a LoRA run, whose sharded checkpoint holds the adapter alone."""
 import pytest
 import torch
-from conftest import cli
 from test_cli_runs import _losses, _same_weights
 from text_fixtures import save_sd1, write_captioned
+from torchrun_launch import cli
 
 from fasttrain import checkpoint as ckpt
 from fasttrain.bundle import ModelBundle
