@@ -24,6 +24,7 @@ early and late timesteps) the converted network's output must equal the backbone
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import json
@@ -186,6 +187,18 @@ def _convert(b, ema: bool) -> tuple[str, torch.nn.Module, str, int | None, float
     return component, model, frequencies, null, err
 
 
+
+@contextlib.contextmanager
+def written_whole(out: Path):
+    """The export folder `out`, created; if anything fails while it is written, it is removed again, so
+    that no half-written export is left (every exporter writes through this)."""
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        yield out
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+
 def export_diffusers(run: str, out: str, vae: str | None = None, ema: bool = True, to: str = "diffusers") -> dict:
     """Write the pipeline folder `out` for the run's checkpoint (`to="lora"`: a LoRA run's adapter as
     pytorch_lora_weights.safetensors); returns a summary."""
@@ -225,8 +238,7 @@ def export_diffusers(run: str, out: str, vae: str | None = None, ema: bool = Tru
         index["id2label"] = class_names(b)
     if kind.custom:
         index["fasttrain"] = settings(e)
-    out.mkdir(parents=True, exist_ok=True)
-    try:
+    with written_whole(out):
         model.save_pretrained(out / component)
         sched.save_pretrained(out / "scheduler")
         if e.codec is not None:
@@ -235,9 +247,6 @@ def export_diffusers(run: str, out: str, vae: str | None = None, ema: bool = Tru
         if kind.custom:
             shutil.copyfile(PIPELINE_FILE, out / "pipeline.py")
         (out / "README.md").write_text(model_card(run, b, kind, index, ema))
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)  # no half-written export
-        raise
     if note:
         print(f"fasttrain: note: {note}", file=sys.stderr)
     return {"out": str(out), "pipeline": kind.name, "network": type(model).__name__, "scheduler": type(sched).__name__,

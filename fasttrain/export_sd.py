@@ -31,7 +31,6 @@ from __future__ import annotations
 import copy
 import inspect
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -102,7 +101,7 @@ def check_encoding(pipe, family: str, encoders) -> float:
 
 def export_text(run: str, out: Path, b, ema: bool) -> dict:
     """Write the SD / SDXL pipeline folder `out` for the text run loaded as bundle `b`."""
-    from .export import scheduler_for
+    from .export import scheduler_for, written_whole
     from .model_card import model_card
 
     diffusers = optional.diffusers("export --to diffusers")
@@ -124,14 +123,10 @@ def export_text(run: str, out: Path, b, ema: bool) -> dict:
     pipe = _pipeline(diffusers, family, unet, b.codec.vae, encoders, sched)
     err = check_encoding(pipe, family, encoders)
     kind = type("Kind", (), {"name": type(pipe).__name__, "custom": False})()
-    out.mkdir(parents=True, exist_ok=True)
-    try:
+    with written_whole(out):
         pipe.save_pretrained(out, safe_serialization=True)
         index = json.loads((out / "model_index.json").read_text())
         (out / "README.md").write_text(model_card(run, b, kind, index, ema))
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)  # no half-written export
-        raise
     if note:
         print(f"fasttrain: note: {note}", file=sys.stderr)
     return {"out": str(out), "pipeline": type(pipe).__name__, "network": type(unet).__name__,
@@ -173,12 +168,10 @@ def export_lora(run: str, out: Path, b, ema: bool) -> dict:
     if f"{part}_lora_adapter_metadata" in inspect.signature(cls.save_lora_weights).parameters:
         meta["target_modules"] = sorted(meta["target_modules"])
         kwargs[f"{part}_lora_adapter_metadata"] = meta  # keeps alpha (the scale alpha / rank) with the weights
-    out.mkdir(parents=True, exist_ok=True)
-    try:
+    from .export import written_whole
+
+    with written_whole(out):
         cls.save_lora_weights(str(out), **kwargs)
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
-        raise
     base = lora.identity(b.net)["pipeline"]
     return {"out": str(out), "pipeline": name, "network": "LoRA", "scheduler": "-", "vae": False,
             "max_abs_diff": 0.0, "step": b.step, "weights": "ema" if ema else "raw", "remote_code": False,

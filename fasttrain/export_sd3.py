@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -133,14 +132,12 @@ def export_sd3(run: str, out: Path, b, ema: bool) -> dict:
     pipe = diffusers.StableDiffusion3Pipeline(
         transformer=transformer, scheduler=sched, vae=b.codec.vae, text_encoder=encs[0], tokenizer=toks[0],
         text_encoder_2=encs[1], tokenizer_2=toks[1], text_encoder_3=encs[2], tokenizer_3=toks[2])
-    out.mkdir(parents=True, exist_ok=True)
-    try:
+    from .export import written_whole
+
+    with written_whole(out):
         pipe.save_pretrained(out)
         index = json.loads((out / "model_index.json").read_text())
         (out / "README.md").write_text(card(run, b, ema))
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)  # no half-written export
-        raise
     if encs[2] is None:
         print("fasttrain: note: the run's text encoders have no T5 (text_encoder_3): the pipeline zero-fills its "
               "part, as fasttrain did", file=sys.stderr)

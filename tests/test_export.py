@@ -249,3 +249,19 @@ def test_export_refuses_a_folder_with_files(tmp_path, capsys):
     (tmp_path / "out" / "keep.txt").write_text("mine")
     assert main(["export", str(tmp_path / "run"), "--to", "diffusers", str(tmp_path / "out")]) == 1
     assert "not empty" in capsys.readouterr().err and (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+def test_an_export_that_fails_while_writing_leaves_no_folder(tmp_path, monkeypatch):
+    """export.written_whole, which every exporter writes through: a failure after the first files are
+    written (here the model card) removes the folder again, so no half-written pipeline can be loaded."""
+    import fasttrain.export as export
+
+    assert main(["train", f"run_dir={tmp_path / 'run'}", "model.args.ch=8"] + TINY) == 0
+
+    def broken(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("fasttrain.model_card.model_card", broken)
+    with pytest.raises(OSError, match="disk full"):
+        export.export_diffusers(str(tmp_path / "run"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
