@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from _env import Parser, Results, count
+from cases import machine
 
 RUNS = Path(__file__).parent / ".presets"
 
@@ -53,8 +53,7 @@ def main(argv=None) -> None:
         rows.append({"guidance": g, "fid": ev.get("fid"), "prompt_agreement": ev.get("digits_label_agreement"),
                      "confidence": ev.get("digits_confidence")})
         print(rows[-1], flush=True)
-    info = {"python": platform.python_version(), "torch": torch.__version__, "cpu": _cpu_name(),
-            "threads": args.threads, "load_avg_at_end": os.getloadavg()}
+    info = {**machine(), "threads": args.threads, "load_avg_at_end": os.getloadavg()}
     meta = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": info, "command": " ".join(sys.argv),
             "train_wall_seconds": seconds, "train_cpu_seconds": cpu, "steps": summary["steps"],
             "final_eval": summary.get("eval", {})}
@@ -72,15 +71,6 @@ def main(argv=None) -> None:
         res.text("digits_text-cpu.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":
