@@ -187,7 +187,7 @@ class Trainer:
 
     # -- the run ---------------------------------------------------------------------------------------
     def fit(self) -> dict:
-        tc, main, st = self.cfg.train, self.dist.is_main, self.state
+        tc, main = self.cfg.train, self.dist.is_main
         self.log = MetricLogger(self.run_dir, purge_step=self.step) if main else _NoLog()
         if main:
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))  # the truth, resumed or not
@@ -202,13 +202,7 @@ class Trainer:
         try:
             with GracefulStop(self.dist.world_size) as stop:
                 while self.step < tc.steps:
-                    loss, gnorm = self.train_step()
-                    ok = torch.isfinite(loss) & torch.isfinite(gnorm)
-                    st.interval += torch.stack([loss.double(), gnorm.double(), one.double()]).where(ok, 0.0)
-                    st.interval_steps += 1
-                    self.clock.tick()
-                    self.bar.update(1)
-                    self._act(in_step=False)  # logging, the non-finite stop, checkpoints, evaluation, ...
+                    self.advance(one)
                     if stop.should_stop():
                         self._act_final()
                         raise KeyboardInterrupt
@@ -227,6 +221,19 @@ class Trainer:
         summary = self.finish(self.log)
         self.log.close()
         return summary
+
+    def advance(self, one: torch.Tensor) -> None:
+        """One step of the run as `fit` takes it (bench/profile_default.py times this same body): the step,
+        the log interval's sums on the device (a non-finite step adds nothing), the clock, the progress bar,
+        and the periodic actions that are due (logging, the non-finite stop, checkpoints, evaluation, ...)."""
+        loss, gnorm = self.train_step()
+        ok = torch.isfinite(loss) & torch.isfinite(gnorm)
+        st = self.state
+        st.interval += torch.stack([loss.double(), gnorm.double(), one.double()]).where(ok, 0.0)
+        st.interval_steps += 1
+        self.clock.tick()
+        self.bar.update(1)
+        self._act(in_step=False)
 
     def _act(self, in_step: bool) -> None:
         """The periodic actions (periodic/) due after this step, in their declared order: those of the
