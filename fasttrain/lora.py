@@ -11,6 +11,10 @@ Checkpoints hold the adapter (and the parameters outside the backbone, e.g. a le
 base model's identity: the pretrained folder and the sha256 of its weights file (`identity`). The base is
 read from the pretrained folder whenever the network is built, also on resume and by `ModelBundle.load`;
 a base whose weights changed since the run started is refused in one line (`check`).
+
+While training, the frozen base is held in `model.lora.base_dtype` (auto: bf16 on CUDA, as diffusers'
+train_text_to_image_lora.py casts the frozen UNet to the mixed-precision dtype and keeps the adapter in fp32;
+fp32 on CPU): `hold_base`. Sampling, evaluation of a checkpoint and export read the base in fp32.
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ import torch
 from .errors import CheckpointError, InvalidInput, MissingDependency
 
 MARK = "lora_"  # peft's parameter names: ...to_q.lora_A.default.weight
+BASE_DTYPES = ("auto", "fp32", "bf16", "fp16")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def peft():
@@ -88,6 +94,41 @@ def apply(net, cfg) -> None:
         raise InvalidInput(f"model.lora.target_modules={list(lc.target_modules)}: {first}") from None
     backbone.lora_base = {"path": str(folder.resolve()), "pipeline": str(Path(args["pretrained"]).resolve()),
                           "sha256": _weights_hash(folder)}
+
+
+def base_dtype(cfg, device) -> torch.dtype:
+    """The dtype a run holds its frozen LoRA base in while training (`model.lora.base_dtype`); one-line
+    errors for a setting that cannot apply."""
+    name, device = cfg.model.lora.base_dtype, torch.device(device)
+    if not enabled(cfg):
+        if name != "auto":
+            raise InvalidInput(f"model.lora.base_dtype={name} sets the dtype of a LoRA run's frozen base; this run has "
+                               f"no adapter (model.lora.rank=0)")
+        return torch.float32
+    if name == "auto":
+        name = "bf16" if device.type == "cuda" else "fp32"
+    if name == "fp16" and device.type != "cuda":
+        raise InvalidInput("model.lora.base_dtype=fp16 needs CUDA (on CPU hold the base in bf16 or fp32)")
+    return _DTYPES[name]
+
+
+def hold_base(net, dtype: torch.dtype) -> None:
+    """Cast the frozen base (the diffusers model's parameters that do not train, and its floating buffers)
+    to `dtype`, as diffusers' cast_training_params leaves only the trained parameters in fp32: half the
+    base's memory in bf16. The backbone then casts its inputs to `dtype` and its output back
+    (DiffusersBackbone.compute_dtype), so the step, in-run sampling and autocast see one dtype; peft adds
+    the fp32 adapter's branch to the base layer's output in the base's dtype (peft's LoraLayer forward)."""
+    if dtype == torch.float32:
+        return
+    backbone = getattr(net, "net", net)
+    for module in backbone.model.modules():
+        for p in module.parameters(recurse=False):
+            if not p.requires_grad:
+                p.data = p.data.to(dtype)
+        for name, b in module.named_buffers(recurse=False):
+            if b.is_floating_point():
+                setattr(module, name, b.to(dtype))
+    backbone.compute_dtype = dtype
 
 
 def identity(net) -> dict | None:
