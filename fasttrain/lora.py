@@ -19,7 +19,6 @@ fp32 on CPU): `hold_base`. Sampling, evaluation of a checkpoint and export read 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from pathlib import Path
 
 import torch
@@ -58,13 +57,10 @@ def base_weights():
 
 
 def _weights_hash(folder: Path) -> str:
+    from . import file_hashes
     from .model_folders import weights_file
 
-    h = hashlib.sha256()
-    with open(weights_file(folder), "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
+    return file_hashes.sha256([weights_file(folder)])
 
 
 def apply(net, cfg) -> None:
