@@ -94,7 +94,7 @@ def test_a_bf16_base_trains_samples_resumes_exactly_and_exports_the_fp32_base(sd
     is held in bf16, the adapter, its optimizer state and EMA in fp32; the step computes in bf16 (losses near
     the fp32 base's, not equal), in-run sampling works, resume is exact, and a checkpoint reads back with the
     fp32 pretrained base, which the full export merges into."""
-    bf = ["model.lora.base_dtype=bf16", "sample.num=2", "sample.steps=2"]
+    bf = ["model.lora.base_dtype=bf16", "parallel.precision=fp32", "sample.num=2", "sample.steps=2"]
     t = Trainer(_cfg(sd1, tmp_path / "x", 1, bf))
     try:
         unet = t.bundle.net.net.model
@@ -110,7 +110,8 @@ def test_a_bf16_base_trains_samples_resumes_exactly_and_exports_the_fp32_base(sd
     train(_cfg(sd1, a, 4, bf))
     train(_cfg(sd1, b, 2, bf))
     train(_cfg(sd1, b, 4, bf, resume=True), resume=True)
-    train(_cfg(sd1, full, 4, ["sample.num=2", "sample.steps=2"]))
+    train(_cfg(sd1, full, 4, ["model.lora.base_dtype=fp32", "parallel.precision=fp32", "sample.num=2",
+                              "sample.steps=2"]))
     loss = [[r["loss"] for r in map(json.loads, (r / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
             for r in (a, b, full)]
     assert len(loss[0]) == 4 and loss[0] == loss[1]
@@ -127,6 +128,24 @@ def test_a_bf16_base_trains_samples_resumes_exactly_and_exports_the_fp32_base(sd
     assert main(["export", str(a), "--to", "diffusers", str(out)]) == 0  # checked against fasttrain's sampler
     merged = diffusers.UNet2DConditionModel.from_pretrained(out, subfolder="unet")
     assert all(p.dtype == torch.float32 for p in merged.parameters())
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_base_is_held_in_bf16_by_default_and_the_run_trains_and_samples(sd1, tmp_path):
+    """What model.lora.base_dtype=auto does on a GPU (bench/gpu_check.sh runs it): bf16 base, fp32 adapter,
+    under the default bf16 autocast; finite losses, in-run samples."""
+    run = tmp_path / "cuda"
+    t = Trainer(_cfg(sd1, run, 3, ["sample.num=2", "sample.steps=2"]))
+    try:
+        assert t.device.type == "cuda" and t.precision.name == "bf16"
+        unet = t.bundle.net.net.model
+        assert all(p.dtype == (torch.float32 if p.requires_grad else torch.bfloat16) for p in unet.parameters())
+    finally:
+        t.close()
+    train(_cfg(sd1, run, 3, ["sample.num=2", "sample.steps=2"]))
+    loss = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(loss) == 3 and all(torch.isfinite(torch.tensor(loss)))
+    assert (run / "samples.png").is_file()
 
 
 def test_base_dtype_errors(sd1, tmp_path):
