@@ -40,7 +40,7 @@ def _read_cache() -> dict:
     try:
         data = json.loads(cache_file().read_text())
         return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RuntimeError):  # RuntimeError: no home folder to find the cache in
         return {}
 
 
@@ -54,7 +54,7 @@ def _write_cache(key: str, digest: str) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f)
         os.replace(tmp, path)  # atomic: concurrent ranks each leave a whole file
-    except OSError:
+    except (OSError, RuntimeError):
         pass
 
 

@@ -27,7 +27,6 @@ from .errors import CheckpointError, InvalidInput, MissingDependency
 
 MARK = "lora_"  # peft's parameter names: ...to_q.lora_A.default.weight
 BASE_DTYPES = ("auto", "fp32", "bf16", "fp16")
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def peft():
@@ -105,7 +104,9 @@ def base_dtype(cfg, device) -> torch.dtype:
         name = "bf16" if device.type == "cuda" else "fp32"
     if name == "fp16" and device.type != "cuda":
         raise InvalidInput("model.lora.base_dtype=fp16 needs CUDA (on CPU hold the base in bf16 or fp32)")
-    return _DTYPES[name]
+    from .precision import DTYPES
+
+    return DTYPES[name]
 
 
 def hold_base(net, dtype: torch.dtype) -> None:
