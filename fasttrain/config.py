@@ -84,6 +84,10 @@ class LoraConfig:
     target_modules: List[str] = _f(["to_k", "to_q", "to_v", "to_out.0"],
                                    "module names the adapters wrap (default: the attention projections, as diffusers' "
                                    "LoRA scripts)")
+    base_dtype: str = _f("auto", "dtype the frozen base is held in while training: auto is bf16 on CUDA (as "
+                         "diffusers' LoRA scripts cast the frozen UNet to the mixed-precision dtype), fp32 on CPU; the "
+                         "adapter, its optimizer state, EMA and checkpoints stay fp32; sampling and export read "
+                         "the base in fp32")
 
 
 @dataclass

@@ -32,6 +32,7 @@ def choices() -> dict[str, tuple[str, ...]]:
     from .diffusion.objective import BACKENDS, prediction_kinds
     from .diffusion.solvers import SOLVERS
     from .evaluate import EXTRACTORS
+    from .lora import BASE_DTYPES
     from .models import MODELS
     from .parallel import AC_MODES, COMPILE, COMPILE_MODES, STRATEGIES
     from .precision import PRECISIONS
@@ -41,7 +42,8 @@ def choices() -> dict[str, tuple[str, ...]]:
             "diffusion.weighting": WEIGHTINGS.names(), "diffusion.sampler": SAMPLERS.names(),
             "diffusion.backend": BACKENDS, "sample.solver": SOLVERS.names(), "eval.extractor": EXTRACTORS,
             "parallel.strategy": ("auto",) + STRATEGIES, "parallel.ac": AC_MODES, "parallel.precision": PRECISIONS,
-            "parallel.compile": COMPILE, "parallel.compile_mode": COMPILE_MODES}
+            "parallel.compile": COMPILE, "parallel.compile_mode": COMPILE_MODES,
+            "model.lora.base_dtype": BASE_DTYPES}
 
 
 def load_config(preset: str = "default", overrides: list[str] | None = None, resume: bool = False) -> DictConfig:

@@ -11,11 +11,14 @@ Checkpoints hold the adapter (and the parameters outside the backbone, e.g. a le
 base model's identity: the pretrained folder and the sha256 of its weights file (`identity`). The base is
 read from the pretrained folder whenever the network is built, also on resume and by `ModelBundle.load`;
 a base whose weights changed since the run started is refused in one line (`check`).
+
+While training, the frozen base is held in `model.lora.base_dtype` (auto: bf16 on CUDA, as diffusers'
+train_text_to_image_lora.py casts the frozen UNet to the mixed-precision dtype and keeps the adapter in fp32;
+fp32 on CPU): `hold_base`. Sampling, evaluation of a checkpoint and export read the base in fp32.
 """
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from pathlib import Path
 
 import torch
@@ -23,6 +26,7 @@ import torch
 from .errors import CheckpointError, InvalidInput, MissingDependency
 
 MARK = "lora_"  # peft's parameter names: ...to_q.lora_A.default.weight
+BASE_DTYPES = ("auto", "fp32", "bf16", "fp16")
 
 
 def peft():
@@ -52,13 +56,10 @@ def base_weights():
 
 
 def _weights_hash(folder: Path) -> str:
+    from . import file_hashes
     from .model_folders import weights_file
 
-    h = hashlib.sha256()
-    with open(weights_file(folder), "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
+    return file_hashes.sha256([weights_file(folder)])
 
 
 def apply(net, cfg) -> None:
@@ -88,6 +89,43 @@ def apply(net, cfg) -> None:
         raise InvalidInput(f"model.lora.target_modules={list(lc.target_modules)}: {first}") from None
     backbone.lora_base = {"path": str(folder.resolve()), "pipeline": str(Path(args["pretrained"]).resolve()),
                           "sha256": _weights_hash(folder)}
+
+
+def base_dtype(cfg, device) -> torch.dtype:
+    """The dtype a run holds its frozen LoRA base in while training (`model.lora.base_dtype`); one-line
+    errors for a setting that cannot apply."""
+    name, device = cfg.model.lora.base_dtype, torch.device(device)
+    if not enabled(cfg):
+        if name != "auto":
+            raise InvalidInput(f"model.lora.base_dtype={name} sets the dtype of a LoRA run's frozen base; this run has "
+                               f"no adapter (model.lora.rank=0)")
+        return torch.float32
+    if name == "auto":
+        name = "bf16" if device.type == "cuda" else "fp32"
+    if name == "fp16" and device.type != "cuda":
+        raise InvalidInput("model.lora.base_dtype=fp16 needs CUDA (on CPU hold the base in bf16 or fp32)")
+    from .precision import DTYPES
+
+    return DTYPES[name]
+
+
+def hold_base(net, dtype: torch.dtype) -> None:
+    """Cast the frozen base (the diffusers model's parameters that do not train, and its floating buffers)
+    to `dtype`, as diffusers' cast_training_params leaves only the trained parameters in fp32: half the
+    base's memory in bf16. The backbone then casts its inputs to `dtype` and its output back
+    (DiffusersBackbone.compute_dtype), so the step, in-run sampling and autocast see one dtype; peft adds
+    the fp32 adapter's branch to the base layer's output in the base's dtype (peft's LoraLayer forward)."""
+    if dtype == torch.float32:
+        return
+    backbone = getattr(net, "net", net)
+    for module in backbone.model.modules():
+        for p in module.parameters(recurse=False):
+            if not p.requires_grad:
+                p.data = p.data.to(dtype)
+        for name, b in module.named_buffers(recurse=False):
+            if b.is_floating_point():
+                setattr(module, name, b.to(dtype))
+    backbone.compute_dtype = dtype
 
 
 def identity(net) -> dict | None:

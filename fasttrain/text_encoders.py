@@ -21,7 +21,6 @@ warned about once per encoder set. `tiny_clip` builds a small CLIP tokenizer + e
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -68,11 +67,10 @@ def _class(path: Path) -> str:
 
 def _hash_folder(path: Path) -> str:
     """sha256 of a subfolder's config and weight files (two fine-tunes of one encoder share a config)."""
-    h = hashlib.sha256()
-    for f in sorted(p for pat in ("config.json", "*.safetensors", "*.bin") for p in path.glob(pat)):
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()
+    from . import file_hashes
+
+    return file_hashes.sha256(sorted(p for pat in ("config.json", "*.safetensors", "*.bin") for p in path.glob(pat)),
+                              names=True)
 
 
 class TextEncoders:

@@ -83,6 +83,7 @@ class Trainer:
         with torch.random.fork_rng(devices=[]):  # the same initial weights on every rank
             torch.manual_seed(seeds.derive(tc.seed, "weights"))
             net = build_network(cfg, self.spec).to(self.device)
+        lora.hold_base(net, lora.base_dtype(cfg, self.device))  # a LoRA run's frozen base: bf16 on CUDA (lora.py)
         table = None
         if info.text_table is not None:  # captioned data: the network gathers their cached encodings
             table = info.text_table.to(self.device)

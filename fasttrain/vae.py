@@ -60,13 +60,9 @@ def config_sha256(config) -> str:
 
 def weights_sha256(path: Path) -> str:
     """A hash of the weight files of a model folder (two fine-tunes of one VAE share their config)."""
-    h = hashlib.sha256()
-    for f in sorted(p for pat in WEIGHT_FILES for p in path.glob(pat)):
-        h.update(f.name.encode())
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 22), b""):
-                h.update(block)
-    return h.hexdigest()
+    from . import file_hashes
+
+    return file_hashes.sha256(sorted(p for pat in WEIGHT_FILES for p in path.glob(pat)), names=True)
 
 
 def identity(vae, folder: str | Path, subfolder: str | None = None) -> dict:

@@ -17,6 +17,12 @@ except ImportError:  # pragma: no cover
 
 import pytest  # noqa: E402
 
+# the cache of model-file digests (fasttrain/file_hashes.py): the session's own, never the user's ~/.cache
+if "FASTTRAIN_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["FASTTRAIN_CACHE"] = tempfile.mkdtemp(prefix="fasttrain-cache-")
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Under pytest-xdist (.ci/run: one worker per core) each worker keeps to one intra-op thread: two
     # workers of two threads each on 2 cores only wait for each other (fasttrain/cpu.py). Tests that need

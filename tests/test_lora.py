@@ -15,7 +15,7 @@ from fasttrain.bundle import ModelBundle
 from fasttrain.cli import main
 from fasttrain.configure import load_config
 from fasttrain.errors import CheckpointError, InvalidInput
-from fasttrain.train import train
+from fasttrain.train import Trainer, train
 
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("peft")
@@ -87,6 +87,74 @@ def test_a_changed_base_is_refused_and_lora_export_needs_a_lora_run(sd1, tmp_pat
         train(_cfg(sd1, tmp_path / "t", 1, ["model.lora.target_modules=[to_qq]"]))
     with pytest.raises(InvalidInput, match="LoRA applies to diffusers backbones"):
         train(load_config("default", [f"run_dir={tmp_path / 'u'}", "train.steps=1", "model.lora.rank=2"]))
+
+
+def test_a_bf16_base_trains_samples_resumes_exactly_and_exports_the_fp32_base(sd1, tmp_path):
+    """model.lora.base_dtype=bf16 (what auto picks on CUDA), run here on CPU without autocast: the frozen base
+    is held in bf16, the adapter, its optimizer state and EMA in fp32; the step computes in bf16 (losses near
+    the fp32 base's, not equal), in-run sampling works, resume is exact, and a checkpoint reads back with the
+    fp32 pretrained base, which the full export merges into."""
+    bf = ["model.lora.base_dtype=bf16", "parallel.precision=fp32", "sample.num=2", "sample.steps=2"]
+    t = Trainer(_cfg(sd1, tmp_path / "x", 1, bf))
+    try:
+        unet = t.bundle.net.net.model
+        frozen = [p for p in unet.parameters() if not p.requires_grad]
+        trained = [p for group in t.opt.param_groups for p in group["params"]]
+        assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)
+        assert trained and all(p.dtype == torch.float32 for p in trained)
+        assert len(trained) == sum(1 for n, _ in unet.named_parameters() if "lora_" in n)
+        assert all(s.dtype == torch.float32 for s in t.ema.shadow)
+    finally:
+        t.close()
+    a, b, full = tmp_path / "a", tmp_path / "b", tmp_path / "fp32"
+    train(_cfg(sd1, a, 4, bf))
+    train(_cfg(sd1, b, 2, bf))
+    train(_cfg(sd1, b, 4, bf, resume=True), resume=True)
+    train(_cfg(sd1, full, 4, ["model.lora.base_dtype=fp32", "parallel.precision=fp32", "sample.num=2",
+                              "sample.steps=2"]))
+    loss = [[r["loss"] for r in map(json.loads, (r / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+            for r in (a, b, full)]
+    assert len(loss[0]) == 4 and loss[0] == loss[1]
+    assert loss[0] != loss[2]  # the bf16 base computes in bf16 ...
+    torch.testing.assert_close(torch.tensor(loss[0]), torch.tensor(loss[2]), rtol=0.05, atol=0)  # ... near fp32's
+    assert (a / "samples.png").is_file()
+    sa, sb = (torch.load(r / "last.pt", weights_only=True) for r in (a, b))
+    assert all(v.dtype == torch.float32 for v in sa["model"].values())
+    for k in sa["model"]:
+        torch.testing.assert_close(sa["model"][k], sb["model"][k], rtol=0, atol=0)
+    bundle = ModelBundle.load(a, device="cpu")
+    assert all(p.dtype == torch.float32 for p in bundle.net.parameters())  # sampling and export: the fp32 base
+    out = tmp_path / "export"
+    assert main(["export", str(a), "--to", "diffusers", str(out)]) == 0  # checked against fasttrain's sampler
+    merged = diffusers.UNet2DConditionModel.from_pretrained(out, subfolder="unet")
+    assert all(p.dtype == torch.float32 for p in merged.parameters())
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_base_is_held_in_bf16_by_default_and_the_run_trains_and_samples(sd1, tmp_path):
+    """What model.lora.base_dtype=auto does on a GPU (bench/gpu_check.sh runs it): bf16 base, fp32 adapter,
+    under the default bf16 autocast; finite losses, in-run samples."""
+    run = tmp_path / "cuda"
+    t = Trainer(_cfg(sd1, run, 3, ["sample.num=2", "sample.steps=2"]))
+    try:
+        assert t.device.type == "cuda" and t.precision.name == "bf16"
+        unet = t.bundle.net.net.model
+        assert all(p.dtype == (torch.float32 if p.requires_grad else torch.bfloat16) for p in unet.parameters())
+    finally:
+        t.close()
+    train(_cfg(sd1, run, 3, ["sample.num=2", "sample.steps=2"]))
+    loss = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(loss) == 3 and all(torch.isfinite(torch.tensor(loss)))
+    assert (run / "samples.png").is_file()
+
+
+def test_base_dtype_errors(sd1, tmp_path):
+    with pytest.raises(InvalidInput, match="model.lora.base_dtype=fp16 needs CUDA"):
+        train(_cfg(sd1, tmp_path / "h", 1, ["model.lora.base_dtype=fp16"]))
+    with pytest.raises(InvalidInput, match=r"this run has no adapter \(model.lora.rank=0\)"):
+        train(load_config("default", [f"run_dir={tmp_path / 'p'}", "train.steps=1", "model.lora.base_dtype=bf16"]))
+    with pytest.raises(InvalidInput, match="model.lora.base_dtype"):
+        load_config("default", ["model.lora.base_dtype=bfloat16"])
 
 
 def _lora_exports_match(run, pipe_folder, tmp_path, cls):

@@ -200,6 +200,7 @@ class DiffusersBackbone(nn.Module):
         self.model, self.num_classes, self.null_row = model, num_classes, null_row
         self.out_channels = out_channels  # fewer than the model's: a learned-Σ half left unused
         self.text = text
+        self.compute_dtype = None  # a LoRA run's frozen base held in bf16/fp16 (lora.hold_base): inputs cast to it
         if text is not None:
             self.text_table = None
         self.is_sd3 = type(model).__name__ == "SD3Transformer2DModel"
@@ -239,12 +240,17 @@ class DiffusersBackbone(nn.Module):
         return kw
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        given = x.dtype
+        if self.compute_dtype is not None:  # as a diffusers pipeline in bf16 casts its latents to unet.dtype
+            x = x.to(self.compute_dtype)
         if self.is_sd3:
             out = self.model(x, timestep=self.flow_time[t].to(x.dtype), **self._text(y, x)).sample
         elif self.text is not None:
             out = self.model(x, t, **self._text(y, x)).sample
         else:
             out = self.model(x, t, class_labels=self._labels(y, t)).sample
+        if self.compute_dtype is not None:
+            out = out.to(given)
         return out if self.out_channels is None else out[:, :self.out_channels]
 
     def repeated_blocks(self) -> list[nn.Module]:

@@ -1,6 +1,7 @@
 """A text-to-image model under torchrun (two gloo ranks, FSDP2): a tiny SD 1.x-shaped UNet2DConditionModel on
 captioned latents trains, and a run stopped and resumed on two ranks continues with the losses and weights
-of the run that never stopped; so does a LoRA run, whose sharded checkpoint holds the adapter alone."""
+of the run that never stopped; so does a LoRA run with its frozen base held in bf16 (what a GPU run does by
+default) and fp32 adapters in one FSDP group, whose sharded checkpoint holds the adapter alone."""
 import pytest
 import torch
 from test_cli_runs import _losses, _same_weights
@@ -50,10 +51,12 @@ def test_text_unet_under_fsdp_bf16_and_ac_resumes_exactly_on_two_ranks(sd1, tmp_
 
 @pytest.mark.slow
 def test_lora_under_fsdp_resumes_exactly_and_exports_from_the_sharded_checkpoint(sd1, tmp_path):
-    _stop_and_resume(tmp_path, sd1 + ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=1e-2"])
+    _stop_and_resume(tmp_path, sd1 + ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=1e-2",
+                                      "model.lora.base_dtype=bf16", "parallel.precision=bf16"])
     meta = ckpt.read_dcp_metadata(tmp_path / "a" / "dcp").state_dict_metadata
     model = [k for k in meta if k.startswith("model.")]
     assert model and all("lora_" in k for k in model)  # the adapter alone, sharded; no base weights
+    assert all(meta[k].properties.dtype == torch.float32 for k in model)  # the adapter trains in fp32
     assert ckpt.read_dcp_extra(tmp_path / "a" / "dcp")["lora"]["sha256"]
     _same_weights(tmp_path / "a", tmp_path / "b")  # read back alone (no process group), base from the folder
     net = ModelBundle.load(tmp_path / "a").net
