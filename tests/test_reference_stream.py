@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+import test_generation
 import torch
 from PIL import Image
 
@@ -14,15 +15,7 @@ from fasttrain.data import data_kind
 from fasttrain.feature_stats import Extractor, ReferenceStats, metrics
 from fasttrain.generation import to_uint8
 
-TINY = ["train.progress=false", "sample.num=0", "eval.num_samples=0", "eval.bpd=false", "train.threads=1",
-        "model.args.ch=8", "train.steps=2"]
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    run = tmp_path_factory.mktemp("refstream") / "run"
-    assert main(["train", f"run_dir={run}"] + TINY) == 0  # digits 8×8, 10 classes
-    return run
+run = test_generation.run  # the fixture: a tiny digits run trained once per module (test_generation.py)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ default) and fp32 adapters in one FSDP group, whose sharded checkpoint holds the
 import pytest
 import torch
 from test_cli_runs import _losses, _same_weights
+from test_text_to_image import TRAIN
 from text_fixtures import save_sd1, write_captioned
 from torchrun_launch import cli
 
@@ -15,10 +16,7 @@ from fasttrain.cli import main
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-TEXT = ["data.name=captioned_latents", "data.batch_size=4", "train.threads=1", "train.progress=false",
-        "model.name=diffusers", "model.args.class_name=UNet2DConditionModel", "model.args.subfolder=unet",
-        "sample.num=0", "eval.num_samples=0", "eval.bpd=false", "train.log_every=1", "train.ckpt_every=0",
-        "optim.warmup_steps=1", "parallel.strategy=fsdp"]
+TEXT = TRAIN + ["sample.num=0", "parallel.strategy=fsdp"]  # the single-process text runs' settings, on FSDP2
 
 
 @pytest.fixture(scope="module")
