@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
@@ -43,15 +43,15 @@ INSTALL_REQUIRES = [
 ]
 
 DALI = ["nvidia-dali-cuda130>=2.0"]  # CPU pipelines work without a GPU (device_id=None)
-# VAE latents, diffusers backbones, export to a diffusers pipeline (fasttrain/vae.py, export.py,
-# models/diffusers_backbone.py); imported lazily: `import diffusers` costs seconds
+# VAE latents, diffusers backbones, export to a diffusers pipeline (fasttrain/pretrained/vae.py,
+# fasttrain/export/, models/diffusers_backbone.py); imported lazily: `import diffusers` costs seconds
 DIFFUSERS = ["diffusers>=0.42,<0.43", "huggingface-hub>=1.32", "safetensors>=0.8"]
 # WebDataset tar shards (fasttrain/data/shards.py: data.name=shards, data prepare --shards)
 WEBDATASET = ["webdataset>=1.0,<1.1"]
-# text-to-image: CLIP / T5 text encoders and tokenizers from a local pipeline folder (fasttrain/text_encoders.py);
-# 5.25 asks for the `kernels` package, which the project's indexes do not carry
+# text-to-image: CLIP / T5 text encoders and tokenizers from a local pipeline folder
+# (fasttrain/pretrained/text_encoders.py); 5.25 asks for the `kernels` package, which the project's indexes do not carry
 TEXT = DIFFUSERS + ["transformers>=5.20,<5.25", "tokenizers>=0.22"]
-# LoRA adapters on diffusers backbones (fasttrain/lora.py: model.lora.rank) and their export
+# LoRA adapters on diffusers backbones (fasttrain/pretrained/lora.py: model.lora.rank) and their export
 LORA = TEXT + ["peft>=0.21,<0.22"]
 EXTRAS = {
     "dali": DALI,
@@ -139,16 +139,12 @@ def _first_error(text: str) -> str:
 
 setup(
     name="fasttrain",
-    version="0.2.0",
+    version="0.3.0",
     description="Fast diffusion-model training: fused per-step diffusion math and timestep strategies",
     python_requires=">=3.10",
-    packages=[
-        "fasttrain",
-        "fasttrain.diffusion",
-        "fasttrain.models",
-        "fasttrain.data",
-        "fasttrain.kernels",
-    ],
+    # every package under fasttrain/, found rather than listed (a hand-kept list once left three out of
+    # non-editable installs), and kernels/ installed as fasttrain.kernels
+    packages=find_packages(include=["fasttrain", "fasttrain.*"]) + ["fasttrain.kernels"],
     package_dir={"fasttrain.kernels": "kernels"},
     ext_modules=[Extension("fasttrain._C", sources=[])],
     cmdclass={"build_ext": CMakeBuild},

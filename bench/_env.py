@@ -1,5 +1,5 @@
 """Imported first by every benchmark script (before torch): OpenMP's wait policy must be in the
-environment when torch loads libgomp (fasttrain/cpu.py), so that a benchmark on a shared machine is
+environment when torch loads libgomp (fasttrain/parallel/cpu.py), so that a benchmark on a shared machine is
 not slowed by threads spinning against another process.
 
 Also what the scripts share so that a run never damages the committed results in bench/results/:
@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from fasttrain.cpu import prepare_openmp
+from fasttrain.parallel.cpu import prepare_openmp
 
 prepare_openmp()
 

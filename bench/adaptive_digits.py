@@ -24,9 +24,9 @@ from fasttrain.data.builtin import digits
 from fasttrain.diffusion.denoiser import Denoiser, PredictionOutput
 from fasttrain.diffusion.lookahead import reference_step
 from fasttrain.diffusion.solvers import generate
-from fasttrain.ema import EMA
-from fasttrain.features import judge
+from fasttrain.generation.features import judge
 from fasttrain.models import build_model
+from fasttrain.optim.ema import EMA
 from fasttrain.plots import plot_adaptive
 
 

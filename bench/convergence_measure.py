@@ -55,7 +55,7 @@ def metric_noise(run: Path, eval_n: int, evals: int = 8, seed: int = 10_000) -> 
     samples, which no training difference causes. For 2-D points also the estimator's floor: two
     independent samples of the true density, eval_n points each."""
     from fasttrain.bundle import ModelBundle
-    from fasttrain.evaluate import EvalSettings, reference_for, run_evaluation
+    from fasttrain.generation.evaluate import EvalSettings, reference_for, run_evaluation
 
     b = ModelBundle.load(run, device="cpu")
     key = "fid" if b.spec.image_size else "sw2"
@@ -70,7 +70,7 @@ def metric_noise(run: Path, eval_n: int, evals: int = 8, seed: int = 10_000) -> 
            "sd": statistics.stdev(vals) if evals > 1 else None, "values": vals, "network": str(run)}
     if key == "sw2":
         from fasttrain.data import toy
-        from fasttrain.evaluate import sliced_w2
+        from fasttrain.generation.evaluate import sliced_w2
 
         name = b.cfg.data.name
         floor = [sliced_w2(toy(name, n=eval_n, seed=seed + 2 * k), toy(name, n=eval_n, seed=seed + 2 * k + 1),

@@ -77,7 +77,7 @@ def evaluation_costs(domain: str, batch: int, steps: int, ns, rounds: int, tmp: 
 
     from fasttrain.bundle import ModelBundle
     from fasttrain.configure import load_config
-    from fasttrain.evaluate import EvalSettings, reference_for, run_evaluation
+    from fasttrain.generation.evaluate import EvalSettings, reference_for, run_evaluation
     from fasttrain.train import train
 
     run = tmp / f"{domain}-net"

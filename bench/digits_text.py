@@ -41,7 +41,7 @@ def main(argv=None) -> None:
     summary = json.loads((run / "summary.json").read_text())
 
     from fasttrain.bundle import ModelBundle
-    from fasttrain.evaluate import EvalSettings, reference_for, run_evaluation
+    from fasttrain.generation.evaluate import EvalSettings, reference_for, run_evaluation
 
     torch.set_num_threads(args.threads)
     b = ModelBundle.load(run, device="cpu")

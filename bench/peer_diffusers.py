@@ -9,7 +9,7 @@ process and gradient_accumulation_steps=1 `accelerator.accumulate` is a no-op, `
 `loss.backward()` and `accelerator.clip_grad_norm_` is torch's; its `--use_ema` EMA is on (fasttrain
 always keeps one); the data loader is the script's (shuffled, num_workers 0) over the same digits; the
 progress bars of both sides are off. The network is the UNet2DModel that fasttrain's `unet_tiny` exports
-to (fasttrain/convert.py: unconditional, 756k parameters), with the same initial weights on both sides;
+to (fasttrain/export/convert.py: unconditional, 756k parameters), with the same initial weights on both sides;
 the batch 16×1×8×8 digits; the optimizer AdamW at lr 1e-4, gradients clipped at 1.0.
 
 fasttrain's side is `fasttrain train` itself: the trainer built from a config (model.name=diffusers with
@@ -51,7 +51,7 @@ def unet_setup():
     in diffusers' layout (convert.py)."""
     import diffusers
 
-    from fasttrain.convert import unet_config, unet_state_dict
+    from fasttrain.export.convert import unet_config, unet_state_dict
     from fasttrain.models import build_model
     from fasttrain.models.unet import UNet
 

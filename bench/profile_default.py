@@ -37,7 +37,7 @@ T_TORCH = time.perf_counter()
 from cases import machine  # noqa: E402
 
 from fasttrain.config import read_config  # noqa: E402
-from fasttrain.optim import skip_if_not_finite  # noqa: E402
+from fasttrain.optim.adamw import skip_if_not_finite  # noqa: E402
 from fasttrain.train import Trainer  # noqa: E402
 
 T_IMPORTS = time.perf_counter()

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from fasttrain import diffusion as fd
 from fasttrain.conditioning import TextCaptions, TextTable, attach
 from fasttrain.diffusion.denoiser import Denoiser, PredictionOutput
-from fasttrain.ema import EMA
 from fasttrain.kernels import philox
 from fasttrain.models import build_model
+from fasttrain.optim.ema import EMA
 from fasttrain.step import Generators, StepParts, train_step
 
 PREDICTION = {"eps": "epsilon", "v": "v_prediction"}  # fasttrain's name → the diffusers scheduler's

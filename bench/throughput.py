@@ -192,8 +192,8 @@ MODES = {"eager": [], "compiled": ["parallel.compile=blocks"],
 
 
 def small_batch(args, tmp: Path) -> list[dict]:
-    from fasttrain.distributed import device_peak_flops
     from fasttrain.models import forward_flops
+    from fasttrain.parallel.distributed import device_peak_flops
 
     peak, rows = device_peak_flops(), []
     for model, data, c, s in SMALL:

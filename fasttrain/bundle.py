@@ -19,16 +19,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from . import checkpoint as ckpt
-from . import lora, seeds
+from . import seeds
 from .config import plain
 from .diffusion import schedule as make_schedule
 from .diffusion.denoiser import Denoiser
 from .diffusion.objective import Objective, objective_class
 from .diffusion.samplers import SAMPLERS
 from .diffusion.solvers import generate as run_solver
-from .ema import EMA
 from .errors import CheckpointError, InvalidInput
 from .models import MODELS, build_model, weights_from_checkpoint
+from .optim.ema import EMA
+from .pretrained import lora
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,7 @@ class ModelBundle:
     def codec(self):
         """The latent run's VAE and normalisation (vae.LatentCodec), loaded on first use."""
         if self._codec is None:
-            from .vae import LatentCodec
+            from .pretrained.vae import LatentCodec
 
             if not self.spec.latents:
                 raise InvalidInput("this model was not trained on latents: there is nothing to decode")
@@ -210,7 +211,7 @@ class ModelBundle:
         (or `text_folder`), checked against the recorded identity."""
         if self._encoders is None:
             from .data import data_kind
-            from .text_encoders import TextEncoders
+            from .pretrained.text_encoders import TextEncoders
 
             rec = self.spec.text["encoders"]
             folder = self.text_folder or data_kind(self.spec.name).text_encoders(rec)

@@ -77,7 +77,7 @@ class DataConfig:
 @dataclass
 class LoraConfig:
     rank: int = _f(0, "LoRA rank through peft (0: off, the whole network trains; sd-scripts --network_dim, diffusers "
-                   "--rank); diffusers backbones only (fasttrain/lora.py)", min=0)
+                   "--rank); diffusers backbones only (fasttrain/pretrained/lora.py)", min=0)
     alpha: Optional[float] = _f(None, "LoRA alpha: the update is scaled by alpha / rank (None: the rank, as diffusers' "
                                 "LoRA scripts; sd-scripts --network_alpha)", above=0)
     dropout: float = _f(0.0, "dropout on the LoRA branch's input (peft lora_dropout)", min=0, below=1)

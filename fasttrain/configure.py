@@ -31,11 +31,11 @@ def choices() -> dict[str, tuple[str, ...]]:
     from .diffusion import SAMPLERS, SCHEDULES, WEIGHTINGS
     from .diffusion.objective import BACKENDS, prediction_kinds
     from .diffusion.solvers import SOLVERS
-    from .evaluate import EXTRACTORS
-    from .lora import BASE_DTYPES
+    from .generation.evaluate import EXTRACTORS
     from .models import MODELS
-    from .parallel import AC_MODES, COMPILE, COMPILE_MODES, STRATEGIES
-    from .precision import PRECISIONS
+    from .parallel.precision import PRECISIONS
+    from .parallel.wrap import AC_MODES, COMPILE, COMPILE_MODES, STRATEGIES
+    from .pretrained.lora import BASE_DTYPES
 
     return {"data.name": data_names(), "data.backend": DATA_BACKENDS, "model.name": MODELS.names(),
             "diffusion.schedule": SCHEDULES, "diffusion.prediction": prediction_kinds(),
@@ -50,7 +50,7 @@ def load_config(preset: str = "default", overrides: list[str] | None = None, res
     """Defaults ← preset ← overrides (config.read_config), then what the run's sources decide and the
     command line does not say: a resumed run's checkpoint (`resumed`), or a fine-tune's pipeline
     scheduler (scheduler_config.adopt); then `validate`."""
-    from .scheduler_config import adopt
+    from .pretrained.scheduler_config import adopt
 
     cfg = read_config(preset, overrides)
     given = {item.split("=", 1)[0].strip() for item in overrides or []}
@@ -70,7 +70,7 @@ def resumed(cfg: DictConfig, given: set[str] = frozenset()):
     sample.spacing. Returns the checkpoint's path (None: no checkpoint, nothing taken)."""
     from .checkpoint import latest, read_plain
     from .models import MODELS
-    from .scheduler_config import KEYS
+    from .pretrained.scheduler_config import KEYS
 
     path = latest(cfg.run_dir)
     if path is None:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .diffusion.lookahead import LookAhead, LookAheadContext
-from .optim import skip_if_not_finite
+from .optim.adamw import skip_if_not_finite
 
 
 @dataclass

@@ -21,21 +21,23 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
-from . import conditioning, graphs, lora, periodic, plots, seeds
-from . import distributed as dist_utils
+from . import conditioning, periodic, plots, seeds
 from .bundle import DataSpec, ModelBundle, build_network, build_objective
 from .config import plain
-from .cpu import evaluation_threads, set_threads
 from .data import build_data
 from .diffusion.interference import InterferenceDiagnostic
 from .diffusion.objective import kernel_backend
 from .errors import DeviceError, InvalidInput
-from .evaluate import EvalSettings, reference_for, run_evaluation
+from .generation.evaluate import EvalSettings, reference_for, run_evaluation
 from .logger import MetricLogger
 from .models import MODELS, count_params, forward_flops, weights_from_checkpoint
-from .optim import apply_optimizer_config, make_optimizer
-from .parallel import parallelize
-from .precision import resolve as resolve_precision
+from .optim.adamw import apply_optimizer_config, make_optimizer
+from .parallel import distributed as dist_utils
+from .parallel import graphs
+from .parallel.cpu import evaluation_threads, set_threads
+from .parallel.precision import resolve as resolve_precision
+from .parallel.wrap import parallelize
+from .pretrained import lora
 from .step import Generators, StepParts, update
 from .step import train_step as run_step
 from .stopping import GracefulStop

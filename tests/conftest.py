@@ -1,8 +1,8 @@
 import os
 
-from fasttrain.cpu import prepare_openmp
+from fasttrain.parallel.cpu import prepare_openmp
 
-# OpenMP's wait policy is read when torch loads libgomp: before the first `import torch` (fasttrain/cpu.py)
+# OpenMP's wait policy is read when torch loads libgomp: before the first `import torch` (fasttrain/parallel/cpu.py)
 prepare_openmp()
 
 # The Triton interpreter must be chosen before anything imports triton (triton jits its tl.rand helpers
@@ -17,7 +17,7 @@ except ImportError:  # pragma: no cover
 
 import pytest  # noqa: E402
 
-# the cache of model-file digests (fasttrain/file_hashes.py): the session's own, never the user's ~/.cache
+# the cache of model-file digests (fasttrain/pretrained/file_hashes.py): the session's own, never the user's ~/.cache
 if "FASTTRAIN_CACHE" not in os.environ:
     import tempfile
 
@@ -25,7 +25,7 @@ if "FASTTRAIN_CACHE" not in os.environ:
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Under pytest-xdist (.ci/run: one worker per core) each worker keeps to one intra-op thread: two
-    # workers of two threads each on 2 cores only wait for each other (fasttrain/cpu.py). Tests that need
+    # workers of two threads each on 2 cores only wait for each other (fasttrain/parallel/cpu.py). Tests that need
     # more threads set them themselves.
     import torch
 

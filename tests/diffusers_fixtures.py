@@ -67,7 +67,7 @@ def fake_run(path, overrides, latents: dict | None = None, scale: float = 0.05, 
     from fasttrain import checkpoint as ckpt
     from fasttrain.bundle import DataSpec, build_network
     from fasttrain.configure import load_config
-    from fasttrain.ema import clean_name
+    from fasttrain.optim.ema import clean_name
 
     cfg = load_config("default", [f"run_dir={path}"] + list(overrides))
     classes = classes if cfg.model.class_conditional else 0

@@ -63,7 +63,7 @@ def test_no_module_outside_data_compares_data_set_names():
     assert {"digits", "folder", "latents", "synthetic", "moons"} <= names
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.relative_to(PACKAGE).parts[0] == "data" or path.name == "export_pipeline.py":
+        if path.relative_to(PACKAGE).parts[0] == "data" or path.name == "remote_pipeline.py":
             continue  # export_pipeline.py: the file shipped in exports (diffusers' callback tensor "latents")
         for node in ast.walk(ast.parse(path.read_text())):
             operands = [node.left, *node.comparators] if isinstance(node, ast.Compare) else []
@@ -100,7 +100,7 @@ def test_no_step_order_outside_the_step_function():
     written in fasttrain/step.py only: no other module calls these, except the diagnostics that take
     gradients of their own probes (interference.py: per-bucket gradients) and the modules that train
     networks of their own: the adaptive sampler's policy (adaptive.py), the digits classifier (features.py)."""
-    own_gradients = {"diffusion/interference.py", "diffusion/adaptive.py", "features.py"}
+    own_gradients = {"diffusion/interference.py", "diffusion/adaptive.py", "generation/features.py"}
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = str(path.relative_to(PACKAGE))
@@ -125,8 +125,8 @@ def test_the_step_function_runs_a_step_directly(tmp_path):
     from fasttrain import diffusion as fd
     from fasttrain.conditioning import ClassLabels
     from fasttrain.diffusion.denoiser import Denoiser, PredictionOutput
-    from fasttrain.ema import EMA
     from fasttrain.models import build_model
+    from fasttrain.optim.ema import EMA
     from fasttrain.step import Generators, StepParts, train_step
     from fasttrain.train_state import TrainState
 

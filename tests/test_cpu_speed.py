@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from fasttrain.cpu import cores, evaluation_threads
-from fasttrain.ema import EMA
 from fasttrain.models.unet import AttnBlock, group_norms
+from fasttrain.optim.ema import EMA
+from fasttrain.parallel.cpu import cores, evaluation_threads
 from fasttrain.step import Generators, StepParts
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from fasttrain.ema import EMA, clean_name
+from fasttrain.optim.ema import EMA, clean_name
 
 
 def test_update_applied_and_state():

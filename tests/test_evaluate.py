@@ -6,8 +6,8 @@ import torch
 
 from fasttrain.cli import main
 from fasttrain.data.builtin import digits
-from fasttrain.evaluate import fidelity
-from fasttrain.features import judge
+from fasttrain.generation.evaluate import fidelity
+from fasttrain.generation.features import judge
 
 
 def test_fid_is_zero_on_itself_and_large_when_shifted():
@@ -55,7 +55,7 @@ def test_sample_eval_report_commands(tmp_path, capsys):
 
 
 def test_sliced_w2_is_zero_on_itself_and_the_shift_on_a_translate():
-    from fasttrain.evaluate import sliced_w2
+    from fasttrain.generation.evaluate import sliced_w2
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4000, 2, generator=g)
@@ -69,7 +69,7 @@ def test_sliced_w2_is_zero_on_itself_and_the_shift_on_a_translate():
 
 def test_sliced_w2_matches_the_column_sorted_definition_in_any_dimension():
     """The rows-sorted computation against the textbook one (projections as columns, each sorted)."""
-    from fasttrain.evaluate import sliced_w2
+    from fasttrain.generation.evaluate import sliced_w2
 
     g = torch.Generator().manual_seed(3)
     for d in (2, 5):

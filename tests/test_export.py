@@ -12,7 +12,7 @@ from diffusers_fixtures import TINY_UNET, fake_run, perturbed_run, save_tiny_vae
 from fasttrain.bundle import ModelBundle
 from fasttrain.cli import main
 from fasttrain.configure import load_config
-from fasttrain.export import export_diffusers
+from fasttrain.export.dispatch import export_diffusers
 
 pytest.importorskip("diffusers")
 
@@ -194,7 +194,7 @@ def test_an_export_finetunes_from_where_the_run_stopped(tmp_path, capsys):
 def test_a_latent_imagenet_class_dit_is_a_stock_ditpipeline(tmp_path):
     """fasttrain's own DiT with 1000 classes on VAE-normalised latents: DiTPipeline (its null label is
     1000) drives it without remote code, and equals fasttrain's sampler with guidance."""
-    from fasttrain.vae import identity, latent_record, load_vae
+    from fasttrain.pretrained.vae import identity, latent_record, load_vae
 
     folder = save_tiny_vae(tmp_path / "vae")
     rec = latent_record({"channels": 4, "posterior": "mean_std", "vae": identity(load_vae(folder), folder)}, "vae")
@@ -254,14 +254,14 @@ def test_export_refuses_a_folder_with_files(tmp_path, capsys):
 def test_an_export_that_fails_while_writing_leaves_no_folder(tmp_path, monkeypatch):
     """export.written_whole, which every exporter writes through: a failure after the first files are
     written (here the model card) removes the folder again, so no half-written pipeline can be loaded."""
-    import fasttrain.export as export
+    import fasttrain.export.dispatch as export
 
     assert main(["train", f"run_dir={tmp_path / 'run'}", "model.args.ch=8"] + TINY) == 0
 
     def broken(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr("fasttrain.model_card.model_card", broken)
+    monkeypatch.setattr("fasttrain.export.model_card.model_card", broken)
     with pytest.raises(OSError, match="disk full"):
         export.export_diffusers(str(tmp_path / "run"), tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -19,7 +19,7 @@ import torch
 from diffusers_fixtures import DIT, TINY_UNET, fake_run, save_tiny_vae
 
 from fasttrain.bundle import ModelBundle
-from fasttrain.export import diffusers_labels, export_diffusers
+from fasttrain.export.dispatch import diffusers_labels, export_diffusers
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -49,7 +49,7 @@ CELLS = [(net, data, pred, cond) for net in NETWORKS for data in ("pixel", "late
 @pytest.fixture(scope="module")
 def latents(tmp_path_factory):
     """The latent record of a tiny saved VAE (4×8×8 latents, normalised by its scaling_factor)."""
-    from fasttrain.vae import identity, latent_record, load_vae
+    from fasttrain.pretrained.vae import identity, latent_record, load_vae
 
     folder = save_tiny_vae(tmp_path_factory.mktemp("vae") / "vae")
     return latent_record({"channels": 4, "posterior": "mean_std", "vae": identity(load_vae(folder), folder)}, "vae")

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from fasttrain import file_hashes
+from fasttrain.pretrained import file_hashes
 
 
 @pytest.fixture

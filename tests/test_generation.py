@@ -7,9 +7,9 @@ import pytest
 import torch
 from PIL import Image
 
-from fasttrain import generation as gen
 from fasttrain.bundle import ModelBundle
 from fasttrain.cli import main
+from fasttrain.generation import ranks as gen
 
 TINY = ["train.progress=false", "sample.num=0", "eval.num_samples=0", "eval.bpd=false", "train.threads=1",
         "model.args.ch=8", "train.steps=2"]
@@ -140,7 +140,7 @@ def test_an_exported_pipeline_given_one_generator_per_image_makes_the_sampled_im
     from diffusers import DiffusionPipeline
     from diffusers_fixtures import perturbed_run
 
-    from fasttrain.export import export_diffusers
+    from fasttrain.export.dispatch import export_diffusers
 
     assert main(["train", f"run_dir={tmp_path / 'r'}"] + TINY) == 0
     run = perturbed_run(tmp_path / "r", tmp_path / "p", scale=0.03)

@@ -4,8 +4,8 @@ step); capture and replay themselves are GPU-marked."""
 import pytest
 import torch
 
-from fasttrain import graphs
 from fasttrain.configure import load_config
+from fasttrain.parallel import graphs
 from fasttrain.train import Trainer
 
 TINY = ["train.progress=false", "sample.num=0", "eval.num_samples=0", "eval.bpd=false", "train.threads=1",

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fasttrain.configure import load_config
-from fasttrain.precision import resolve
+from fasttrain.parallel.precision import resolve
 from fasttrain.train import Trainer, train
 
 TINY = ["train.progress=false", "sample.num=0", "eval.num_samples=0", "eval.bpd=false", "train.threads=1",

@@ -12,8 +12,8 @@ from PIL import Image
 from fasttrain.bundle import ModelBundle
 from fasttrain.cli import main
 from fasttrain.data import data_kind
-from fasttrain.feature_stats import Extractor, ReferenceStats, metrics
-from fasttrain.generation import to_uint8
+from fasttrain.generation.feature_stats import Extractor, ReferenceStats, metrics
+from fasttrain.generation.ranks import to_uint8
 
 run = test_generation.run  # the fixture: a tiny digits run trained once per module (test_generation.py)
 

@@ -228,7 +228,7 @@ def test_a_cpu_run_uses_one_thread_unless_told_otherwise():
     """train.threads=0 (the default) means one thread for a CPU run (bench/results/threads-cpu.md: a
     second thread bought the tiny default model nothing on a free machine and cost it when a core was
     busy); N > 0 forces N; a GPU run keeps torch's default."""
-    code = ("import sys, torch; from fasttrain.cpu import set_threads; torch.set_num_threads(2); "
+    code = ("import sys, torch; from fasttrain.parallel.cpu import set_threads; torch.set_num_threads(2); "
             "set_threads(int(sys.argv[1]), cpu_run=sys.argv[2] == '1'); print(torch.get_num_threads())")
     got = [subprocess.run([sys.executable, "-c", code, n, cpu], capture_output=True, text=True, check=True
                           ).stdout.strip() for n, cpu in (("0", "1"), ("2", "1"), ("0", "0"))]
@@ -478,7 +478,7 @@ def test_errors_name_the_key_the_user_got_wrong(tmp_path, capsys, args, needles)
 def test_thread_counts_above_the_cores_are_capped_or_warned_once(monkeypatch, capsys):
     """train.threads above the cores this process may use is capped there (one warning, however many
     trainers); data.num_workers above them is kept with one warning (docs/reliability.md says why)."""
-    from fasttrain import cpu
+    from fasttrain.parallel import cpu
 
     monkeypatch.setattr(cpu, "_warned", set())
     before = torch.get_num_threads()

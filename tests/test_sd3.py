@@ -13,7 +13,7 @@ from fasttrain.configure import load_config
 from fasttrain.diffusion import schedule
 from fasttrain.diffusion.solvers import spacing
 from fasttrain.errors import ConfigError, InvalidInput
-from fasttrain.scheduler_config import from_diffusers
+from fasttrain.pretrained.scheduler_config import from_diffusers
 from fasttrain.train import train
 
 pytest.importorskip("diffusers")

@@ -14,7 +14,7 @@ from fasttrain.conditioning import TextCaptions, TextTable
 from fasttrain.configure import load_config
 from fasttrain.data.captions import captions_for
 from fasttrain.errors import DataError, InvalidInput
-from fasttrain.text_encoders import TextEncoders, tiny_clip
+from fasttrain.pretrained.text_encoders import TextEncoders, tiny_clip
 from fasttrain.train import train
 
 pytest.importorskip("diffusers")

@@ -7,7 +7,7 @@ import torch
 from diffusers_fixtures import save_tiny_vae
 
 from fasttrain.errors import DataError, InvalidInput, MissingFile
-from fasttrain.vae import LatentCodec, denormalize, latent_record, load_vae, model_dir, normalize
+from fasttrain.pretrained.vae import LatentCodec, denormalize, latent_record, load_vae, model_dir, normalize
 
 INFO = {"channels": 2, "posterior": "mean_std", "channel_mean": [1.0, -2.0], "channel_std": [2.0, 0.5],
         "vae": {"scaling_factor": 0.5, "shift_factor": 0.1, "config_sha256": "a", "weights_sha256": "b"}}
@@ -33,7 +33,7 @@ def test_normalisation_conventions_and_their_inverse():
 
 def test_loading_from_folders_and_identity_when_decoding(tmp_path, capsys):
     pytest.importorskip("diffusers")
-    from fasttrain.vae import identity
+    from fasttrain.pretrained.vae import identity
 
     with pytest.raises(MissingFile, match="does not exist"):
         load_vae(tmp_path / "nope")

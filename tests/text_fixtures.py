@@ -8,7 +8,7 @@ import torch
 from diffusers_fixtures import save_tiny_vae
 from PIL import Image
 
-from fasttrain.text_encoders import tiny_clip
+from fasttrain.pretrained.text_encoders import tiny_clip
 
 WORDS = ["a", "red", "blue", "square", "circle", "photo", "of", "cat", "dog"]
 UNET = {"block_out_channels": [16, 32], "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],

@@ -329,8 +329,8 @@ def read_bundle_state(path: str | os.PathLike, build_model) -> tuple[dict, dict,
         return state, state["model"], state["ema"]
     extra = read_dcp_extra(path)
     model = build_model(extra)
-    from .. import lora
-    from ..ema import trained
+    from ..optim.ema import trained
+    from ..pretrained import lora
 
     holder = {"model": lora.checkpoint_view(model, {k: v.detach().clone() for k, v in model.state_dict().items()}),
               "ema": {k: v.detach().clone() for k, v in trained(model)}}

@@ -25,8 +25,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .. import lora
 from ..errors import CheckpointError
+from ..pretrained import lora
 from .formats import FORMAT, latest, load_dcp, load_file, read_dcp_extra, save_dcp, save_file, to_tensor
 
 # Sections that must match for a checkpoint to be resumed (optim and train may change and are applied),
@@ -59,7 +59,7 @@ class CheckpointManager:
 
     def _plain(self) -> dict:
         """Everything but the weights and optimizer tensors; per-rank parts gathered from every rank."""
-        from .. import distributed as dist_utils
+        from ..parallel import distributed as dist_utils
 
         ranks = dist_utils.all_gather_objects({k: v.rank_state() for k, v in self.rank_states.items()})
         ema = self.ema.state_dict()

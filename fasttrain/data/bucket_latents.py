@@ -33,7 +33,7 @@ def encode_buckets(image_manifest: dict, out, vae_folder: str, subfolder: str | 
     """Encode the manifest's images bucket by bucket into OUT (module docstring); returns the index."""
     from tqdm.auto import tqdm
 
-    from ..vae import encode, identity, load_vae
+    from ..pretrained.vae import encode, identity, load_vae
 
     root, out = Path(image_manifest["root"]), Path(out)
     files = [tuple(f) for f in image_manifest["files"]]
@@ -135,7 +135,7 @@ class BucketLatents(DataKind):
     traits = Traits(images=True, pixels=False, resident=False, needs_root=True, latents=True, sized_by_config=False)
 
     def build(self, a: DataArgs, backend: str):
-        from ..vae import latent_record
+        from ..pretrained.vae import latent_record
         from .latents import LatentStream
 
         index = read_index(a.root)

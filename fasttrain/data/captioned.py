@@ -73,7 +73,7 @@ def encode_captions(image_manifest: dict, out: str | Path, folder: str, clip_ski
     """Encode every caption of the manifest's images (their order is the latents manifest's) with the
     pipeline folder's text encoders; write `text-embeddings.pt` (fp16) and the "text" section of the
     latents manifest; return that section."""
-    from ..text_encoders import TextEncoders
+    from ..pretrained.text_encoders import TextEncoders
     from .captions import captions_for
 
     root, out = Path(image_manifest["root"]), Path(out)
@@ -165,7 +165,7 @@ def digits_encoder_folder() -> Path:
 
 def digits_encoder(folder: Path | None = None) -> Path:
     """The demo's text encoder folder, built once (seeded: the same weights wherever it is built)."""
-    from ..text_encoders import tiny_clip
+    from ..pretrained.text_encoders import tiny_clip
 
     folder = Path(folder or digits_encoder_folder())
     if not (folder / "text_encoder" / "config.json").is_file():
@@ -193,7 +193,7 @@ class CaptionedDigits(Digits):
         return str(digits_encoder(Path(record["path"])))  # the demo's: built again where it was if it is gone
 
     def build(self, a: DataArgs, backend: str):
-        from ..text_encoders import TextEncoders
+        from ..pretrained.text_encoders import TextEncoders
 
         x, y = digits(a.image_size, split=a.split, holdout=a.holdout, seed=0)
         caps = digit_captions()

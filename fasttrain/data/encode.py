@@ -96,7 +96,7 @@ def encode_with_vae(image_manifest: dict, out: str | Path, vae_folder: str, subf
                     progress: bool = True) -> dict:
     """Encode the manifest's readable images into `out` (resuming where an earlier pass stopped) and
     write and return the latents' manifest."""
-    from ..vae import encode, identity, load_vae
+    from ..pretrained.vae import encode, identity, load_vae
 
     root, out = Path(image_manifest["root"]), Path(out)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

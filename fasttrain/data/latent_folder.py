@@ -21,7 +21,7 @@ class LatentFolder(DataKind):
 
     def build_from(self, a: DataArgs, backend: str, m: dict):
         """The stream and info of the folder whose (checked) manifest is `m`."""
-        from ..vae import latent_record
+        from ..pretrained.vae import latent_record
 
         files = [tuple(f) for f in m["files"]]
         ds = LatentFolderDataset(a.root, m)

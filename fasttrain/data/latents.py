@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import seeds
-from ..vae import normalize
+from ..pretrained.vae import normalize
 
 
 def prepare_batch(x: torch.Tensor, record: dict, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -125,7 +125,7 @@ class Packed(DataKind):
     traits = Traits(images=True, pixels=False, resident=False, needs_root=True, latents=True, sized_by_config=False)
 
     def build(self, a: DataArgs, backend: str):
-        from ..vae import latent_record
+        from ..pretrained.vae import latent_record
 
         if not a.root:
             raise InvalidInput("data.root must name a folder when data.name=packed")

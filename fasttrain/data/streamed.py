@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import sys
 
-from ..cpu import check_workers
 from ..errors import DataError, InvalidInput
+from ..parallel.cpu import check_workers
 from . import dali
 from .kinds import DataArgs
 from .loader import LoaderStream

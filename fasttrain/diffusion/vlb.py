@@ -17,7 +17,7 @@ Only coef depends on the mean, so under common random numbers (the same x_τ bef
 update) L_τ(θ_k) − L_τ(θ_{k+1}) = coef[τ]·(mse_k − mse_{k+1}).
 
 τ = 0 is the decoder term. Here it is the continuous Gaussian decoder of VDM (and of
-`fasttrain.evaluate.nelbo_bits_per_dim` with discrete=False): −log N(x0; x̂0, 1/SNR_0) per
+`fasttrain.generation.evaluate.nelbo_bits_per_dim` with discrete=False): −log N(x0; x̂0, 1/SNR_0) per
 dimension, i.e. coef = ½·SNR_0/ln 2, const = ½·ln(2π/SNR_0)/ln 2. The official code instead takes the
 Gaussian KL at t = 0 with the variance clipped to the posterior variance of t = 1 (ddpm-torch
 `posterior_logvar_clipped`), whose mean coefficient ½/σ̃²_1 is of the same order as ½·SNR_0

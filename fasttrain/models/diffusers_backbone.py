@@ -45,7 +45,7 @@ from torch import nn
 
 from .. import optional
 from ..errors import InvalidInput
-from ..model_folders import load_model, model_dir, read_config
+from ..pretrained.model_folders import load_model, model_dir, read_config
 from . import load_pretrained, register
 
 

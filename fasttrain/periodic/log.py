@@ -4,8 +4,8 @@ that were not skipped, None when all were), the bucketed statistics, throughput 
 and the diagnostics' metrics; to metrics.jsonl and TensorBoard (logger.py) and the progress bar."""
 from __future__ import annotations
 
-from .. import distributed as dist_utils
 from ..diffusion.variation import loss_cv
+from ..parallel import distributed as dist_utils
 from . import Periodic, register
 
 

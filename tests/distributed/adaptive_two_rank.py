@@ -19,7 +19,7 @@ from fasttrain import diffusion as fd
 from fasttrain.diffusion.denoiser import Denoiser, PredictionOutput
 from fasttrain.diffusion.lookahead import reference_step
 from fasttrain.models import build_model
-from fasttrain.parallel import parallelize
+from fasttrain.parallel.wrap import parallelize
 
 STEPS, ARGS = 7, dict(every=2, tau_grid=10, capacity=3)
 

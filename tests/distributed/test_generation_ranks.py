@@ -6,8 +6,8 @@ import json
 import numpy as np
 from torchrun_launch import cli
 
-from fasttrain import generation as gen
 from fasttrain.cli import main
+from fasttrain.generation import ranks as gen
 
 
 def _pngs(folder):

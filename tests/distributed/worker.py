@@ -18,7 +18,7 @@ from fasttrain import diffusion as fd
 from fasttrain.models import build_model
 from fasttrain.models.dit import DiT
 from fasttrain.models.unet import UNet
-from fasttrain.parallel import parallelize
+from fasttrain.parallel.wrap import parallelize
 
 HF = {"hf_dit": ("DiTTransformer2DModel", {"num_attention_heads": 2, "attention_head_dim": 8, "num_layers": 2}),
       "hf_unet": ("UNet2DModel", {"block_out_channels": [8, 16], "down_block_types": ["DownBlock2D", "AttnDownBlock2D"],

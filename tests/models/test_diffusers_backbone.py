@@ -13,7 +13,7 @@ from fasttrain.configure import load_config
 from fasttrain.errors import ConfigError
 from fasttrain.logger import read_jsonl
 from fasttrain.models import build_model, forward_flops
-from fasttrain.parallel import parallelize
+from fasttrain.parallel.wrap import parallelize
 from fasttrain.train import train
 
 pytest.importorskip("diffusers")

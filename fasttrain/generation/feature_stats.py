@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import InvalidInput
+from ..errors import InvalidInput
 
 METRICS = ("fid", "kid", "prc")
 
@@ -80,7 +80,7 @@ class ReferenceStats:
         plus the features (50,000 × 2048 float32 Inception features: 0.4 GB, against ~39 GB of 256²
         float32 images). Features are per image, so the statistics are those of the whole set at once.
         None when the reference has no images."""
-        from .generation import to_uint8
+        from .ranks import to_uint8
 
         parts: dict[str, list] = {}
         for x in images.chunks(chunk):

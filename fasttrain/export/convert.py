@@ -30,7 +30,7 @@ import copy
 import torch
 from torch import nn
 
-from .errors import InvalidInput
+from ..errors import InvalidInput
 
 
 # -- DiT -----------------------------------------------------------------------------------------------
@@ -87,7 +87,7 @@ def dit_state_dict(sd: dict, depth: int, hidden: int, swap: bool = False) -> dic
 # -- UNet ----------------------------------------------------------------------------------------------
 def unet_refusal(unet) -> str | None:
     """Why this UNet has no exact UNet2DModel (None if it has one)."""
-    from .models.unet import AttnBlock
+    from ..models.unet import AttnBlock
 
     groups = sorted({m.num_groups for m in unet.modules() if isinstance(m, nn.GroupNorm)})
     if len(groups) > 1:
@@ -103,7 +103,7 @@ def unet_refusal(unet) -> str | None:
 
 def unet_config(unet, args: dict) -> dict:
     """UNet2DModel's config for a fasttrain UNet built with `args` (the preset's arguments and overrides)."""
-    from .models.unet import AttnBlock
+    from ..models.unet import AttnBlock
 
     ch, mult, size = unet.inp.out_channels, list(args["ch_mult"]), unet.image_size
     if mult[0] != 1:  # diffusers' sinusoid has block_out_channels[0] features, fasttrain's ch
@@ -125,7 +125,7 @@ def unet_config(unet, args: dict) -> dict:
 
 def unet_state_dict(unet, hf) -> dict:
     """fasttrain UNet weights → UNet2DModel weights, walking both networks in execution order."""
-    from .models.unet import AttnBlock, ResBlock
+    from ..models.unet import AttnBlock, ResBlock
 
     src, out = unet.state_dict(), {}
 
@@ -182,16 +182,16 @@ def to_diffusers(backbone: nn.Module, model_args: dict | None = None):
     """(component name, diffusers model in eval mode with the backbone's weights, timestep frequencies
     "diffusers" (the stock class) | "fasttrain" (a legacy DiT's), null label or None); InvalidInput
     naming why where none exists."""
-    from . import optional
-    from .models.diffusers_backbone import DiffusersBackbone
-    from .models.dit import DiT
-    from .models.unet import UNet
+    from .. import optional
+    from ..models.diffusers_backbone import DiffusersBackbone
+    from ..models.dit import DiT
+    from ..models.unet import UNet
 
     diffusers = optional.diffusers("export --to diffusers")
     if isinstance(backbone, DiffusersBackbone):
         m = copy.deepcopy(backbone.model).float().eval()
         if getattr(backbone, "lora_base", None):  # a LoRA run (lora.py): the adapter folded into the stock model
-            from .lora import merged
+            from ..pretrained.lora import merged
 
             m = merged(m)
         return ("transformer" if backbone.is_dit else "unet"), m, "diffusers", backbone.null_row
@@ -203,7 +203,7 @@ def to_diffusers(backbone: nn.Module, model_args: dict | None = None):
                           strict=True)
         m = m.float().eval()
         if legacy:
-            from .export_pipeline import use_fasttrain_timestep_frequencies  # the one the exported pipeline runs
+            from .remote_pipeline import use_fasttrain_timestep_frequencies  # the one the exported pipeline runs
 
             m = use_fasttrain_timestep_frequencies(m)
         return "transformer", m, "fasttrain" if legacy else "diffusers", backbone.embed.num_classes

@@ -6,16 +6,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .cli import _bundle, _first_line, _is_evaluation, _reads, out_dir, out_file
-from .errors import InvalidInput, UserError
-from .paths import check_output, check_output_file
+from ..errors import InvalidInput, UserError
+from ..paths import check_output, check_output_file
+from .commands import _bundle, _first_line, _is_evaluation, _reads, out_dir, out_file
 
 
 def sample(args) -> int:
-    from . import generation as gen
-    from .checkpoint import resolve
-    from .diffusion.solvers import SOLVERS, check_options
-    from .distributed import init, shutdown
+    from ..checkpoint import resolve
+    from ..diffusion.solvers import SOLVERS, check_options
+    from ..generation import ranks as gen
+    from ..parallel.distributed import init, shutdown
 
     out = out_dir(args.out, create=False)  # checked now, created once the overlap checks passed
     if args.npz:
@@ -110,9 +110,9 @@ def _assemble_samples(b, s, out: Path, pngs: bool, npz: str | None) -> None:
     and the ADM-layout .npz."""
     import torch
 
-    from . import generation as gen
-    from . import plots
-    from .evaluate import reference_for
+    from .. import plots
+    from ..generation import ranks as gen
+    from ..generation.evaluate import reference_for
 
     store, lat, imgs = gen.ChunkStore(out), [], []
     for item in store.read_all(s.n, s.chunk):
@@ -141,9 +141,9 @@ def evaluate(args) -> int:
     import json
     from dataclasses import replace
 
-    from .checkpoint import resolve
-    from .distributed import all_gather_objects, init, shutdown
-    from .evaluate import EvalSettings, reference_for, resolve_extractor, run_evaluation
+    from ..checkpoint import resolve
+    from ..generation.evaluate import EvalSettings, reference_for, resolve_extractor, run_evaluation
+    from ..parallel.distributed import all_gather_objects, init, shutdown
 
     if args.out:
         out_file(args.out, create=False)
@@ -205,8 +205,8 @@ def _reference_stats(args, b, s, extractor) -> dict:
     """{} or {"fidelity_error": ...}; the statistics read from --ref-stats when it exists, else computed
     from the reference images read --chunk at a time (only their features kept: feature_stats.py) and
     written to --ref-stats when given. Rank 0; kept on `args` for the fidelity step."""
-    from .data import data_kind
-    from .feature_stats import Extractor, ReferenceStats
+    from ..data import data_kind
+    from ..generation.feature_stats import Extractor, ReferenceStats
 
     try:
         ex = Extractor(extractor, s.weights_path)
@@ -238,9 +238,9 @@ def _fidelity_across_ranks(args, b, s, extractor, info) -> dict:
 
     import torch
 
-    from . import generation as gen
-    from .checkpoint import resolve
-    from .feature_stats import Extractor, metrics
+    from ..checkpoint import resolve
+    from ..generation import ranks as gen
+    from ..generation.feature_stats import Extractor, metrics
 
     ex = getattr(args, "_extractor", None) or Extractor(extractor, s.weights_path)
     settings = gen.SampleSettings(s.num_samples, s.seed, s.steps, s.solver, b.cfg.sample.spacing, chunk=args.chunk)
@@ -263,7 +263,7 @@ def _fidelity_across_ranks(args, b, s, extractor, info) -> dict:
     out = metrics(feats, args._ref_stats, ex)
     out["samples"] = str(folder) + (f" ({done} chunks reused)" if done else "")
     if digits:
-        from .features import judge
+        from ..generation.features import judge
 
         x = torch.cat([it["images"] for it in items]).permute(0, 3, 1, 2).float() / 127.5 - 1
         labels = torch.cat([it["labels"] for it in items]) if b.spec.num_classes else None

@@ -28,9 +28,10 @@ from pathlib import Path
 
 import torch
 
-from . import lora, optional
-from .errors import InvalidInput
-from .scheduler_config import to_diffusers
+from .. import optional
+from ..errors import InvalidInput
+from ..pretrained import lora
+from ..pretrained.scheduler_config import to_diffusers
 
 CLASS = "SD3Transformer2DModel"
 
@@ -61,7 +62,7 @@ def refusal(b) -> str | None:
 def verify(b, backbone, transformer) -> float:
     """Max |Δ| between the backbone and the stock transformer given σ·T and the prompt encodings as
     StableDiffusion3Pipeline passes them, in float64, at early and late timesteps."""
-    from .conditioning import using
+    from ..conditioning import using
 
     net = copy.deepcopy(backbone).double().eval()
     hf = copy.deepcopy(transformer).double().eval()
@@ -132,7 +133,7 @@ def export_sd3(run: str, out: Path, b, ema: bool) -> dict:
     pipe = diffusers.StableDiffusion3Pipeline(
         transformer=transformer, scheduler=sched, vae=b.codec.vae, text_encoder=encs[0], tokenizer=toks[0],
         text_encoder_2=encs[1], tokenizer_2=toks[1], text_encoder_3=encs[2], tokenizer_3=toks[2])
-    from .export import written_whole
+    from .dispatch import written_whole
 
     with written_whole(out):
         pipe.save_pretrained(out)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError, InvalidInput, MissingDependency
+from ..errors import CheckpointError, InvalidInput, MissingDependency
 
 MARK = "lora_"  # peft's parameter names: ...to_q.lora_A.default.weight
 BASE_DTYPES = ("auto", "fp32", "bf16", "fp16")
@@ -46,7 +46,7 @@ def enabled(cfg) -> bool:
 def base_weights():
     """Inside: pretrained weights are read even where a checkpoint provides the rest (a LoRA checkpoint
     does not hold the base)."""
-    from .models import _PRETRAINED
+    from ..models import _PRETRAINED
 
     token = _PRETRAINED.set(True)
     try:
@@ -104,7 +104,7 @@ def base_dtype(cfg, device) -> torch.dtype:
         name = "bf16" if device.type == "cuda" else "fp32"
     if name == "fp16" and device.type != "cuda":
         raise InvalidInput("model.lora.base_dtype=fp16 needs CUDA (on CPU hold the base in bf16 or fp32)")
-    from .precision import DTYPES
+    from ..parallel.precision import DTYPES
 
     return DTYPES[name]
 
@@ -156,7 +156,7 @@ def checkpoint_view(net, state: dict) -> dict:
     anything outside the frozen base)."""
     if not is_adapter_only(net):
         return state
-    from .ema import clean_name
+    from ..optim.ema import clean_name
 
     keep = {clean_name(k) for k, p in net.named_parameters() if p.requires_grad}
     return {k: v for k, v in state.items() if clean_name(k) in keep or MARK in k}

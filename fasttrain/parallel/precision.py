@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InvalidInput
+from ..errors import InvalidInput
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .errors import InvalidInput
+from ..errors import InvalidInput
 
 RECORD = "sampling.json"
 

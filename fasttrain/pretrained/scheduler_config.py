@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from .errors import ConfigError, InvalidInput, UserError
+from ..errors import ConfigError, InvalidInput, UserError
 
 PREDICTION_TYPES = {"eps": "epsilon", "v": "v_prediction", "x0": "sample"}
 FLOW_SCHEDULERS = ("FlowMatchEulerDiscreteScheduler", "FlowMatchHeunDiscreteScheduler")
@@ -89,7 +89,7 @@ def _diffusers_betas(config: dict, T: int, where: str) -> np.ndarray:
 def from_diffusers(config: dict, where: str) -> dict:
     """The run keys (KEYS) a diffusers scheduler config decides; InvalidInput where fasttrain cannot
     train with it."""
-    from .diffusion.schedule import SCHEDULES, schedule
+    from ..diffusion.schedule import SCHEDULES, schedule
 
     name = config.get("_class_name", "")
     T = config.get("num_train_timesteps", 1000)

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from . import optional
-from .errors import DataError, InvalidInput, MissingFile
+from .. import optional
+from ..errors import DataError, InvalidInput, MissingFile
 from .model_folders import load_model, model_dir, read_config
 
 NORMS = ("auto", "vae", "channel", "none")

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset
 
-from .data.kinds import Reference
-from .diffusion.nelbo import nelbo_bits_per_dim
-from .errors import InvalidInput, UserError
+from ..data.kinds import Reference
+from ..diffusion.nelbo import nelbo_bits_per_dim
+from ..errors import InvalidInput, UserError
 
 EXTRACTORS = ("auto", "fasttrain-digits", "inception-v3-compat", "none")
 
@@ -90,7 +90,7 @@ def fidelity(samples: torch.Tensor, reference: torch.Tensor, extractor: str = "f
 def reference_for(cfg, spec, ref_path: str | None = None, n: int = 5000) -> Reference:
     """The real data evaluations compare with, as the run's data kind provides it (data/kinds.py):
     built-in data from the config; folders from `ref_path`, else the run's data.root if it exists."""
-    from .data import data_kind
+    from ..data import data_kind
 
     return data_kind(spec.name).reference(cfg, spec, ref_path, n)
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import DeviceError, InvalidInput
+from ..errors import DeviceError, InvalidInput
 
 STRATEGIES = ("none", "ddp", "fsdp")
 AC_MODES = ("none", "full", "selective")

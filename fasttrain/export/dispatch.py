@@ -36,12 +36,12 @@ from pathlib import Path
 
 import torch
 
-from . import optional
-from .errors import InvalidInput
-from .scheduler_config import PREDICTION_TYPES, to_diffusers
+from .. import optional
+from ..errors import InvalidInput
+from ..pretrained.scheduler_config import PREDICTION_TYPES, to_diffusers
 
 FORMATS = ("diffusers", "lora")  # lora: a LoRA run's adapter (export_sd.py)
-PIPELINE_FILE = Path(__file__).with_name("export_pipeline.py")
+PIPELINE_FILE = Path(__file__).with_name("remote_pipeline.py")
 
 
 @dataclass
@@ -98,7 +98,7 @@ def refusal(bundle) -> str | None:
     if not spec.image_size:
         return "it generates 2-D points; diffusers pipelines generate images"
     if spec.text is not None:
-        from .export_sd import refusal as text_refusal
+        from .stable_diffusion import refusal as text_refusal
         return text_refusal(bundle)
     if df.prediction not in (*PREDICTION_TYPES, "flow"):
         return (f"diffusion.prediction={df.prediction}: its heads and gate have no diffusers scheduler "
@@ -174,9 +174,9 @@ def settings(e: Export) -> dict:
 
 def _convert(b, ema: bool) -> tuple[str, torch.nn.Module, str, int | None, float]:
     """(component, diffusers network, frequencies, null label, max |Δ| of the check) for the bundle."""
-    from .config import plain
+    from ..config import plain
+    from ..models import MODELS
     from .convert import to_diffusers
-    from .models import MODELS
 
     name = b.cfg.model.name
     args = {k: v for k, v in MODELS.args(name).items() if v is not inspect.Parameter.empty}
@@ -202,7 +202,7 @@ def written_whole(out: Path):
 def export_diffusers(run: str, out: str, vae: str | None = None, ema: bool = True, to: str = "diffusers") -> dict:
     """Write the pipeline folder `out` for the run's checkpoint (`to="lora"`: a LoRA run's adapter as
     pytorch_lora_weights.safetensors); returns a summary."""
-    from .bundle import ModelBundle
+    from ..bundle import ModelBundle
     from .model_card import model_card
 
     diffusers = optional.diffusers("export --to diffusers")
@@ -213,14 +213,14 @@ def export_diffusers(run: str, out: str, vae: str | None = None, ema: bool = Tru
     if vae and not b.spec.latents:
         raise InvalidInput(f"--vae: {run} was not trained on VAE latents (nothing was written)")
     if to == "lora":
-        from .export_sd import export_lora
+        from .stable_diffusion import export_lora
         return export_lora(run, out, b, ema)
-    from .export_sd3 import export_sd3, is_sd3
+    from .sd3 import export_sd3, is_sd3
 
     if is_sd3(b):  # StableDiffusion3Pipeline with its text encoders (export_sd3.py)
         return export_sd3(run, out, b, ema)
     if b.spec.text is not None:  # stock SD / SDXL pipelines with their text encoders (export_sd.py)
-        from .export_sd import export_text
+        from .stable_diffusion import export_text
         return export_text(run, out, b, ema)
     why = refusal(b)
     if why:

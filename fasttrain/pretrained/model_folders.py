@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import DataError, MissingFile
+from ..errors import DataError, MissingFile
 
 # what ModelMixin.from_pretrained reads, in its order of preference (diffusers' SAFETENSORS_WEIGHTS_NAME,
 # WEIGHTS_NAME and their sharded indexes)

@@ -23,13 +23,13 @@ import os
 import sys
 from pathlib import Path
 
-from .cpu import prepare_openmp
+from ..parallel.cpu import prepare_openmp
 
 prepare_openmp()  # before anything imports torch (cpu.py): idle OpenMP threads yield on a busy machine
 
-from .config import keys, presets  # noqa: E402
-from .errors import ConfigError, InvalidInput, UserError  # noqa: E402
-from .paths import check_output  # noqa: E402
+from ..config import keys, presets  # noqa: E402
+from ..errors import ConfigError, InvalidInput, UserError  # noqa: E402
+from ..paths import check_output  # noqa: E402
 
 # What the user can fix is a UserError (errors.py), printed as one line; anything else keeps its
 # traceback (FASTTRAIN_DEBUG=1 keeps it for these too). Paths the user named that cannot be written
@@ -38,7 +38,7 @@ USER_ERRORS = (UserError, PermissionError, NotADirectoryError, IsADirectoryError
 
 
 def _help_epilog() -> str:
-    from .configure import choices
+    from ..configure import choices
 
     lines = ["presets:"]
     lines += [f"  {name:<16} {desc}" for name, desc in presets().items()]
@@ -84,8 +84,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .diffusion.solvers import SOLVERS, SPACINGS
-    from .evaluate import EXTRACTORS
+    from ..diffusion.solvers import SOLVERS, SPACINGS
+    from ..generation.evaluate import EXTRACTORS
 
     p = _Parser(prog="fasttrain", description="Fast diffusion-model training.")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         print("fasttrain: error: --resume and --restart exclude each other", file=sys.stderr)
         return 2
     try:
-        from .configure import load_config
+        from ..configure import load_config
 
         cfg = load_config(preset, overrides, resume=args.resume)
     except UserError as e:  # a config key (2), or a folder or checkpoint the config names (1)
@@ -254,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if cfg.diffusion.backend == "interpret":  # the interpreter must be chosen before triton is imported
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from .distributed import shutdown
-    from .train import train  # imports torch: keep --help and config errors fast
+    from ..parallel.distributed import shutdown
+    from ..train import train  # imports torch: keep --help and config errors fast
 
     try:
         summary = train(cfg, resume=args.resume, restart=args.restart)
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         again = " ".join(a for a in argv[1:] if a not in ("--resume", "--restart"))
-        from .checkpoint import latest
+        from ..checkpoint import latest
 
         if latest(cfg.run_dir) is not None:
             print(f"fasttrain: stopped; the run continues with: fasttrain train {again} --resume", file=sys.stderr)
@@ -306,14 +306,14 @@ def _print_eval(ev: dict) -> None:
 
 
 def _sample(args) -> int:
-    from .cli_generate import sample
+    from .generate import sample
 
     return sample(args)
 
 
 def _reads(args, b) -> dict:
     """The folders a command on a checkpoint reads or names as its own (paths.py: outputs stay out of them)."""
-    from .checkpoint import resolve
+    from ..checkpoint import resolve
 
     lat = b.spec.latents or {}
     return {"the checkpoint": str(resolve(args.ckpt if hasattr(args, "ckpt") else args.run)),
@@ -324,7 +324,7 @@ def _reads(args, b) -> dict:
 def _bundle(args):
     """The checkpoint's model bundle; a latent run's VAE (the recorded one, or --vae) loaded now, so that
     a missing one is a one-line error before any sampling."""
-    from .bundle import ModelBundle
+    from ..bundle import ModelBundle
 
     b = ModelBundle.load(args.ckpt, vae=args.vae)
     b.text_folder = getattr(args, "text_encoders", None)
@@ -338,7 +338,7 @@ def _bundle(args):
 
 
 def _eval(args) -> int:
-    from .cli_generate import evaluate
+    from .generate import evaluate
 
     return evaluate(args)
 
@@ -353,15 +353,15 @@ def _is_evaluation(path: Path) -> bool:
 
 
 def _report(args) -> int:
-    from .report import write_report
+    from ..generation.report import write_report
 
     print(f"wrote {write_report(args.run, vae=args.vae)}")
     return 0
 
 
 def _export(args) -> int:
-    from .bundle import ModelBundle
-    from .export import export_diffusers
+    from ..bundle import ModelBundle
+    from ..export.dispatch import export_diffusers
 
     check_output(args.out, "the export folder", _reads(args, ModelBundle.load(args.run, vae=args.vae)))
     res = export_diffusers(args.run, args.out, vae=args.vae, ema=not args.raw, to=args.to)
@@ -383,7 +383,7 @@ def _data(args) -> int:
         return 2
     import json
 
-    from .data.manifest import check_outputs, prepare
+    from ..data.manifest import check_outputs, prepare
 
     if args.vae and args.encoder:
         raise InvalidInput("--vae and --encoder exclude each other")
@@ -392,14 +392,14 @@ def _data(args) -> int:
     if args.text_encoders and not args.vae:
         raise InvalidInput("--text-encoders needs --vae: captions are cached beside VAE latents")
     if args.text_encoders:
-        from .text_encoders import family_of, transformers
+        from ..pretrained.text_encoders import family_of, transformers
 
         transformers()
         family_of(args.text_encoders)  # a missing or wrong folder before any encoding
     if args.vae:  # a missing VAE or extra before the folder is checked
-        from . import optional
-        from .data.encode import default_out
-        from .vae import model_dir
+        from .. import optional
+        from ..data.encode import default_out
+        from ..pretrained.vae import model_dir
 
         model_dir(args.vae, args.vae_subfolder)
         optional.diffusers("data prepare --vae")
@@ -419,7 +419,7 @@ def _data(args) -> int:
     for rel, reason in res["bad"]:
         print(f"skipped {rel}: {reason}")
     if args.vae and args.buckets:
-        from .data.bucket_latents import encode_buckets
+        from ..data.bucket_latents import encode_buckets
 
         settings = {"base": args.image_size, "min": args.min_bucket_reso, "max": args.max_bucket_reso,
                     "steps": args.bucket_reso_steps}
@@ -433,7 +433,7 @@ def _data(args) -> int:
     if args.text_encoders:
         import json
 
-        from .data.captioned import encode_captions
+        from ..data.captioned import encode_captions
 
         m = json.loads(Path(res["manifest"]).read_text())
         t = encode_captions(m, args.latents_out, args.text_encoders, args.clip_skip, args.caption_column,
@@ -443,14 +443,14 @@ def _data(args) -> int:
               f"{t['width']}){cut}")
     print(f"wrote {res['manifest']}" + (f" and {res['latents_manifest']}" if "latents_manifest" in res else ""))
     if args.shards:
-        from .data.shards import write_shards
+        from ..data.shards import write_shards
 
         m = json.loads(Path(res["manifest"]).read_text())
         index = write_shards(m, out_dir(args.shards), args.shard_size)
         print(f"wrote {index['count']} images into {len(index['shards'])} shards in {args.shards} (data.name=shards "
               f"data.root={args.shards})")
     if args.pack:
-        from .data.packed import PACKED, pack
+        from ..data.packed import PACKED, pack
 
         folder = Path(args.latents_out or args.root)
         index = pack(folder)
@@ -462,7 +462,7 @@ def _data(args) -> int:
 def _encode_with_vae(args, manifest_path) -> dict:
     import json
 
-    from .data.encode import encode_with_vae
+    from ..data.encode import encode_with_vae
 
     m = json.loads(Path(manifest_path).read_text())
     lm = encode_with_vae(m, args.latents_out, args.vae, args.vae_subfolder, args.image_size, args.batch_size)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import InvalidInput
+from ..errors import InvalidInput
 
 
 def make_optimizer(params, o, device: torch.device) -> torch.optim.Optimizer:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from jinja2 import Template
 
-from . import checkpoint as ckpt
-from . import plots
-from .errors import MissingFile, UserError
-from .logger import number, read_jsonl
+from .. import checkpoint as ckpt
+from .. import plots
+from ..errors import MissingFile, UserError
+from ..logger import number, read_jsonl
 
 PAGE = Template("""<!doctype html>
 <html><head><meta charset="utf-8"><title>fasttrain · {{ name }}</title>
@@ -53,8 +53,8 @@ def objective_from_checkpoint(run: Path):
     data or process group. (The report's samples and evaluation never need this.)"""
     from omegaconf import OmegaConf
 
-    from .bundle import build_objective
-    from .config import Config
+    from ..bundle import build_objective
+    from ..config import Config
 
     plain = ckpt.read_plain(run)
     cfg = OmegaConf.merge(OmegaConf.structured(Config), plain["config"])
@@ -64,7 +64,7 @@ def objective_from_checkpoint(run: Path):
     obj.sync_stats()
     interference = None
     if plain.get("interference"):
-        from .diffusion.interference import InterferenceDiagnostic
+        from ..diffusion.interference import InterferenceDiagnostic
 
         interference = InterferenceDiagnostic(obj.T)
         interference.load_state_dict(plain["interference"])
@@ -82,8 +82,8 @@ def decoded_samples(run: Path, vae: str | None = None) -> Path | None:
         return None
     import torch
 
-    from .bundle import DataSpec
-    from .vae import LatentCodec
+    from ..bundle import DataSpec
+    from ..pretrained.vae import LatentCodec
 
     x = torch.load(run / "samples.pt", map_location="cpu", weights_only=True)
     images = LatentCodec.load(spec["latents"], vae).decode(x)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .config import plain
+from ..config import plain
 
 
 def _metrics(run: str) -> tuple[dict, str]:
     """The run's latest evaluation and where it came from ({} if none)."""
-    from .checkpoint import resolve
+    from ..checkpoint import resolve
 
     folder = resolve(run).parent
     for name, pick in (("eval.json", lambda d: d), ("summary.json", lambda d: d.get("eval") or {})):

@@ -6,7 +6,7 @@ second on CPU), ships the weights as `fasttrain/assets/digits_mlp.pt`, and regis
 torch-fidelity as the feature extractor "fasttrain-digits": its 64-d penultimate layer feeds FID/KID
 and precision/recall, its logits judge whether samples are recognisable digits.
 
-Regenerate the weights with `python -m fasttrain.features`.
+Regenerate the weights with `python -m fasttrain.generation.features`.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ASSET = Path(__file__).parent / "assets" / "digits_mlp.pt"
+ASSET = Path(__file__).parent.parent / "assets" / "digits_mlp.pt"
 NAME = "fasttrain-digits"
 
 
@@ -45,7 +45,7 @@ class DigitsMLP(nn.Module):
 
 def train_classifier(seed: int = 0, epochs: int = 60) -> DigitsMLP:
     """Full-batch-free, seeded AdamW on the digits training split with light shift augmentation."""
-    from .data.builtin import digits
+    from ..data.builtin import digits
 
     x, y = digits(8, "train")
     g = torch.Generator().manual_seed(seed)
@@ -130,7 +130,7 @@ def _register() -> None:
 
 
 def main() -> None:
-    from .data.builtin import digits
+    from ..data.builtin import digits
 
     net = train_classifier()
     xt, yt = digits(8, "test")

@@ -36,9 +36,10 @@ from pathlib import Path
 
 import torch
 
-from . import lora, optional
-from .errors import InvalidInput
-from .scheduler_config import PREDICTION_TYPES
+from .. import optional
+from ..errors import InvalidInput
+from ..pretrained import lora
+from ..pretrained.scheduler_config import PREDICTION_TYPES
 
 PIPELINES = {"sd1": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline"}
 PROBES = ["a photo", ""]
@@ -101,7 +102,7 @@ def check_encoding(pipe, family: str, encoders) -> float:
 
 def export_text(run: str, out: Path, b, ema: bool) -> dict:
     """Write the SD / SDXL pipeline folder `out` for the text run loaded as bundle `b`."""
-    from .export import scheduler_for, written_whole
+    from .dispatch import scheduler_for, written_whole
     from .model_card import model_card
 
     diffusers = optional.diffusers("export --to diffusers")
@@ -142,7 +143,7 @@ def export_lora(run: str, out: Path, b, ema: bool) -> dict:
     diffusers = optional.diffusers("export --to lora")
     from diffusers.utils import convert_state_dict_to_diffusers
 
-    from . import export_sd3
+    from . import sd3 as export_sd3
 
     if not lora.identity(b.net):
         raise InvalidInput(f"{run} was not trained with LoRA (model.lora.rank=0): it has no adapter to export; "
@@ -168,7 +169,7 @@ def export_lora(run: str, out: Path, b, ema: bool) -> dict:
     if f"{part}_lora_adapter_metadata" in inspect.signature(cls.save_lora_weights).parameters:
         meta["target_modules"] = sorted(meta["target_modules"])
         kwargs[f"{part}_lora_adapter_metadata"] = meta  # keeps alpha (the scale alpha / rank) with the weights
-    from .export import written_whole
+    from .dispatch import written_whole
 
     with written_whole(out):
         cls.save_lora_weights(str(out), **kwargs)

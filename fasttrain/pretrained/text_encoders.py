@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import DataError, InvalidInput, MissingDependency, MissingFile
+from ..errors import DataError, InvalidInput, MissingDependency, MissingFile
 
 FAMILIES = ("sd1", "sdxl", "sd3")
 T5_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length default
