@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..errors import InvalidInput, UserError
 from ..paths import check_output, check_output_file
-from .commands import _bundle, _first_line, _is_evaluation, _reads, out_dir, out_file
+from .common import checkpoint_reads, first_line, is_evaluation, load_bundle, out_dir, out_file
 
 
 def sample(args) -> int:
@@ -21,11 +21,11 @@ def sample(args) -> int:
     if args.npz:
         out_file(args.npz, "--npz", create=False)
     info = init()  # under torchrun: one process group, the images split by index (generation.py)
-    b = _bundle(args)
+    b = load_bundle(args)
     check_output(args.out, "--out", {"the run directory": str(resolve(args.ckpt).parent)}, exact=True)
-    check_output(args.out, "--out", _reads(args, b))
+    check_output(args.out, "--out", checkpoint_reads(args, b))
     if args.npz:  # a new file, or an earlier .npz of images, never a file the command reads
-        check_output_file(args.npz, "--npz", _reads(args, b), earlier_result=_is_image_npz)
+        check_output_file(args.npz, "--npz", checkpoint_reads(args, b), earlier_result=_is_image_npz)
     sc, classes = b.cfg.sample, b.spec.num_classes
     if classes:
         if args.label is not None and not 0 <= args.label < classes:
@@ -152,11 +152,11 @@ def evaluate(args) -> int:
     if args.ref_stats is not None:
         out_file(args.ref_stats, "--ref-stats", create=False)
     info = init()  # under torchrun: the generated images split across ranks by index (generation.py)
-    b = _bundle(args)
-    reads = _reads(args, b)
+    b = load_bundle(args)
+    reads = checkpoint_reads(args, b)
     reads["the reference folder"] = args.ref
     if args.out:  # an earlier evaluation may be replaced, nothing else (a checkpoint, the config, the data)
-        check_output_file(args.out, "--out", reads, earlier_result=_is_evaluation)
+        check_output_file(args.out, "--out", reads, earlier_result=is_evaluation)
     if args.samples:
         check_output(args.samples, "--samples", reads)
     if args.ref_stats and not Path(args.ref_stats).is_file():  # written here: never among the inputs
@@ -176,7 +176,7 @@ def evaluate(args) -> int:
             try:
                 res = _reference_stats(args, b, s, extractor)
             except UserError as e:  # e.g. an unreadable --ref-stats: every rank stops with its line
-                res = {"user_error": _first_line(e)}
+                res = {"user_error": first_line(e)}
         res = all_gather_objects({k: v for k, v in res.items() if k in ("fidelity_error", "user_error")})[0]
         if "user_error" in res:
             raise InvalidInput(res["user_error"])

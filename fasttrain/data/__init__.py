@@ -1,14 +1,21 @@
-"""Data: one factory for the trainer. Batches are (x0 [B, ...] float32, labels Long[B]) on the device.
+"""Data: every `data.name` is a registered data kind with declared traits (`kinds.py`), built by
+`build_data` (the kind's `build`).
+Batches are (x0 [B, ...] float32, labels Long[B]) on the device.
 
-Every `data.name` is a registered data kind with declared traits (kinds.py): the built-in ones (digits,
-toys, synthetic: builtin.py) live on the training device (memory.py), so a resumed run sees exactly
-the batches it would have seen; image folders (`folder`, image_folder.py) and .npy latent folders
-(`latents`, latent_folder.py) go through NVIDIA DALI (`data.backend=dali`, dali.py) or a torch
-DataLoader (`torch`, loader.py); `auto` takes DALI where it is installed. Both read the file list of
-the folder's manifest (manifest.py), so corrupt files are skipped, not fatal. Every stream reads the
-same order (order.py). Latents encoded by a VAE (`data prepare --vae`, encode.py) are drawn from their
-posterior and normalised on the device (latents.py); their record (`DataInfo.latents`) goes into the
-checkpoint. A new data kind is one module here that registers itself (kinds.py).
+The kinds, one module per kind or family:
+  `builtin.py`         digits, the 2-D toys, synthetic: resident on the training device (`memory.py`)
+  `image_folder.py`    `folder`: images (class subfolders give labels), optional aspect-ratio buckets (`buckets.py`)
+  `latent_folder.py`   `latents`: .npy latents (`data prepare --vae`, `encode.py`), and `decoded` (outputs only)
+  `packed.py`          `packed`: a latent folder packed into one memory-mapped array (`data prepare --pack`)
+  `bucket_latents.py`  `bucket_latents`: VAE latents cached per aspect-ratio bucket
+  `shards.py`          `shards`: WebDataset tar shards, one global seeded order split by rank
+  `captioned.py`       `captioned_latents`, `captioned_digits`: latents with cached caption encodings
+What they share: `streamed.py` (a folder's manifest and its stream), `dali.py` (NVIDIA DALI) and
+`loader.py` (a torch DataLoader), `order.py` (the epoch order and augmentation draws every backend reads),
+`folder.py` (folder data sets), `images.py` (decoding one image), `layout.py` (a folder's files and labels),
+`manifest.py` (`data prepare`: the checked file list), `captions.py` (a folder's captions), `latents.py`
+(posterior draws and normalisation on the device), `reference.py` (the real data evaluations compare with).
+A new data kind is one module here that registers itself (kinds.py).
 """
 from __future__ import annotations
 

@@ -31,6 +31,7 @@ import torch
 
 from ..errors import InvalidInput
 from ..registry import Registry
+from .reference import Reference, ReferenceImages, folder_images, folder_reference
 
 DATA_KINDS = Registry("data set")
 register = DATA_KINDS.register
@@ -85,15 +86,6 @@ class DataInfo:
     text_table: object = None  # captioned kinds: their cached encodings (conditioning.TextTable), not recorded
 
 
-@dataclass
-class Reference:
-    """Real data to compare with: `train` images for FID, `test` (held out where there is one) for bpd."""
-    train: torch.Tensor | None
-    test: torch.Tensor | None
-    source: str
-    test_labels: torch.Tensor | None = None
-
-
 class DataKind:
     """A data set kind (module docstring). Subclasses declare `traits` and implement `build`."""
     name: str = ""
@@ -130,16 +122,12 @@ class DataKind:
     def reference(self, cfg, spec, ref_path: str | None, n: int) -> Reference:
         """The real data evaluations compare with: `ref_path` when given (a folder of images), else the
         kind's own (folder kinds: data.root when it still exists)."""
-        from .reference import folder_reference
-
         return folder_reference(cfg, spec, ref_path or cfg.data.root, n)
 
     def reference_images(self, cfg, spec, ref_path: str | None, n: int):
         """`reference`'s FID images read as they go (data/reference.py `ReferenceImages`), for statistics
         of a reference too large to hold. The folder reference streams; a kind that overrides `reference`
         streams where it overrides this too, else its reference is loaded and handed out in chunks."""
-        from .reference import ReferenceImages, folder_images
-
         if type(self).reference is DataKind.reference:
             return folder_images(ref_path or cfg.data.root, spec, cfg.data, n)
         ref = self.reference(cfg, spec, ref_path, n)

@@ -133,7 +133,7 @@ def export_sd3(run: str, out: Path, b, ema: bool) -> dict:
     pipe = diffusers.StableDiffusion3Pipeline(
         transformer=transformer, scheduler=sched, vae=b.codec.vae, text_encoder=encs[0], tokenizer=toks[0],
         text_encoder_2=encs[1], tokenizer_2=toks[1], text_encoder_3=encs[2], tokenizer_3=toks[2])
-    from .dispatch import written_whole
+    from .common import written_whole
 
     with written_whole(out):
         pipe.save_pretrained(out)

@@ -102,7 +102,7 @@ def check_encoding(pipe, family: str, encoders) -> float:
 
 def export_text(run: str, out: Path, b, ema: bool) -> dict:
     """Write the SD / SDXL pipeline folder `out` for the text run loaded as bundle `b`."""
-    from .dispatch import scheduler_for, written_whole
+    from .common import scheduler_for, written_whole
     from .model_card import model_card
 
     diffusers = optional.diffusers("export --to diffusers")
@@ -169,7 +169,7 @@ def export_lora(run: str, out: Path, b, ema: bool) -> dict:
     if f"{part}_lora_adapter_metadata" in inspect.signature(cls.save_lora_weights).parameters:
         meta["target_modules"] = sorted(meta["target_modules"])
         kwargs[f"{part}_lora_adapter_metadata"] = meta  # keeps alpha (the scale alpha / rank) with the weights
-    from .dispatch import written_whole
+    from .common import written_whole
 
     with written_whole(out):
         cls.save_lora_weights(str(out), **kwargs)

@@ -2,6 +2,8 @@
 reads, what it saves, and whether its time counts as training time. The trainer runs the registered
 ones in their declared `order` after every optimizer step and knows none of them by name, so a new
 one (a profiler, another logger, FID every N steps) is one module in this package plus its test.
+The actions: `stats_sync.py` (statistics → sampler), `log.py` (the metric line), `nonfinite.py` (the
+non-finite stop), `checkpoint.py` (last.pt / dcp), `evaluation.py` (eval every N steps).
 
     @register("name")
     class MyAction(Periodic):
