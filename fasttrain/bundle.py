@@ -21,10 +21,10 @@ from omegaconf import DictConfig, OmegaConf
 from . import checkpoint as ckpt
 from . import seeds
 from .config import plain
-from .diffusion import schedule as make_schedule
 from .diffusion.denoiser import Denoiser
 from .diffusion.objective import Objective, objective_class
 from .diffusion.samplers import SAMPLERS
+from .diffusion.schedule import from_config as schedule_of
 from .diffusion.solvers import generate as run_solver
 from .errors import CheckpointError, InvalidInput
 from .models import MODELS, build_model, weights_from_checkpoint
@@ -70,7 +70,7 @@ def build_network(cfg: DictConfig, spec: DataSpec) -> Denoiser:
     """The backbone (as wide as the prediction kind's output) in its Denoiser wrapper, with the
     prediction kind's output → x̂0 conversion."""
     df = cfg.diffusion
-    sched = make_schedule(df.schedule, df.T, df.zero_terminal_snr, df.flow_shift)
+    sched = schedule_of(df)
     kind = objective_class(df.prediction)
     args = plain(cfg.model.args)
     width = kind.out_channels(df, spec.channels)
@@ -98,7 +98,7 @@ def build_objective(cfg: DictConfig, net: Denoiser | None = None, rank: int = 0,
     output head receives what the objective learns for generation, e.g. mixed argmin's choice);
     `backend` the concrete kernel backend decided at set-up (default: the config's choice)."""
     df = cfg.diffusion
-    sched = make_schedule(df.schedule, df.T, df.zero_terminal_snr, df.flow_shift)
+    sched = schedule_of(df)
     sampler_args = plain(df.sampler_args)
     if SAMPLERS.get(df.sampler).seeded and "seed" not in sampler_args:  # a learned sampler's own weights
         sampler_args["seed"] = seeds.derive(cfg.train.seed, "policy")
@@ -118,7 +118,7 @@ class ModelBundle:
         self.text_folder, self._encoders = None, None  # text runs: another encoder folder than the recorded one
         self._rows = 0  # text runs: rows of the prompt table being sampled from (its last: the negative prompt)
         df = cfg.diffusion
-        self.schedule = make_schedule(df.schedule, df.T, df.zero_terminal_snr, df.flow_shift).to(self.device)
+        self.schedule = schedule_of(df).to(self.device)
         self._alpha, self._sigma = self.schedule.alpha.float(), self.schedule.sigma.float()
 
     # -- construction --------------------------------------------------------------------------------

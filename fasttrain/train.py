@@ -71,13 +71,8 @@ class Trainer:
     def _set_up(self, cfg, rank: int, world: int, want_cuda: bool) -> None:
         tc = cfg.train
         d = cfg.data
-        self.data, info = build_data(d.name, batch_size=d.batch_size, seed=tc.seed, image_size=d.image_size,
-                                     root=d.root, channels=d.channels, holdout=d.holdout, device=self.device,
-                                     num_workers=d.num_workers, backend=d.backend, manifest=d.manifest,
-                                     crop=d.crop, flip=d.flip, rank=rank, world_size=world, latent_norm=d.latent_norm,
-                                     shuffle_buffer=d.shuffle_buffer, buckets=d.buckets,
-                                     min_bucket_reso=d.min_bucket_reso, max_bucket_reso=d.max_bucket_reso,
-                                     bucket_reso_steps=d.bucket_reso_steps)
+        # the data section whole: the data kind reads its own fields (data/kinds.py)
+        self.data, info = build_data(d, seed=tc.seed, device=self.device, rank=rank, world_size=world)
         conditional = cfg.model.class_conditional and info.num_classes > 0
         self.spec = DataSpec(d.name, info.channels, info.image_size, info.num_classes if conditional else 0,
                              cfg.model.label_dropout, info.latents, info.class_names if conditional else None,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fasttrain.cli import main
+from fasttrain.config import DataConfig
 from fasttrain.data import DATA_KINDS, Traits, build_data, data_kind
 from fasttrain.diffusion.lookahead import LookAhead
 from fasttrain.diffusion.objective import kernel_backend
@@ -82,7 +83,7 @@ def test_every_data_kind_declares_its_traits_and_builds_what_they_say():
         assert kind.traits.conditioning in ("class", "none", "text")
         assert not (kind.traits.latents and kind.traits.pixels)
         if kind.traits.resident and kind.trainable:  # built-in: build one batch and check the declaration
-            stream, info = build_data(name, batch_size=4, image_size=8, channels=3)
+            stream, info = build_data(DataConfig(name=name, batch_size=4, image_size=8, channels=3))
             x0, y = next(stream)
             assert (x0.ndim == 4) == kind.traits.images and (info.image_size is not None) == kind.traits.images
             assert (info.num_classes > 0) == (kind.traits.conditioning == "class")

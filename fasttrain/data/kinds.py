@@ -3,7 +3,7 @@ Every module outside `fasttrain/data/` asks a kind's traits, never its name (tes
 
     kind = data_kind("digits")
     kind.traits.images, kind.traits.resident, kind.traits.conditioning     # what it is
-    stream, info = kind.build(DataArgs(...))                              # batches on the device
+    stream, info = kind.build(cfg.data, Placement(seed, device, rank), reader)  # batches on the device
     kind.reference(cfg, spec, ref_path, n)                                 # what evaluation compares with
     kind.reference_images(cfg, spec, ref_path, n).chunks(k)               # its images, k at a time
 
@@ -20,7 +20,8 @@ Traits (`Traits`):
                   "text" (caption groups into `DataInfo.text_table`: data/captioned.py), "none"
   extractor       the feature extractor `eval.extractor=auto` takes for it (None: by `pixels`)
 A new data kind (WebDataset shards, packed latents, text–image pairs) is one module in this package:
-a `DataKind` subclass with its traits, `build`, `reference` and `check`, registered with `@register`.
+a `DataKind` subclass with its traits, `build`, `reference` and `check`, registered with `@register`; its
+`build` reads the `data` section whole, so a new option is one field in config.py and the code reading it.
 `trainable = False` marks a kind that only describes outputs (decoded VAE samples), not a `data.name`.
 """
 from __future__ import annotations
@@ -49,29 +50,16 @@ class Traits:
     extractor: str | None = None
 
 
-@dataclass
-class DataArgs:
-    """What building a data stream takes (the `data` config group, the seed and the process layout)."""
-    batch_size: int
+@dataclass(frozen=True)
+class Placement:
+    """Where a stream is built and for whom, beside the `data` section that a kind reads whole: the run's
+    seed (train.seed: the data order and augmentation draws), the device its batches land on, this
+    process's rank among `world_size`, and the split (train; test: the held-out part where a kind has one)."""
     seed: int = 0
-    image_size: int = 8
-    root: str | None = None
-    channels: int = 3
-    holdout: int = 400
     device: torch.device | str = "cpu"
-    num_workers: int = 0
-    split: str = "train"
-    manifest: str | None = None
-    crop: str = "center"
-    flip: bool = True
     rank: int = 0
     world_size: int = 1
-    latent_norm: str = "auto"
-    shuffle_buffer: int = 1000
-    buckets: bool = False
-    min_bucket_reso: int = 256
-    max_bucket_reso: int = 1024
-    bucket_reso_steps: int = 64
+    split: str = "train"
 
 
 @dataclass
@@ -110,9 +98,11 @@ class DataKind:
         """How many samples live on the training device at once (0 for streamed kinds)."""
         return 0
 
-    def build(self, args: DataArgs, backend: str):
-        """(stream of (x0, labels) batches on the device, DataInfo); `backend`: "memory" for a resident
-        kind, else the file reader `data.backend` resolved to ("dali" or "torch")."""
+    def build(self, d, at: Placement, backend: str):
+        """(stream of (x0, labels) batches on the device, DataInfo) of the `data` section `d` (cfg.data, or
+        a config.DataConfig), whose fields the kind reads itself, built `at` (seed, device, rank, split);
+        `backend`: "memory" for a resident kind, else the file reader `data.backend` resolved to ("dali"
+        or "torch")."""
         raise NotImplementedError
 
     def text_encoders(self, record: dict) -> str:
