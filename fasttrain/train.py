@@ -28,7 +28,7 @@ from .data import build_data
 from .diffusion.interference import InterferenceDiagnostic
 from .diffusion.objective import kernel_backend
 from .errors import DeviceError, InvalidInput
-from .generation.evaluate import EvalSettings, reference_for, run_evaluation
+from .generation.evaluate import EvalSettings, RunEvaluation
 from .logger import MetricLogger
 from .models import MODELS, count_params, forward_flops, weights_from_checkpoint
 from .optim.adamw import apply_optimizer_config, make_optimizer
@@ -37,6 +37,7 @@ from .parallel import graphs
 from .parallel.cpu import evaluation_threads, set_threads
 from .parallel.precision import resolve as resolve_precision
 from .parallel.wrap import parallelize
+from .periodic.evaluation import log_metrics
 from .pretrained import lora
 from .step import Generators, StepParts, update
 from .step import train_step as run_step
@@ -121,11 +122,10 @@ class Trainer:
         self.parts = StepParts(self.model, self.objective, self.opt, generators, ema=self.ema, scaler=self.scaler,
                                conditioning=cond, precision=self.precision, grad_clip=o.grad_clip, counters=self.state,
                                hooks=self.hooks, rank=rank, world_size=world)
-        self._eval_reference = None  # read once, at the first evaluation
+        # evaluations of the bundle (periodic/evaluation.py, the end of the run): every core of a one-process CPU run
+        self._threads = partial(evaluation_threads, tc.threads, self.device.type == "cpu" and world == 1)
+        self.evaluation = RunEvaluation(self.bundle, EvalSettings.from_config(cfg), cfg, self._threads)
         self.actions = periodic.build(cfg)  # logging, checkpoints, evaluation, ... (periodic/): declared, in order
-        self.views = {a: periodic.view(self, a) for a in self.actions}
-        self.clock: StepClock | None = None  # the log interval's training time, kept by fit
-        self.images_per_step = d.batch_size * tc.grad_accum * world
         self.checkpoints = ckpt.CheckpointManager(
             self.run_dir, self.dist, meta={"config": OmegaConf.to_container(cfg), "data_spec": asdict(self.spec),
                                  **({"lora": lora.identity(net)} if lora.identity(net) else {})},
@@ -145,10 +145,18 @@ class Trainer:
         flow = MODELS.get(cfg.model.name).flow
         if flow is not None and flow(plain(cfg.model.args)):  # SD3: its time input is the flow σ table
             text["flow_sigma"] = self.bundle.schedule.sigma.cpu()
-        self.flops_per_image = 3 * forward_flops(cfg.model.name, in_channels=self.spec.channels,
-                                                 image_size=self.spec.image_size, num_classes=self.spec.num_classes,
-                                                 **plain(cfg.model.args), **text) if peak else None
-        self.peak_flops = peak * world if peak else None
+        flops_per_image = 3 * forward_flops(cfg.model.name, in_channels=self.spec.channels,
+                                            image_size=self.spec.image_size, num_classes=self.spec.num_classes,
+                                            **plain(cfg.model.args), **text) if peak else None
+        self.throughput = periodic.Throughput(d.batch_size * tc.grad_accum * world, flops_per_image,
+                                              peak * world if peak else None)
+        # what the periodic actions read, by name (periodic.RunParts; log, bar and clock: when the loop starts)
+        self.run_parts = periodic.RunParts(
+            state=self.state, model=self.model, ema=self.ema, objective=self.objective, spec=self.spec,
+            device=self.device, dist=self.dist, run_dir=self.run_dir, checkpoints=self.checkpoints,
+            lr_sched=self.lr_sched, hooks=self.hooks, interference=self.interference, evaluate=self.evaluation,
+            throughput=self.throughput)
+        self.views = {a: periodic.view(self.run_parts, a) for a in self.actions}  # each its declared parts
 
     @property
     def step(self) -> int:
@@ -157,6 +165,11 @@ class Trainer:
     @property
     def images(self) -> int:
         return self.state.images
+
+    # the run loop's parts the actions read, made when the loop starts (fit; a benchmark may set its own)
+    log = property(lambda self: self.run_parts.log, lambda self, v: setattr(self.run_parts, "log", v))
+    bar = property(lambda self: self.run_parts.bar, lambda self, v: setattr(self.run_parts, "bar", v))
+    clock = property(lambda self: self.run_parts.clock, lambda self, v: setattr(self.run_parts, "clock", v))
 
     # -- checkpoints (checkpoint/: formats, run directory, the manager of the components above) ------
     def save(self, name: str = "last.pt") -> Path | None:
@@ -179,7 +192,7 @@ class Trainer:
                                fixed=self.step_fn)
         self.lr_sched.step()
         self.state.step += 1
-        self.state.images += self.images_per_step
+        self.state.images += self.throughput.images_per_step
         self._act(in_step=True)  # the step's bookkeeping actions: the statistics sync
         return loss, gnorm
 
@@ -252,21 +265,16 @@ class Trainer:
     # -- the end of a run: samples, evaluation, plots -------------------------------------------------
     def eval_reference(self):
         """The real data evaluations compare with: read (and for folders decoded) once per run."""
-        if self._eval_reference is None:
-            self._eval_reference = reference_for(self.cfg, self.spec)
-        return self._eval_reference
+        return self.evaluation.reference()
 
     def eval_threads(self):
         """Evaluation and the end's samples on every core of a one-process CPU run (cpu.evaluation_threads;
         under torchrun the ranks share the cores)."""
-        return evaluation_threads(self.cfg.train.threads, self.device.type == "cpu" and self.dist.world_size == 1)
+        return self._threads()
 
     def evaluate(self, log) -> dict:
-        with self.eval_threads():
-            metrics = run_evaluation(self.bundle, EvalSettings.from_config(self.cfg),
-                                     self.eval_reference())  # on every rank (FSDP forwards are collective)
-        log.log(self.step, images=self.images, **{f"eval/{k}": v for k, v in metrics.items()})
-        return metrics
+        """Evaluate the bundle (on every rank: FSDP forwards are collective) and log its metrics as eval/*."""
+        return log_metrics(log, self.step, self.images, self.evaluation())
 
     def finish(self, log) -> dict:
         cfg, out = self.cfg, {"steps": self.step, "images": self.images, "skipped_steps": int(self.state.skipped)}
