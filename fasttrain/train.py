@@ -29,6 +29,7 @@ from .diffusion.interference import InterferenceDiagnostic
 from .diffusion.objective import kernel_backend
 from .errors import DeviceError, InvalidInput
 from .generation.evaluate import EvalSettings, RunEvaluation
+from .generation.prompts import RunPrompts
 from .logger import MetricLogger
 from .models import MODELS, count_params, forward_flops, weights_from_checkpoint
 from .optim.adamw import apply_optimizer_config, make_optimizer
@@ -115,9 +116,7 @@ class Trainer:
         generators = Generators(torch.Generator(self.device).manual_seed(seeds.derive(tc.seed, "timesteps", rank)),
                                 torch.Generator(self.device).manual_seed(seeds.derive(tc.seed, "labels", rank)))
         self.state = TrainState(self.device)
-        if lora.enabled(cfg) and cfg.model.lora.dropout > 0:
-            # peft's dropout draws from the global stream: seeded per rank here, held by checkpoints (RankRNG)
-            torch.manual_seed(seeds.derive(tc.seed, "lora_dropout", rank))
+        lora.seed_dropout(cfg, seeds.derive(tc.seed, "lora_dropout", rank))  # a LoRA run's dropout, per rank
         cond = conditioning.for_data(self.spec, cfg.model.label_dropout, generators.labels, table, d.caption_dropout)
         self.parts = StepParts(self.model, self.objective, self.opt, generators, ema=self.ema, scaler=self.scaler,
                                conditioning=cond, precision=self.precision, grad_clip=o.grad_clip, counters=self.state,
@@ -284,21 +283,25 @@ class Trainer:
             if self.spec.num_classes and self.spec.image_size:
                 labels = torch.arange(cfg.sample.num, device=self.device) % self.spec.num_classes
             n = cfg.sample.num if self.spec.image_size else max(cfg.sample.num, 2000)
+            text = RunPrompts.sample_args(cfg.sample) if self.spec.text is not None else {}
             with self.eval_threads():
                 x = self.bundle.generate(n, labels, steps=cfg.sample.steps, solver=cfg.sample.solver,
                                          guidance=cfg.sample.guidance, eta=cfg.sample.eta,
-                                         progress=cfg.train.progress, **self.bundle.prompt_args())
+                                         progress=cfg.train.progress, **text)
             if self.dist.is_main:
                 ref = self.eval_reference().train if not self.spec.image_size else None
                 nrow = None
                 if self.spec.text is not None:  # one column per prompt; the report lists them (report.py)
-                    prompts = self.bundle.prompt_args()["prompts"] or self.spec.text["prompts"]
+                    prompts = text["prompts"] or self.spec.text["prompts"]
                     nrow = min(len(prompts), n)
                     (self.run_dir / "sample-prompts.json").write_text(json.dumps({"columns": prompts[:nrow]}))
                 plots.save_samples(self.run_dir / "samples.png", x, self.spec, reference=ref, nrow=nrow)
                 if self.spec.decodes:  # latents: also as the images the run's VAE decodes them into
-                    _report_failure("no decoded samples", lambda: self.bundle.save_decoded(
-                        self.run_dir / "samples-decoded.png", x))
+                    def decoded():
+                        images = self.bundle.decode(x)
+                        plots.save_samples(self.run_dir / "samples-decoded.png", images, self.spec.decoded(images))
+
+                    _report_failure("no decoded samples", decoded)
                 if not self.spec.image_size:
                     out["sample_mean"], out["sample_std"] = x.mean(0).tolist(), x.std(0).tolist()
         if cfg.eval.num_samples or cfg.eval.bpd:

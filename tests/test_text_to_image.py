@@ -167,7 +167,7 @@ def test_sdxl_prepare_train_and_sample(tmp_path):
     b = ModelBundle.load(run, device="cpu")
     x = b.generate(2, prompts=["a red square", "a blue circle"], steps=2, guidance=2.0)
     assert torch.isfinite(x).all() and x.shape == (2, 4, 8, 8)
-    assert b.prompt_table(["a red square"]).time_ids[0].tolist() == [16, 16, 0, 0, 16, 16]  # uncropped, trained size
+    assert b.prompts.table(["a red square"]).time_ids[0].tolist() == [16, 16, 0, 0, 16, 16]  # uncropped, trained size
 
 
 def test_sdxl_unet_without_micro_conditions_is_refused(sd1, tmp_path):

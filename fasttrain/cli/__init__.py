@@ -12,3 +12,14 @@ def main(argv: list[str] | None = None) -> int:
     from .commands import main as run
 
     return run(argv)
+
+
+def __getattr__(name: str):
+    # `fasttrain.cli` was one module before 0.3 (commands.py now): its names stay reachable here
+    import importlib
+
+    if not name.startswith("__"):
+        module = importlib.import_module(f"{__name__}.commands")
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -54,13 +54,14 @@ def load_bundle(args):
     from ..bundle import ModelBundle
 
     b = ModelBundle.load(args.ckpt, vae=args.vae)
-    b.text_folder = getattr(args, "text_encoders", None)
-    if b.spec.text is not None and b.text_folder:
-        b.encoders  # noqa: B018 - loads the text encoders and checks them against the recorded ones
+    folder = getattr(args, "text_encoders", None)
+    if b.prompts is not None and folder:
+        b.prompts.folder = folder
+        b.prompts.encoders  # noqa: B018 - loads the text encoders and checks them against the recorded ones
     if args.vae and not b.spec.latents:
         raise InvalidInput(f"--vae: {args.ckpt} was not trained on VAE latents")
     if b.decodes:
-        b.codec  # noqa: B018 - loads the VAE
+        b.decoder.codec  # noqa: B018 - loads the VAE
     return b
 
 

@@ -15,6 +15,7 @@ def sample(args) -> int:
     from ..checkpoint import resolve
     from ..diffusion.solvers import SOLVERS, check_options
     from ..generation import ranks as gen
+    from ..generation.prompts import RunPrompts
     from ..parallel.distributed import init, shutdown
 
     out = out_dir(args.out, create=False)  # checked now, created once the overlap checks passed
@@ -35,7 +36,7 @@ def sample(args) -> int:
                            "--label: this model is conditioned on text (use --prompt)")
     prompts = {}
     if b.spec.text is not None:
-        prompts = b.prompt_args()
+        prompts = RunPrompts.sample_args(b.cfg.sample)
         if args.prompt:
             prompts["prompts"] = args.prompt
         if args.negative_prompt is not None:
@@ -125,7 +126,7 @@ def _assemble_samples(b, s, out: Path, pngs: bool, npz: str | None) -> None:
         x = torch.cat(imgs)[:256].permute(0, 3, 1, 2).float() / 127.5 - 1
         if b.spec.channels == 1 and not b.decodes:
             x = x[:, :1]
-        spec = b.image_spec(x) if b.decodes else spec
+        spec = b.spec.decoded(x) if b.decodes else spec
     else:
         x = torch.cat(lat)
     ref = None if spec.image_size else reference_for(b.cfg, spec).train

@@ -200,7 +200,7 @@ def export_diffusers(run: str, out: str, vae: str | None = None, ema: bool = Tru
     if why:
         raise InvalidInput(f"{run} cannot be exported to diffusers: {why}")
     component, model, frequencies, null, err = _convert(b, ema)
-    e = Export(b, component, model, frequencies, null, b.codec if b.decodes else None)
+    e = Export(b, component, model, frequencies, null, b.decoder.codec if b.decodes else None)
     kind = next(k for k in PIPELINES if k.fits(e) is None)
     sched, note = scheduler_for(b)
     parts = {component: model, "vae": e.codec.vae if e.codec else None}

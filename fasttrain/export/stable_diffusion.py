@@ -110,7 +110,7 @@ def export_text(run: str, out: Path, b, ema: bool) -> dict:
     if why:
         raise InvalidInput(f"{run} cannot be exported to diffusers: {why}")
     family = b.spec.text["family"]
-    encoders = b.encoders  # the recorded folder, its hashes checked (bundle.encoders)
+    encoders = b.prompts.encoders  # the recorded folder, its hashes checked (generation/prompts.py)
     with b.averaged(ema) as net:
         unet = copy.deepcopy(net.net.model).eval()
     if lora.identity(b.net):  # a LoRA run's full pipeline: the adapter folded into the base weights
@@ -121,7 +121,7 @@ def export_text(run: str, out: Path, b, ema: bool) -> dict:
         note = (f"the run samples with sample.spacing={b.cfg.sample.spacing}: {PIPELINES[family]} sets steps_offset=1 "
                 f"on a leading scheduler, which fasttrain's leading spacing does not have, so the exported scheduler "
                 f"has trailing spacing and the pipeline equals `fasttrain sample --spacing trailing`")
-    pipe = _pipeline(diffusers, family, unet, b.codec.vae, encoders, sched)
+    pipe = _pipeline(diffusers, family, unet, b.decoder.codec.vae, encoders, sched)
     err = check_encoding(pipe, family, encoders)
     kind = type("Kind", (), {"name": type(pipe).__name__, "custom": False})()
     with written_whole(out):
