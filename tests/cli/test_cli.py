@@ -6,7 +6,7 @@ import pytest
 
 from fasttrain.cli import main
 
-sys.path.insert(0, str(Path(__file__).parent / "data"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "data"))
 
 
 @pytest.mark.parametrize("args,key", [
