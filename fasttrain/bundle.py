@@ -187,7 +187,7 @@ class ModelBundle:
         pipeline given that generator does (solvers.randn), chunk i > 0 from seeds.derive(seed, "eval", i):
         the results do not depend on n or on the device. With `first_image` = j, sample k is image j + k
         of a larger set and draws all its noise from its own generator, torch.Generator().manual_seed(seed +
-        j + k), as EDM2's generate_images.py seeds image i with seed i (generation.py: a set split across
+        j + k), as EDM2's generate_images.py seeds image i with seed i (generation/ranks.py: a set split across
         ranks by image index; a diffusers pipeline given the list of those generators makes the same images).
         Text runs: sample i is of prompts[labels[i]] (labels default to i mod the number of prompts), with
         guidance against `negative_prompt`.

@@ -132,13 +132,10 @@ class Trainer:
             states={"train": self.state, "lr_sched": self.lr_sched, "objective": self.objective, "data": self.data,
                     "interference": self.interference, "scaler": self.scaler},
             rank_states={"rng": RankRNG(generators, tc.seed, self.state), "objective": self.objective})
-        # the step's body for one micro-batch: eager, or replayed from one CUDA graph (graphs.py)
-        graphed = tc.cuda_graph and not d.buckets  # a graph replays one shape; buckets change it batch by batch
-        if tc.cuda_graph and d.buckets and self.dist.is_main:
-            print("fasttrain: train.cuda_graph: keeping the eager step (data.buckets: batch shapes change)",
-                  file=sys.stderr)
-        self.step_fn = graphs.step_function(partial(update, self.parts), self.parts, graphed,
-                                            device=self.device, grad_accum=tc.grad_accum, announce=self.dist.is_main)
+        # the step's body for one micro-batch: eager, or replayed from one CUDA graph (parallel/graphs.py decides)
+        self.step_fn = graphs.step_function(partial(update, self.parts), self.parts, tc.cuda_graph,
+                                            device=self.device, grad_accum=tc.grad_accum, announce=self.dist.is_main,
+                                            fixed_shape=info.fixed_shape)
         peak = dist_utils.device_peak_flops()
         text = {"text": self.spec.text} if self.spec.text is not None else {}  # the text network's shapes
         flow = MODELS.get(cfg.model.name).flow

@@ -65,7 +65,7 @@ def test_no_module_outside_data_compares_data_set_names():
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         if path.relative_to(PACKAGE).parts[0] == "data" or path.name == "remote_pipeline.py":
-            continue  # export_pipeline.py: the file shipped in exports (diffusers' callback tensor "latents")
+            continue  # export/remote_pipeline.py: the file shipped in exports (diffusers' callback tensor "latents")
         for node in ast.walk(ast.parse(path.read_text())):
             operands = [node.left, *node.comparators] if isinstance(node, ast.Compare) else []
             operands += [k for k in node.keys if k is not None] if isinstance(node, ast.Dict) else []

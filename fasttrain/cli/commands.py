@@ -10,7 +10,7 @@
     fasttrain sample --ckpt RUN --prompt TEXT [--negative-prompt TEXT] --guidance 4 --out DIR   (text runs)
 
 `sample` and `eval` also run under torchrun (`--num-samples` for `--n` there): the images split across
-ranks by index, resumable (generation.py).
+ranks by index, resumable (generation/ranks.py).
 
 `sample`, `eval` and `report` read a model bundle from the checkpoint alone (bundle.py): they need
 neither the training data nor a process group. Every user error ends in one line on stderr.

@@ -150,7 +150,7 @@ class BucketLatents(DataKind):
                          at.world_size, flip=False, where=d.root)
         base = index["latents"]["image_size"] // f
         info = DataInfo(record["channels"], base, len(index["classes"]), index["count"], record,
-                        list(index["classes"]))
+                        list(index["classes"]), fixed_shape=False)  # one shape per bucket
         return LatentStream(s, record, at.seed, at.rank), info
 
     def reference(self, cfg, spec, ref_path, n):

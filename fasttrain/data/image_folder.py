@@ -27,5 +27,6 @@ class ImageFolder(DataKind):
         if d.buckets:  # one bucket per batch, any aspect ratio (buckets.py); the DataLoader reads them
             from .buckets import build
 
+            info.fixed_shape = False  # the batch shape changes with the bucket
             return build(d, at, files), info
         return stream("images", ds, files, d, at, backend, (d.flip, d.crop == "random")), info

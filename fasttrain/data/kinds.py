@@ -72,6 +72,7 @@ class DataInfo:
     class_names: list | None = None  # the classes' names (folders: the class subfolders), by label
     text: dict | None = None  # captioned kinds: the text encoders' identity and shapes (data/captioned.py)
     text_table: object = None  # captioned kinds: their cached encodings (conditioning.TextTable), not recorded
+    fixed_shape: bool = True  # every batch has one shape (not with aspect-ratio buckets: a CUDA graph replays one)
 
 
 class DataKind:

@@ -1,4 +1,4 @@
-"""Text runs (SD 1.x/2.x, SDXL) exported as stock diffusers pipelines, no remote code (export.py dispatches here).
+"""Text runs (SD 1.x/2.x, SDXL) exported as stock diffusers pipelines, no remote code (dispatch.py sends them here).
 
     OUT/model_index.json      StableDiffusionPipeline or StableDiffusionXLPipeline, written by diffusers'
                               own save_pretrained

@@ -56,7 +56,9 @@ def test_resolutions_and_selection_follow_sd_scripts():
 def _stream(root, world=1, rank=0, batch=2, **kw):
     d = DataConfig(name="folder", batch_size=batch, root=str(root), image_size=16, backend="torch", buckets=True,
                    min_bucket_reso=8, max_bucket_reso=32, bucket_reso_steps=8, **kw)
-    return build_data(d, seed=3, rank=rank, world_size=world)[0]
+    s, info = build_data(d, seed=3, rank=rank, world_size=world)
+    assert not info.fixed_shape  # declared: a CUDA graph keeps the eager step (parallel/graphs.py)
+    return s
 
 
 def test_batches_come_from_one_bucket_split_alike_on_any_rank_count_and_resume(folder, capsys):
@@ -134,6 +136,7 @@ def test_vae_latents_cached_per_bucket_train_one_bucket_per_batch(folder, tmp_pa
     s, info = build_data(DataConfig(name="bucket_latents", batch_size=2, root=str(lat)), seed=1)
     seen = {tuple(next(s)[0].shape[1:]) for _ in range(10)}
     assert seen == {(4, 8, 8), (4, 4, 12), (4, 12, 4)} and info.image_size == 8 and info.channels == 4
+    assert not info.fixed_shape  # declared: a CUDA graph keeps the eager step (parallel/graphs.py)
     run = tmp_path / "run"
     assert main(["train", f"run_dir={run}", "data.name=bucket_latents", f"data.root={lat}", "data.batch_size=2",
                  "model.args.ch=8", "train.steps=3", "train.progress=false", "sample.num=2", "sample.steps=2",

@@ -1,4 +1,4 @@
-"""Text runs exported as stock StableDiffusionPipeline / StableDiffusionXLPipeline folders (export_sd.py):
+"""Text runs exported as stock StableDiffusionPipeline / StableDiffusionXLPipeline folders (export/stable_diffusion.py):
 tiny SD 1.x- and SDXL-shaped pipelines built and saved locally, a short run on each, the export loaded by
 diffusers with no remote code, and its samples (prompts, guidance, one generator per image) equal to
 fasttrain's."""
