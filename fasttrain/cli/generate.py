@@ -14,7 +14,7 @@ from .common import checkpoint_reads, first_line, is_evaluation, load_bundle, ou
 def sample(args) -> int:
     from ..checkpoint import resolve
     from ..diffusion.solvers import SOLVERS, check_options
-    from ..generation import ranks as gen
+    from ..generation import ranks
     from ..generation.prompts import RunPrompts
     from ..parallel.distributed import init, shutdown
 
@@ -52,10 +52,10 @@ def sample(args) -> int:
     pngs = b.decodes or bool(b.spec.image_size and not b.spec.traits.latents)  # images: one PNG each
     if args.npz and not pngs:
         raise InvalidInput("--npz: this model does not make images (the .npz holds uint8 images)")
-    s = gen.SampleSettings(args.n, args.seed, args.steps or sc.steps, solver, args.spacing or sc.spacing, eta,
+    s = ranks.SampleSettings(args.n, args.seed, args.steps or sc.steps, solver, args.spacing or sc.spacing, eta,
                            sc.guidance if args.guidance is None else args.guidance, args.label, not args.raw,
                            args.chunk, tuple(prompts.get("prompts") or ()) or None, prompts.get("negative_prompt"))
-    done = gen.claim(out, gen.record_of(s, b, {"command": "sample"}), holds=_earlier_samples(args.out))
+    done = ranks.claim(out, ranks.record_of(s, b, {"command": "sample"}), holds=_earlier_samples(args.out))
 
     def keep(x, lo, item):  # one chunk: its PNGs now (written before the chunk file marks it done)
         kept = {}
@@ -64,12 +64,12 @@ def sample(args) -> int:
             x = b.decode(x)
         if not pngs:
             return {"x": x.cpu()}
-        kept["images"] = gen.to_uint8(x)
+        kept["images"] = ranks.to_uint8(x)
         for j, img in enumerate(kept["images"].numpy()):
             _png(img, out / f"{lo + j:05d}.png")
         return kept
 
-    made = gen.generate_set(b, s, out, keep, progress=info.is_main)
+    made = ranks.generate_set(b, s, out, keep, progress=info.is_main)
     if info.is_main:
         _assemble_samples(b, s, out, pngs, args.npz)
         again = f" ({done} chunks of {args.chunk} were there already)" if done else ""
@@ -112,10 +112,10 @@ def _assemble_samples(b, s, out: Path, pngs: bool, npz: str | None) -> None:
     import torch
 
     from .. import plots
-    from ..generation import ranks as gen
+    from ..generation import ranks
     from ..generation.evaluate import reference_for
 
-    store, lat, imgs = gen.ChunkStore(out), [], []
+    store, lat, imgs = ranks.ChunkStore(out), [], []
     for item in store.read_all(s.n, s.chunk):
         if "x" in item:
             lat.append(item["x"])
@@ -135,7 +135,7 @@ def _assemble_samples(b, s, out: Path, pngs: bool, npz: str | None) -> None:
         torch.save(torch.cat(lat), out / "samples.pt")
     if npz:
         h, w = x.shape[-2:]
-        gen.write_adm_npz(out_file(npz, "--npz"), store.read_all(s.n, s.chunk), s.n, (h, w, 3), spec.num_classes)
+        ranks.write_adm_npz(out_file(npz, "--npz"), store.read_all(s.n, s.chunk), s.n, (h, w, 3), spec.num_classes)
 
 
 def evaluate(args) -> int:
@@ -240,26 +240,26 @@ def _fidelity_across_ranks(args, b, s, extractor, info) -> dict:
     import torch
 
     from ..checkpoint import resolve
-    from ..generation import ranks as gen
+    from ..generation import ranks
     from ..generation.feature_stats import Extractor, metrics
 
     ex = getattr(args, "_extractor", None) or Extractor(extractor, s.weights_path)
-    settings = gen.SampleSettings(s.num_samples, s.seed, s.steps, s.solver, b.cfg.sample.spacing, chunk=args.chunk)
-    record = gen.record_of(settings, b, {"command": "eval", "extractor": extractor, "weights": s.weights_path,
+    settings = ranks.SampleSettings(s.num_samples, s.seed, s.steps, s.solver, b.cfg.sample.spacing, chunk=args.chunk)
+    record = ranks.record_of(settings, b, {"command": "eval", "extractor": extractor, "weights": s.weights_path,
                                          "checkpoint": str(resolve(args.ckpt))})
     key = hashlib.sha1(json.dumps(record, sort_keys=True).encode()).hexdigest()[:12]
     folder = Path(args.samples) if args.samples else resolve(args.ckpt).parent / "eval-samples" / key
-    done = gen.claim(folder, record)
+    done = ranks.claim(folder, record)
     digits = extractor == "fasttrain-digits"
 
     def keep(x, lo, item):
-        u = gen.to_uint8(b.decode(x) if b.decodes else x)
+        u = ranks.to_uint8(b.decode(x) if b.decodes else x)
         return {"features": ex(u), **({"images": u} if digits else {})}  # digits: small, for the judge
 
-    gen.generate_set(b, settings, folder, keep, progress=info.is_main)
+    ranks.generate_set(b, settings, folder, keep, progress=info.is_main)
     if not info.is_main:
         return {}
-    items = list(gen.ChunkStore(folder).read_all(settings.n, settings.chunk))
+    items = list(ranks.ChunkStore(folder).read_all(settings.n, settings.chunk))
     feats = {k: torch.cat([it["features"][k] for it in items]) for k in items[0]["features"]}
     out = metrics(feats, args._ref_stats, ex)
     out["samples"] = str(folder) + (f" ({done} chunks reused)" if done else "")

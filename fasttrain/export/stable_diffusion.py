@@ -143,26 +143,26 @@ def export_lora(run: str, out: Path, b, ema: bool) -> dict:
     diffusers = optional.diffusers("export --to lora")
     from diffusers.utils import convert_state_dict_to_diffusers
 
-    from . import sd3 as export_sd3
+    from . import sd3
 
     if not lora.identity(b.net):
         raise InvalidInput(f"{run} was not trained with LoRA (model.lora.rank=0): it has no adapter to export; "
                            f"export the whole pipeline with --to diffusers")
-    sd3 = export_sd3.is_sd3(b)
-    if sd3:
-        why = export_sd3.refusal(b)
+    is_sd3 = sd3.is_sd3(b)
+    if is_sd3:
+        why = sd3.refusal(b)
     else:
         why = refusal(b) if b.spec.text else ("LoRA weights are exported for SD / SDXL pipelines and SD3 "
                                               "pipelines (text runs)")
     if why:
         raise InvalidInput(f"{run} cannot be exported as LoRA weights: {why}")
-    name = "StableDiffusion3Pipeline" if sd3 else PIPELINES[b.spec.text["family"]]
-    part = "transformer" if sd3 else "unet"  # the save_lora_weights argument: {part}_lora_layers
+    name = "StableDiffusion3Pipeline" if is_sd3 else PIPELINES[b.spec.text["family"]]
+    part = "transformer" if is_sd3 else "unet"  # the save_lora_weights argument: {part}_lora_layers
     with b.averaged(ema) as net:
         model = net.net.model
         state = lora.adapter_state(model)  # SD3's script saves peft's names as they are; the UNet's convert
         layers = {k: v.detach().clone().contiguous() for k, v in
-                  (state if sd3 else convert_state_dict_to_diffusers(state)).items()}
+                  (state if is_sd3 else convert_state_dict_to_diffusers(state)).items()}
         meta = model.peft_config["default"].to_dict()
     cls = getattr(diffusers, name)
     kwargs = {f"{part}_lora_layers": layers, "safe_serialization": True}
