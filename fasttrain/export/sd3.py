@@ -10,7 +10,7 @@ diffusers loads without remote code.
     OUT/README.md                    how to load it and which fasttrain command makes the same images
 
 A LoRA run (model.lora.rank > 0) gets its adapter merged into the transformer here; `--to lora` writes the
-adapter alone (export_sd.export_lora, through StableDiffusion3Pipeline.save_lora_weights).
+adapter alone (stable_diffusion.export_lora, through StableDiffusion3Pipeline.save_lora_weights).
 
 The pipeline samples what `fasttrain sample` does: its transformer takes σ·T (the backbone's time input,
 models/diffusers_backbone.py), its latents are divided by the VAE's scaling_factor and shifted by its
