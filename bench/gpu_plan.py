@@ -305,8 +305,9 @@ def dry_checks(results: Path) -> list[str]:
     seen = sorted(set(log.read_text().splitlines())) if log.is_file() else []
     carried = sorted({ln.split()[1] for ln in seen if ln.startswith("carried ")})
     missing = sorted({" ".join(ln.split()[1:3]) for ln in seen if ln.startswith("missing ")})
-    print(f"\ndry run: packages the GPU machine lacks that the parts imported, all from the wheelhouse: "
-          f"{', '.join(carried) or 'none'}")
+    where = "loaded from the wheelhouse's install" if (results / "site").is_dir() else "no wheels/: this environment's"
+    print(f"\ndry run: packages the GPU machine lacks that the parts imported, each carried by bench/gpu_wheels.txt "
+          f"({where}): {', '.join(carried) or 'none'}")
     if missing:
         problems.append(f"imported but neither on the GPU machine nor carried: {'; '.join(missing)}")
     if WHEELS.is_dir():
