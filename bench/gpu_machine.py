@@ -248,6 +248,10 @@ def report(site: str | None) -> dict:
     from fasttrain.kernels import native
 
     info["native"] = {d: "built" if native.available(d) else native.why_not(d) for d in ("cpu", "cuda")}
+    logs = sorted((REPO / "build").glob("native-*/build.log"), key=lambda p: p.stat().st_mtime)
+    if logs:  # the install's CMake log (pip -q shows none of it): the CUDA architectures, a failed CUDA build
+        info["native_build_log"] = {"path": str(logs[-1].relative_to(REPO)),
+                                    "tail": logs[-1].read_text(errors="replace").splitlines()[-15:]}
     info["carried_imports"] = {}
     owner = importlib.metadata.packages_distributions()
     for dist in wheels():
