@@ -251,20 +251,17 @@ class Runner:
 
     def record(self, parts: list[Part]) -> None:
         """gpu-check.{json,md} in the results folder, and (on the machine) $OUT's copies and tarball."""
-        tmp = self.state_file.with_name(".gpu-check.json.tmp")
-        tmp.write_text(json.dumps(self.state, indent=2))
-        os.replace(tmp, self.state_file)
         lines = [f"# GPU check: {self.call['call']} call of {self.call['started']}", "",
-                 f"elapsed {self.elapsed():.0f} s of a {self.args.budget} s budget", "", *plan_lines(parts,
-                                                                                                      self.args.budget),
-                 "", "| part | status | seconds | limit |", "|---|---|---|---|"]
+                 f"elapsed {self.elapsed():.0f} s of a {self.args.budget} s budget", "",
+                 *plan_lines(parts, self.args.budget), "", "| part | status | seconds | limit |", "|---|---|---|---|"]
         lines += [f"| {n} | {r['status']}{': ' + r['why'] if r.get('why') else ''} | {r.get('seconds', '')} | "
                   f"{r.get('limit', '')} |" for n, r in self.call["parts"].items()]
         for n, r in self.call["parts"].items():
             for f in r.get("wrote", []):
                 if f.endswith(".md") and f != "gpu-check.md":
                     lines += ["", f"## {n}: {f}", "", (self.results / f).read_text()]
-        (self.results / "gpu-check.md").write_text("\n".join(lines) + "\n")
+        _replace(self.results / "gpu-check.json", json.dumps(self.state, indent=2))
+        _replace(self.results / "gpu-check.md", "\n".join(lines) + "\n")
         if self.out:
             shutil.copy(self.results / "gpu-check.md", self.out / "gpu-check.md")
             tmp = self.out / "gpu-results.tar.gz.tmp"
@@ -279,8 +276,21 @@ class Runner:
                       if f.is_file() and f.stat().st_mtime >= start and not f.name.startswith("."))
 
 
+def _replace(path: Path, text: str) -> None:
+    """`path` replaced whole by `text` (a hidden temporary beside it, then renamed): the run's record is
+    rewritten after every part, so an interrupt leaves the last complete one. Not _env.Results: the runner
+    starts before fasttrain is installed, and imports neither it nor torch."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def environment(args, results: Path) -> dict:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "FASTTRAIN_BENCH_RESULTS": str(results)}
+    # not a pytest's variables: a dry run started by the test suite's xdist worker would hand its children
+    # PYTEST_XDIST_WORKER (pytest-benchmark then refuses --benchmark-only; conftest.py sets one thread)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env.update({"PYTHONUNBUFFERED": "1", "FASTTRAIN_BENCH_RESULTS": str(results)})
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".inductor-cache"))
     if not args.dry_run:
         env["FASTTRAIN_GPU_SITE"] = SITE
