@@ -132,6 +132,36 @@ def run(gate: str, device, names: list[str], shape=SHAPE, rounds: int = ROUNDS, 
     return interleave(fns, case.device, rounds, calls)
 
 
+def rows_of(gate: str, times: dict[str, list[float]], names: list[str]) -> list[dict]:
+    """One gate's rows from `run`'s times: per implementation the medians and minima of its plain calls,
+    and where it was captured, its CUDA graph's median and the ratio to eager's graph."""
+    med = {impl: statistics.median(ts) for impl, ts in times.items()}
+    rows = []
+    for impl in names:
+        ts = times[impl]
+        g = med.get(f"{impl} graph")
+        rows.append({"gate": gate, "impl": impl, "median_ms": med[impl] * 1e3, "min_ms": min(ts) * 1e3,
+                     "graph_ms": g * 1e3 if g else None,
+                     "x_vs_eager": med["eager"] / med[impl],
+                     "x_vs_eager_graph": med["eager graph"] / g if g and "eager graph" in med else None,
+                     "x_vs_eager_min": min(times["eager"]) / min(ts), "times_s": ts,
+                     "graph_times_s": times.get(f"{impl} graph")})
+    return rows
+
+
+def table(rows: list[dict], skipped: dict[str, str], ms: str = "{:.4f}") -> list[str]:
+    """The markdown table of `rows_of`'s rows, the skipped implementations last; `ms`: the format of a
+    time in ms (fewer digits on CPU). A graph column reads "—" where nothing was captured (CPU)."""
+    lines = ["| gate | impl | median ms | min ms | CUDA graph ms | × vs eager (medians) | × (minima) | × (graphs) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        g = ms.format(r["graph_ms"]) if r["graph_ms"] else "—"
+        xg = f"{r['x_vs_eager_graph']:.2f}" if r["x_vs_eager_graph"] else "—"
+        lines.append(f"| {r['gate']} | {r['impl']} | {ms.format(r['median_ms'])} | {ms.format(r['min_ms'])} | {g} | "
+                     f"{r['x_vs_eager']:.2f} | {r['x_vs_eager_min']:.2f} | {xg} |")
+    return lines + [f"| both | {impl} | skipped: {why} | | | | | |" for impl, why in skipped.items()]
+
+
 def main(argv=None):
     from bench_diffusion_loss import shape_arg
 
@@ -154,38 +184,19 @@ def main(argv=None):
         names.append("interpret")
     if device.type == "cpu":
         torch.set_num_threads(int(os.environ.get("FASTTRAIN_BENCH_THREADS", "2")))
-    rows = []
-    for gate in ("pixel", "timestep"):
-        times = run(gate, device, names, shape, args.rounds, calls)
-        med = {impl: statistics.median(ts) for impl, ts in times.items()}
-        for impl in names:
-            ts = times[impl]
-            g = med.get(f"{impl} graph")
-            rows.append({"gate": gate, "impl": impl, "median_ms": med[impl] * 1e3, "min_ms": min(ts) * 1e3,
-                         "graph_ms": g * 1e3 if g else None,
-                         "x_vs_eager": med["eager"] / med[impl],
-                         "x_vs_eager_graph": med["eager graph"] / g if g and "eager graph" in med else None,
-                         "x_vs_eager_min": min(times["eager"]) / min(ts), "times_s": ts,
-                         "graph_times_s": times.get(f"{impl} graph")})
+    rows = [r for gate in ("pixel", "timestep")
+            for r in rows_of(gate, run(gate, device, names, shape, args.rounds, calls), names)]
     threads = torch.get_num_threads()
     out = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "command": " ".join(sys.argv),
            "device": device.type, "shape": list(shape), "heads": list(HEADS), "rounds": args.rounds,
            "calls_per_round": calls, "rows": rows, "skipped": skipped}
     name = args.out or (f"mixed-loss-{device.type}" +
                         (f"-{threads}thread" if device.type == "cpu" and threads != 2 else ""))
-    ms = "{:.1f}" if device.type == "cpu" else "{:.4f}"
     lines = [f"# Mixed-prediction loss per step (forward + backward), {device.type}", "",
              f"machine: {json.dumps(out['machine'])}  ", f"when: {out['when']}  ", f"command: `{out['command']}`  ",
              f"batch: x0 fp32 {'×'.join(map(str, shape))}, heads {', '.join(HEADS)}, bf16 network output, "
-             f"bins of {2 + len(HEADS)} values", "",
-             "| gate | impl | median ms | min ms | CUDA graph ms | × vs eager (medians) | × (minima) | × (graphs) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        g = ms.format(r["graph_ms"]) if r["graph_ms"] else "—"
-        xg = f"{r['x_vs_eager_graph']:.2f}" if r["x_vs_eager_graph"] else "—"
-        lines.append(f"| {r['gate']} | {r['impl']} | {ms.format(r['median_ms'])} | {ms.format(r['min_ms'])} | {g} | "
-                     f"{r['x_vs_eager']:.2f} | {r['x_vs_eager_min']:.2f} | {xg} |")
-    lines += [f"| both | {impl} | skipped: {why} | | | | | |" for impl, why in skipped.items()]
+             f"bins of {2 + len(HEADS)} values", ""]
+    lines += table(rows, skipped, "{:.1f}" if device.type == "cpu" else "{:.4f}")
     where = f"{threads} threads on a shared machine (load average in `machine`)" if device.type == "cpu" else "one GPU"
     lines += ["", f"{args.rounds} interleaved rounds of {calls} calls per gate (every implementation once per round, "
               "rotating order), "

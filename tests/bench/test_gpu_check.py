@@ -112,6 +112,19 @@ def test_the_mixed_loss_benchmark_times_captured_calls_beside_plain_ones():
     times = bm.run("pixel", "cpu", ["eager", "torch"], shape=(2, 4, 3, 3), rounds=2, calls=1, capture=lambda fn: fn)
     assert set(times) == {"eager", "torch", "eager graph", "torch graph"}
     assert all(len(v) == 2 and min(v) > 0 for v in times.values())
+    # the table's CUDA graph columns, filled as on a GPU (the dry run's plain CPU run leaves them "—")
+    rows = bm.rows_of("pixel", times, ["eager", "torch"])
+    by = {r["impl"]: r for r in rows}
+    assert by["torch"]["graph_ms"] > 0 and by["eager"]["x_vs_eager_graph"] == 1.0
+    assert by["torch"]["x_vs_eager_graph"] == pytest.approx(by["eager"]["graph_ms"] / by["torch"]["graph_ms"])
+    lines = bm.table(rows, {"triton": "needs CUDA"})
+    assert len(lines) == 2 + len(rows) + 1 and all(ln.count("|") == 9 for ln in lines)
+    cells = [c.strip() for c in lines[3].split("|")[1:-1]]  # torch's row
+    assert cells[:2] == ["pixel", "torch"] and float(cells[4]) == pytest.approx(by["torch"]["graph_ms"], abs=1e-4)
+    assert float(cells[7]) == pytest.approx(by["torch"]["x_vs_eager_graph"], abs=0.006)
+    assert lines[-1].startswith("| both | triton | skipped: needs CUDA |")
+    plain = bm.table(bm.rows_of("pixel", {k: v for k, v in times.items() if "graph" not in k}, ["eager", "torch"]), {})
+    assert [c.strip() for c in plain[2].split("|")[1:-1]][4::3] == ["—", "—"]
 
 
 @pytest.mark.slow
