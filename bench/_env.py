@@ -19,7 +19,9 @@ from fasttrain.parallel.cpu import prepare_openmp
 
 prepare_openmp()
 
-RESULTS = Path(__file__).parent / "results"
+# FASTTRAIN_BENCH_RESULTS: another folder for every script's result files (bench/gpu_plan.py's dry run
+# writes there, so that a run on tiny shapes never replaces a committed table)
+RESULTS = Path(os.environ.get("FASTTRAIN_BENCH_RESULTS") or Path(__file__).parent / "results")
 
 
 class Parser(argparse.ArgumentParser):
@@ -104,8 +106,8 @@ class Results:
         # leaving the block normally renames every file into place; an exception removes them
     """
 
-    def __init__(self, folder: str | Path = RESULTS):
-        self.folder = Path(folder)
+    def __init__(self, folder: str | Path | None = None):
+        self.folder = Path(folder if folder is not None else RESULTS)
         self.staged: dict[Path, Path] = {}
 
     def path(self, name: str) -> Path:

@@ -2,6 +2,7 @@
 the PyTorch reference math against the fused backends of the device.
 
     python bench/bench_mixed_loss.py      # writes bench/results/mixed-loss-<device>.{md,json}
+    python bench/bench_mixed_loss.py --shape 4x4x8x8 --rounds 2 --interpret   # a check on tiny shapes
 
 Batch 256×4×32×32 (fp32 x0), heads (eps, x0, v) in a bf16 network output, pixel gate (3·4 + 3
 channels) and timestep gate ([B, 3] logits); x0-space min-SNR weight, bins of 2 + 3 values.
@@ -16,7 +17,9 @@ Implementations:
            inside the kernel
 What cannot run on the device is listed as skipped, with the reason. Interleaved rounds (every
 implementation once per round, rotating order, so that load from other processes hits them alike);
-ratios are of the medians. On CPU FASTTRAIN_BENCH_THREADS threads (default 2).
+ratios are of the medians. On CPU FASTTRAIN_BENCH_THREADS threads (default 2). On CUDA each round times
+`--calls` calls back to back, and each implementation is also captured in a CUDA graph and replayed
+(interleaved.graphed: the kernels' time without the host's dispatch).
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cases import machine
-from interleaved import interleave
+from interleaved import graphed, interleave
 
 from fasttrain import diffusion as fd
 from fasttrain.diffusion import mixed as M
@@ -106,41 +109,97 @@ class Case:
     def triton(self):
         return self.fused("triton", seed=1, offset=0)
 
-
-def run(gate: str, device, names: list[str]) -> dict[str, list[float]]:
-    case = Case(gate, device)  # each implementation warmed up once (allocator, thread pool, Triton compilation)
-    return interleave({impl: getattr(case, impl) for impl in names}, case.device, ROUNDS)
+    def interpret(self):  # the Triton kernel in the interpreter (CPU; --interpret: a check, not a timing)
+        return self.fused("interpret", seed=1, offset=0)
 
 
-def main():
+def run(gate: str, device, names: list[str], shape=SHAPE, rounds: int = ROUNDS, calls: int = 1,
+        capture="auto") -> dict[str, list[float]]:
+    """{impl: seconds per call per round}, and with `capture` (interleaved.graphed, the default on CUDA)
+    {impl + " graph": seconds per replay of the call captured}."""
+    case = Case(gate, device, shape)  # each implementation warmed up once (allocator, thread pool, Triton compilation)
+    fns = {impl: getattr(case, impl) for impl in names}
+    if capture == "auto":
+        capture = graphed if case.device.type == "cuda" else None
+    if capture is not None:
+        for impl in names:
+            try:
+                fns[f"{impl} graph"] = capture(getattr(case, impl))
+            except Exception as e:  # the plain timing goes on; the log says why
+                print(f"{gate} {impl}: not captured in a CUDA graph ({type(e).__name__}: {e})", flush=True)
+                if case.device.type == "cuda":
+                    torch.cuda.synchronize()
+    return interleave(fns, case.device, rounds, calls)
+
+
+def rows_of(gate: str, times: dict[str, list[float]], names: list[str]) -> list[dict]:
+    """One gate's rows from `run`'s times: per implementation the medians and minima of its plain calls,
+    and where it was captured, its CUDA graph's median and the ratio to eager's graph."""
+    med = {impl: statistics.median(ts) for impl, ts in times.items()}
+    rows = []
+    for impl in names:
+        ts = times[impl]
+        g = med.get(f"{impl} graph")
+        rows.append({"gate": gate, "impl": impl, "median_ms": med[impl] * 1e3, "min_ms": min(ts) * 1e3,
+                     "graph_ms": g * 1e3 if g else None,
+                     "x_vs_eager": med["eager"] / med[impl],
+                     "x_vs_eager_graph": med["eager graph"] / g if g and "eager graph" in med else None,
+                     "x_vs_eager_min": min(times["eager"]) / min(ts), "times_s": ts,
+                     "graph_times_s": times.get(f"{impl} graph")})
+    return rows
+
+
+def table(rows: list[dict], skipped: dict[str, str], ms: str = "{:.4f}") -> list[str]:
+    """The markdown table of `rows_of`'s rows, the skipped implementations last; `ms`: the format of a
+    time in ms (fewer digits on CPU). A graph column reads "—" where nothing was captured (CPU)."""
+    lines = ["| gate | impl | median ms | min ms | CUDA graph ms | × vs eager (medians) | × (minima) | × (graphs) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        g = ms.format(r["graph_ms"]) if r["graph_ms"] else "—"
+        xg = f"{r['x_vs_eager_graph']:.2f}" if r["x_vs_eager_graph"] else "—"
+        lines.append(f"| {r['gate']} | {r['impl']} | {ms.format(r['median_ms'])} | {ms.format(r['min_ms'])} | {g} | "
+                     f"{r['x_vs_eager']:.2f} | {r['x_vs_eager_min']:.2f} | {xg} |")
+    return lines + [f"| both | {impl} | skipped: {why} | | | | | |" for impl, why in skipped.items()]
+
+
+def main(argv=None):
+    from bench_diffusion_loss import shape_arg
+
+    ap = _env.Parser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", type=shape_arg, default={"latent": SHAPE}, help="BxCxHxW of x0")
+    ap.add_argument("--rounds", type=_env.count(), default=ROUNDS)
+    ap.add_argument("--calls", type=_env.count(), default=None,
+                    help="calls back to back per round (default 20 on CUDA, 1 on CPU)")
+    ap.add_argument("--interpret", action="store_true", help="on CPU also the Triton kernel in the interpreter")
+    ap.add_argument("--out", type=_env.stem, default=None, help="result stem (default mixed-loss-<device>)")
+    args = ap.parse_args(argv)
+    if len(args.shape) != 1:
+        ap.error("--shape takes one shape")
+    (shape,) = args.shape.values()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    calls = args.calls or (20 if device.type == "cuda" else 1)
     names, skipped = impls(device)
+    if args.interpret and device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton (kernels/backend.py)
+        names.append("interpret")
     if device.type == "cpu":
         torch.set_num_threads(int(os.environ.get("FASTTRAIN_BENCH_THREADS", "2")))
-    rows = []
-    for gate in ("pixel", "timestep"):
-        times = run(gate, device, names)
-        med = {impl: statistics.median(ts) for impl, ts in times.items()}
-        for impl, ts in times.items():
-            rows.append({"gate": gate, "impl": impl, "median_ms": med[impl] * 1e3, "min_ms": min(ts) * 1e3,
-                         "x_vs_eager": med["eager"] / med[impl],
-                         "x_vs_eager_min": min(times["eager"]) / min(ts), "times_s": ts})
+    rows = [r for gate in ("pixel", "timestep")
+            for r in rows_of(gate, run(gate, device, names, shape, args.rounds, calls), names)]
     threads = torch.get_num_threads()
     out = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "command": " ".join(sys.argv),
-           "device": device.type, "shape": list(SHAPE), "heads": list(HEADS), "rounds": ROUNDS, "rows": rows,
-           "skipped": skipped}
-    name = f"mixed-loss-{device.type}" + (f"-{threads}thread" if device.type == "cpu" and threads != 2 else "")
+           "device": device.type, "shape": list(shape), "heads": list(HEADS), "rounds": args.rounds,
+           "calls_per_round": calls, "rows": rows, "skipped": skipped}
+    name = args.out or (f"mixed-loss-{device.type}" +
+                        (f"-{threads}thread" if device.type == "cpu" and threads != 2 else ""))
     lines = [f"# Mixed-prediction loss per step (forward + backward), {device.type}", "",
              f"machine: {json.dumps(out['machine'])}  ", f"when: {out['when']}  ", f"command: `{out['command']}`  ",
-             f"batch: x0 fp32 {'×'.join(map(str, SHAPE))}, heads {', '.join(HEADS)}, bf16 network output, "
-             f"bins of {2 + len(HEADS)} values", "",
-             "| gate | impl | median ms | min ms | × vs eager (medians) | × (minima) |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['gate']} | {r['impl']} | {r['median_ms']:.1f} | {r['min_ms']:.1f} | "
-                     f"{r['x_vs_eager']:.2f} | {r['x_vs_eager_min']:.2f} |")
-    lines += [f"| both | {impl} | skipped: {why} | | | |" for impl, why in skipped.items()]
+             f"batch: x0 fp32 {'×'.join(map(str, shape))}, heads {', '.join(HEADS)}, bf16 network output, "
+             f"bins of {2 + len(HEADS)} values", ""]
+    lines += table(rows, skipped, "{:.1f}" if device.type == "cpu" else "{:.4f}")
     where = f"{threads} threads on a shared machine (load average in `machine`)" if device.type == "cpu" else "one GPU"
-    lines += ["", f"{ROUNDS} interleaved rounds per gate (every implementation once per round, rotating order), "
+    lines += ["", f"{args.rounds} interleaved rounds of {calls} calls per gate (every implementation once per round, "
+              "rotating order), "
               f"{where}, so the minima are shown too. eager: torch_ref_mixed_loss.loss under autograd with eps "
               "from torch's generator; torch: the op's closed-form torch backend with that eps given; native, "
               "triton: the fused backends, drawing eps from the Philox stream in the op (bench/bench_mixed_loss.py)."]
@@ -151,4 +210,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    _env.run(main)

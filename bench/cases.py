@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 
 import _env  # noqa: F401  (OpenMP's wait policy, before torch loads it)
 import torch
@@ -24,15 +25,19 @@ from fasttrain.kernels import TimestepBins, native, torch_ref
 from fasttrain.kernels.diffusion_loss import diffusion_loss
 from fasttrain.kernels.noise import noise
 
-SHAPES = {"latent-dit": (256, 4, 32, 32), "pixel": (64, 3, 256, 256)}
+# latent-dit: DiT-B/2's and DiT-XL/2's batch of 256 px images as SD-VAE latents (4x32x32), 14.7 MB at the
+# byte floor, which an H100's or H200's 50-60 MB L2 holds; latent-512: the same at 512 px; pixel: 176 MB,
+# several times the L2, so that its figure is HBM's
+SHAPES = {"latent-dit": (256, 4, 32, 32), "latent-512": (256, 4, 64, 64), "pixel": (64, 3, 256, 256)}
 
 
-def impls(device) -> list[str]:
+def impls(device, interpret: bool = False) -> list[str]:
     """What runs on `device`: the torch baselines, and each fused backend available there (on CPU
-    the Triton interpreter is a correctness tool, ~1000x slower, and is left out)."""
+    the Triton interpreter is a correctness tool, ~1000x slower, and is left out unless `interpret`:
+    the GPU check's dry run calls the Triton path that way on tiny shapes)."""
     device = torch.device(device)
     out = ["eager", "compile_ref"]
-    if device.type == "cuda":
+    if device.type == "cuda" or interpret:
         out.append("triton")
     if native.available(device):
         out.append("native")
@@ -70,40 +75,52 @@ class Case:
         per, raw = torch_ref.loss(pred, x0, eps, t, self.w, iw, self.coef)
         return x_t, per.mean(), raw
 
+    @property
+    def backward_bytes(self) -> int:
+        """What the fused ops' backward moves: the gradient their forward wrote, read and scaled by the
+        upstream gradient, and written (diffusion_loss.py, `_Loss.backward`)."""
+        return 2 * self.pred.numel() * self.pred.element_size()
+
     def _scatter(self, raw):
         raw = raw.detach()
         self.bins.scatter_(self.t, torch.stack([raw, self.w[self.t] * raw]))
 
-    def eager(self):
+    # each implementation: the step's diffusion math, forward (noise, loss, statistics) and, unless
+    # backward=False, the backward into pred.grad
+    def eager(self, backward=True):
         self.pred.grad = None
         x_t, loss, raw = self._reference(self.x0, self.t, self.iw, self.pred)
-        loss.backward()
+        if backward:
+            loss.backward()
         self._scatter(raw)
         return loss
 
-    def compile_ref(self):
+    def compile_ref(self, backward=True):
         if self.compiled is None:
-            self.compiled = torch.compile(self._reference)
+            self.compiled = torch.compile(self._reference, dynamic=False)  # one static graph per shape
         self.pred.grad = None
         x_t, loss, raw = self.compiled(self.x0, self.t, self.iw, self.pred)
-        loss.backward()
+        if backward:
+            loss.backward()
         self._scatter(raw)
         return loss
 
-    def fused(self, backend="auto"):
+    def fused(self, backend="auto", backward=True):
         self.pred.grad = None
         noise(self.x0, self.t, self.a, self.s, seed=1, offset=self.offset, out_dtype=self.model_dtype,
               backend=backend)
         loss = diffusion_loss(self.pred, self.x0, self.t, self.w, self.iw, self.coef, uses=self.uses, seed=1,
                               offset=self.offset, bins=self.bins, backend=backend).loss
-        loss.backward()
+        if backward:
+            loss.backward()
         return loss
 
-    def triton(self):
-        return self.fused("triton")
+    def triton(self, backward=True):
+        # on CPU the interpreter runs the same kernels (impls(interpret=True): a check, not a timing)
+        return self.fused("triton" if self.device.type == "cuda" else "interpret", backward)
 
-    def native(self):
-        return self.fused("native")
+    def native(self, backward=True):
+        return self.fused("native", backward)
 
 
 def count_launches(fn) -> int:
@@ -122,6 +139,42 @@ def count_launches(fn) -> int:
         return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     return sum(1 for e in events if (e.name.startswith("aten::") or e.name.startswith("fasttrain"))
                and e.cpu_parent is None)
+
+
+def ceilings(device) -> dict:
+    """The device's own ceilings, measured in the same run as the figures set against them: the copy
+    bandwidth (a device-to-device copy, bytes read + written; 2 GiB on CUDA) and the dense bf16 matrix
+    product rate (8192^3 on CUDA), each the best of 10 timed calls after 3 warm-ups. On CPU tiny sizes,
+    fp32: the code path, not a ceiling worth quoting."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    n, k, dt = (2**29, 8192, torch.bfloat16) if cuda else (2**16, 64, torch.float32)
+
+    def best(fn) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(10):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    def copy_time() -> float:  # its buffers freed before the matrix product
+        src, dst = torch.rand(n, device=device), torch.empty(n, device=device)
+        return best(lambda: dst.copy_(src))
+
+    def matmul_time() -> float:
+        a, b = (torch.randn(k, k, device=device).to(dt) for _ in range(2))
+        return best(lambda: a @ b)
+
+    copy_s, mm_s = copy_time(), matmul_time()
+    return {"device": device.type, "copy_bytes": 2 * 4 * n, "copy_GBps": 2 * 4 * n / copy_s / 1e9,
+            "matmul": f"{k}x{k}x{k} {str(dt).removeprefix('torch.')}", "matmul_TFLOPs": 2 * k**3 / mm_s / 1e12}
 
 
 def machine() -> dict:

@@ -9,8 +9,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-RESULTS = Path(__file__).parent / "results"
-
 
 def pytest_sessionfinish(session, exitstatus):
     bs = getattr(session.config, "_benchmarksession", None)
@@ -57,7 +55,7 @@ def pytest_sessionfinish(session, exitstatus):
               "launches: CUDA kernels per call on GPU; on CPU, top-level ops dispatched (aten and fasttrain)."]
     from _env import Results
 
-    with Results(RESULTS) as res:
+    with Results() as res:
         res.text(f"{name}.json", json.dumps(out, indent=2))
         res.text(f"{name}.md", "\n".join(lines) + "\n")
     print("\n" + "\n".join(lines))

@@ -2,6 +2,10 @@
 
     python bench/throughput.py                       # the machinery table (CPU or GPU)
     python bench/throughput.py --small-batch         # + the small-batch single-GPU table (CUDA only)
+    python bench/throughput.py --model dit_b2 --data synthetic --channels 4 --image-size 32 --batch 256 \
+        --set parallel.precision=bf16 parallel.compile=blocks --variants plain,lsm_min_snr --no-options \
+        --interference-steps 0 --direct-calls 0 --out throughput-cuda-dit_b2   # a DiT step, bf16, compiled
+    python bench/throughput.py --tables small --small-models dit_b2 --batches 8   # the small table alone
 
 Machinery: the cost of fasttrain's timestep machinery against a plain step (uniform t, unweighted
 MSE, no statistics) on the same model and batch: loss-second-moment + Min-SNR with statistics
@@ -11,6 +15,10 @@ noise and loss option (`diffusion.noise`, `diffusion.loss`) on the plain step, i
 rounds (the fused backend: native C++ on CPU, Triton on CUDA).
 Small batch (CUDA): the tiny UNet on digits and DiT-S/2, DiT-B/2 on 4×32×32 latents at batch 8, 32,
 256, each eager, compiled, and compiled + the whole step in one CUDA graph, in images/s and MFU.
+On CUDA the MFU is given against the bf16 matrix-product rate measured in the same run (cases.ceilings)
+and against the datasheet's dense bf16 peak (fasttrain.parallel.distributed.PEAK_BF16). `--set KEY=VALUE`
+adds config overrides to every trainer (precision, compile; the GPU check's dry run shrinks a model's
+widths with them), `--variants` picks machinery rows by short name, `--tables` which tables run.
 
 Variants are interleaved in short rounds and the mean over rounds taken (a cost paid every K steps
 counts), so that load changes on a shared machine hit all of them alike. Writes
@@ -84,6 +92,8 @@ MACHINERY = {
     "interference diagnostic every 50 steps": ["diffusion.weighting=simple", "diffusion.sampler=uniform",
                                                "diffusion.stats_every=1000000", "diagnostics.interference_every=50"],
 }
+VARIANTS = dict(zip(("plain", "lsm_min_snr", "speed", "adaptive", "adaptive_official", "mixed", "interference50"),
+                    MACHINERY))  # short names for --variants
 INTERFERENCE_DEFAULT = 500  # the default period: its overhead is the every-50 figure scaled by 50/500
 PLAIN = MACHINERY["plain: uniform t, unweighted MSE, no statistics"]
 OPTIONS = {  # issue 21: each on the plain step (noise_options.py, loss_shapes.py)
@@ -106,34 +116,53 @@ OPTIONS = {  # issue 21: each on the plain step (noise_options.py, loss_shapes.p
 }
 
 
-def machinery(args, tmp: Path) -> list[dict]:
+def data_overrides(args) -> list[str]:
+    if args.data == "digits":
+        return ["data.name=digits"]
+    return ["data.name=synthetic", f"data.channels={args.channels}", f"data.image_size={args.image_size}"]
+
+
+def base_overrides(args) -> list[str]:
+    """What every machinery trainer shares: model, batch, data, threads, and --set."""
+    return ([f"model.name={args.model}", f"data.batch_size={args.batch}", f"train.threads={args.threads}"]
+            + data_overrides(args) + (["model.args.ch=16"] if args.model == "unet_tiny" else []) + args.set)
+
+
+def mfu(tr, images_per_s: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation: the trainer's own count (3 × forward FLOPs per image, train.py) at this
+    rate over `peak`; None where either is unknown (CPU)."""
+    flops = tr.throughput.flops_per_image
+    return images_per_s * flops / peak if peak and flops else None
+
+
+def machinery(args, tmp: Path, peaks: dict) -> list[dict]:
     from fasttrain.diffusion import SAMPLERS
 
-    base = [f"model.name={args.model}", f"data.batch_size={args.batch}", f"train.threads={args.threads}",
-            "data.name=digits", "diagnostics.interference_every=0"]
-    base += ["model.args.ch=16"] if args.model == "unet_tiny" else []
-    variants = {k: v for k, v in MACHINERY.items() if "adaptive" not in " ".join(v) or "adaptive" in SAMPLERS}
+    base = base_overrides(args) + ["diagnostics.interference_every=0"]
+    chosen = {VARIANTS[n]: MACHINERY[VARIANTS[n]] for n in args.variants} if args.variants else MACHINERY
+    variants = {k: v for k, v in chosen.items() if "adaptive" not in " ".join(v) or "adaptive" in SAMPLERS}
     variants.update({k: PLAIN + v for k, v in OPTIONS.items()} if args.options else {})
     trainers = {k: trainer(base + v, tmp) for k, v in variants.items()}
     med = interleaved(trainers, args.steps, args.warmup, args.round)
-    for tr in trainers.values():
-        tr.close()
     base_t = next(iter(med.values()))
     rows = [{"variant": k, "ms_per_step": t * 1e3, "images_per_s": args.batch / t, "overhead": t / base_t - 1,
-             "group": "options" if k in OPTIONS else "machinery"} for k, t in med.items()]
-    inter = next(r for r in rows if r["variant"].startswith("interference"))
-    rows.append({"variant": f"interference diagnostic every {INTERFERENCE_DEFAULT} steps (the default; scaled)",
-                 "ms_per_step": base_t * 1e3 * (1 + inter["overhead"] * 50 / INTERFERENCE_DEFAULT),
-                 "images_per_s": args.batch / (base_t * (1 + inter["overhead"] * 50 / INTERFERENCE_DEFAULT)),
-                 "overhead": inter["overhead"] * 50 / INTERFERENCE_DEFAULT, "group": "machinery"})
+             "group": "options" if k in OPTIONS else "machinery",
+             **{f"mfu_{p}": mfu(trainers[k], args.batch / t, v) for p, v in peaks.items()}} for k, t in med.items()]
+    for tr in trainers.values():
+        tr.close()
+    inter = next((r for r in rows if r["variant"].startswith("interference")), None)
+    if inter is not None:
+        rows.append({"variant": f"interference diagnostic every {INTERFERENCE_DEFAULT} steps (the default; scaled)",
+                     "ms_per_step": base_t * 1e3 * (1 + inter["overhead"] * 50 / INTERFERENCE_DEFAULT),
+                     "images_per_s": args.batch / (base_t * (1 + inter["overhead"] * 50 / INTERFERENCE_DEFAULT)),
+                     "overhead": inter["overhead"] * 50 / INTERFERENCE_DEFAULT, "group": "machinery"})
     return rows
 
 
 def interference_default(args, tmp: Path) -> dict:
     """Plain against the diagnostic at its default period, long enough to hold several measurements."""
-    base = [f"model.name={args.model}", f"data.batch_size={args.batch}", f"train.threads={args.threads}",
-            "data.name=digits", "diffusion.weighting=simple", "diffusion.sampler=uniform",
-            "diffusion.stats_every=1000000"] + (["model.args.ch=16"] if args.model == "unet_tiny" else [])
+    base = base_overrides(args) + ["diffusion.weighting=simple", "diffusion.sampler=uniform",
+                                   "diffusion.stats_every=1000000"]
     trainers = {"plain": trainer(base + ["diagnostics.interference_every=0"], tmp),
                 "diag": trainer(base + [f"diagnostics.interference_every={INTERFERENCE_DEFAULT}"], tmp)}
     rnd = 100
@@ -153,6 +182,7 @@ def options_direct(args, tmp: Path) -> dict:
     from fasttrain.configure import load_config
 
     base = [f"data.batch_size={args.batch}", "data.name=digits", f"train.threads={args.threads}"] + PLAIN
+    base += [o for o in args.set if not o.startswith("model.")]  # precision, compile (the model is fixed here)
     variants = {"plain": [], **OPTIONS}
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     objs = {k: build_objective(load_config("default", [f"run_dir={tmp}/direct"] + QUIET + base + v)).to(dev)
@@ -191,23 +221,21 @@ MODES = {"eager": [], "compiled": ["parallel.compile=blocks"],
          "compiled + CUDA graph": ["parallel.compile=blocks", "train.cuda_graph=true"]}
 
 
-def small_batch(args, tmp: Path) -> list[dict]:
-    from fasttrain.models import forward_flops
-    from fasttrain.parallel.distributed import device_peak_flops
-
-    peak, rows = device_peak_flops(), []
-    for model, data, c, s in SMALL:
-        flops = 3 * forward_flops(model, in_channels=c, image_size=s, num_classes=10)
+def small_batch(args, tmp: Path, peaks: dict) -> list[dict]:
+    """Each model of --small-models at each of --batches: eager, compiled, compiled + CUDA graph (bf16;
+    on CPU the graph mode keeps the eager step and says so: the dry run's check of the path)."""
+    rows = []
+    for model, data, _c, _s in (m for m in SMALL if m[0] in args.small_models):
         for batch in args.batches:
             trainers = {m: trainer([f"model.name={model}", f"data.batch_size={batch}", "parallel.precision=bf16"]
-                                   + data + extra, tmp) for m, extra in MODES.items()}
+                                   + data + extra + args.set, tmp) for m, extra in MODES.items()}
             med = interleaved(trainers, args.steps, args.warmup, args.round)
-            for tr in trainers.values():
-                tr.close()
             for mode, t in med.items():
                 rows.append({"model": model, "batch": batch, "mode": mode, "ms_per_step": t * 1e3,
-                             "images_per_s": batch / t, "mfu": flops * batch / t / peak if peak else None,
-                             "speedup_vs_eager": med["eager"] / t})
+                             "images_per_s": batch / t, "speedup_vs_eager": med["eager"] / t,
+                             **{f"mfu_{p}": mfu(trainers[mode], batch / t, v) for p, v in peaks.items()}})
+            for tr in trainers.values():
+                tr.close()
             print(rows[-3:], flush=True)
     return rows
 
@@ -225,6 +253,20 @@ def main() -> None:
     ap.add_argument("--round", type=_env.count(), default=20, help="steps per round")
     ap.add_argument("--warmup", type=_env.count(0), default=10, help="steps before timing")
     ap.add_argument("--small-batch", action="store_true", help="also the small-batch single-GPU table (CUDA)")
+    ap.add_argument("--tables", type=_env.names(("machinery", "small"), "table"), default=None,
+                    help="which tables run: machinery, small (default: machinery, and small with --small-batch "
+                         "on CUDA)")
+    ap.add_argument("--small-models", type=_env.names([m[0] for m in SMALL], "model"),
+                    default=[m[0] for m in SMALL], help="the small table's models")
+    ap.add_argument("--data", choices=("digits", "synthetic"), default="digits",
+                    help="the machinery table's data: digits, or synthetic latents (--channels, --image-size)")
+    ap.add_argument("--channels", type=_env.count(), default=4)
+    ap.add_argument("--image-size", type=_env.count(), default=32)
+    ap.add_argument("--variants", type=_env.names(VARIANTS, "variant"), default=None,
+                    help=f"machinery rows by short name, the first the baseline ({', '.join(VARIANTS)}; default all)")
+    ap.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                    help="config overrides for every trainer (e.g. parallel.precision=bf16 parallel.compile=blocks)")
+    ap.add_argument("--out", type=_env.stem, default=None, help="result files' stem (default throughput-<device>)")
     ap.add_argument("--interference-steps", type=_env.count(0), default=2000,
                     help="steps per variant for the direct measurement at the diagnostic's default period (0 = skip)")
     ap.add_argument("--batches", type=_env.count(), nargs="+", default=[8, 32, 256])
@@ -239,28 +281,53 @@ def main() -> None:
     global clock
     if args.clock == "cpu" and dev == "cuda":
         ap.error("--clock cpu measures CPU work; on CUDA use wall time")
+    if args.variants and args.variants[0] != "plain":
+        ap.error("--variants: the first row is the baseline the overheads are of; start with plain")
+    bad = [o for o in args.set if "=" not in o]
+    if bad:
+        ap.error(f"--set takes KEY=VALUE, got {bad[0]!r}")
+    tables = args.tables or (["machinery"] + (["small"] if args.small_batch and dev == "cuda" else []))
     clock = CLOCK[args.clock]
+    from cases import ceilings
+
+    from fasttrain.parallel.distributed import device_peak_flops
+
+    ceil = ceilings(dev)  # on CPU tiny sizes: the code path (the MFU columns read n/a there)
+    peaks = {"measured": ceil["matmul_TFLOPs"] * 1e12, "datasheet": device_peak_flops()}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        rows = machinery(args, tmp)
-        direct = interference_default(args, tmp) if args.interference_steps else None
-        math_ms = options_direct(args, tmp) if args.options and args.direct_calls else None
-        small = small_batch(args, tmp) if args.small_batch and dev == "cuda" else []
+        rows = machinery(args, tmp, peaks) if "machinery" in tables else []
+        direct = interference_default(args, tmp) if rows and args.interference_steps else None
+        math_ms = options_direct(args, tmp) if rows and args.options and args.direct_calls else None
+        small = small_batch(args, tmp, peaks) if "small" in tables else []
     info = {"torch": torch.__version__, "python": platform.python_version(), "threads": args.threads, "device": dev,
-            "gpu": torch.cuda.get_device_name() if dev == "cuda" else None, "clock": args.clock}
+            "gpu": torch.cuda.get_device_name() if dev == "cuda" else None, "clock": args.clock, "ceilings": ceil,
+            "peak_datasheet_TFLOPs": peaks["datasheet"] / 1e12 if peaks.get("datasheet") else None}
     out = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": info, "command": " ".join(sys.argv),
-           "model": args.model, "batch": args.batch, "machinery": rows, "interference_default": direct,
-           "options_direct_s": math_ms,
+           "model": args.model, "batch": args.batch, "overrides": args.set, "machinery": rows,
+           "interference_default": direct, "options_direct_s": math_ms,
            "small_batch": small}
+    mfu_head = "| MFU (measured matmul) | MFU (datasheet) "
+
+    def mfu_cells(r) -> str:
+        return "".join(f"| {100 * r[f'mfu_{p}']:.1f}% " if r.get(f"mfu_{p}") else "| n/a " for p in peaks)
     lines = [f"# Training step on the trainer, {dev}", "", f"machine: {json.dumps(info)}  ", f"when: {out['when']}  ",
-             f"command: `{out['command']}`", "",
-             f"## Timestep machinery ({args.model}, digits, batch {args.batch}; mean over interleaved rounds of "
-             f"{args.round} steps, {args.steps} steps each; {args.clock} time)", "",
-             "| variant | ms/step | images/s | overhead vs plain |", "|---|---|---|---|"]
+             f"command: `{out['command']}`", ""]
+    sheet = info["peak_datasheet_TFLOPs"]
+    lines += [f"ceilings measured in this run: {ceil['matmul']} matrix product at {ceil['matmul_TFLOPs']:.1f} TFLOP/s, "
+              f"copy {ceil['copy_GBps']:.0f} GB/s; datasheet dense bf16 peak "
+              + (f"{sheet:.0f} TFLOP/s" if sheet else "unknown for this device"), ""]
+    if rows:
+        data = "digits" if args.data == "digits" else f"synthetic {args.channels}×{args.image_size}×{args.image_size}"
+        lines += [f"## Timestep machinery ({args.model}, {data}, batch {args.batch}"
+                  + (f", {' '.join(args.set)}" if args.set else "") + f"; mean over interleaved rounds of "
+                  f"{args.round} steps, {args.steps} steps each; {args.clock} time)", "",
+                  "| variant | ms/step | images/s | overhead vs plain " + mfu_head + "|",
+                  "|---|---|---|---|" + "---|" * len(peaks)]
     for r in rows:
         if r.get("group") != "options":
             lines.append(f"| {r['variant']} | {r['ms_per_step']:.2f} | {r['images_per_s']:.0f} | "
-                         f"{100 * r['overhead']:+.1f}% |")
+                         f"{100 * r['overhead']:+.1f}% " + mfu_cells(r) + "|")
     opts = [r for r in rows if r.get("group") == "options"]
     if opts:
         lines += ["", "## Noise and loss options on the plain step (the same interleaved rounds; `diffusion.noise`, "
@@ -284,17 +351,17 @@ def main() -> None:
                       f"{direct['ms_diag']:.2f} ms/step, **{100 * direct['overhead']:+.1f}%** ({direct['steps']} steps "
                       f"each in interleaved rounds of {direct['round']}, {direct['measurements']} measurements)."]
     if small:
-        lines += ["", "## Small batch, one GPU (bf16)", "",
-                  "| model | batch | mode | ms/step | images/s | MFU | × eager |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ([""] if lines[-1] else []) + [f"## Small batch, one {'GPU' if dev == 'cuda' else 'CPU'} (bf16"
+                  + (f", {' '.join(args.set)}" if args.set else "") + ")", "",
+                  "| model | batch | mode | ms/step | images/s " + mfu_head + "| × eager |",
+                  "|---|---|---|---|---|" + "---|" * len(peaks) + "---|"]
         for r in small:
-            mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a"
             lines.append(f"| {r['model']} | {r['batch']} | {r['mode']} | {r['ms_per_step']:.2f} | "
-                         f"{r['images_per_s']:.0f} | "
-                         f"{mfu} | {r['speedup_vs_eager']:.2f} |")
+                         f"{r['images_per_s']:.0f} " + mfu_cells(r) + f"| {r['speedup_vs_eager']:.2f} |")
+    stem = args.out or f"throughput-{dev}"
     with _env.Results() as res:
-        res.text(f"throughput-{dev}.json", json.dumps(out, indent=2))
-        res.text(f"throughput-{dev}.md", "\n".join(lines) + "\n")
+        res.text(f"{stem}.json", json.dumps(out, indent=2))
+        res.text(f"{stem}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
