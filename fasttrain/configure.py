@@ -155,6 +155,20 @@ def _validate(cfg: DictConfig) -> None:
         if complete is not None:  # e.g. a pretrained folder's architecture: the checkpoint rebuilds without it
             cfg.model.args = complete(args)
             args = plain(cfg.model.args)
+    from .pretrained import lora
+
+    if lora.enabled(cfg):  # the adapter against the network it adapts, before any file is written
+        with _Key("model.lora.rank", cfg):
+            lora.check_config(cfg)
+        import torch
+
+        cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available())
+        if cfg.model.lora.base_dtype == "fp16" and cpu:
+            raise ConfigError("bad value for 'model.lora.base_dtype': 'fp16' (needs CUDA: on CPU hold the base in "
+                              "bf16 or fp32)")
+    elif cfg.model.lora.base_dtype != "auto":
+        raise ConfigError(f"bad value for 'model.lora.base_dtype': {cfg.model.lora.base_dtype!r} (it sets the dtype "
+                          f"of a LoRA run's frozen base; this run has no adapter (model.lora.rank=0))")
     data = data_kind(cfg.data.name)  # what the data set is: its declared traits (data/kinds.py)
     images = data.traits.images
     if images != is_image_model(cfg.model.name):
@@ -240,6 +254,13 @@ def check_ranges(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if used and value > T:
             raise ConfigError(f"bad value for '{key}': {value!r} (at most diffusion.T = {T})")
+    d = cfg.data
+    if d.buckets:  # bucket sides between the two bounds, in steps that fit under the largest (data/buckets.py)
+        for key, value in (("data.min_bucket_reso", d.min_bucket_reso), ("data.bucket_reso_steps",
+                                                                          d.bucket_reso_steps)):
+            if value > d.max_bucket_reso:
+                raise ConfigError(f"bad value for '{key}': {value!r} (at most data.max_bucket_reso = "
+                                  f"{d.max_bucket_reso})")
     o = cfg.optim
     if o.lr * o.weight_decay >= 1:  # AdamW scales the weights by 1 - lr·wd each step (Loshchilov & Hutter, Alg. 2)
         raise ConfigError(f"bad value for 'optim.weight_decay': {o.weight_decay!r} (AdamW multiplies the "

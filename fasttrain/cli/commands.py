@@ -348,7 +348,7 @@ def _data(args) -> int:
     if args.out:
         out_file(args.out)
     if args.latents_out:
-        out_dir(args.latents_out, create=False)  # created by the encoder, once the inputs are checked
+        out_dir(args.latents_out, create=False, flag="--latents-out")  # created by the encoder, once checked
     res = prepare(args.root, args.out, args.encoder, args.latents_out, args.image_size, args.batch_size)
     print(res["layout"])
     print(f"{res['num_files']} readable files, {len(res['classes'])} classes, sizes {res['sizes']}")
@@ -386,7 +386,7 @@ def _data(args) -> int:
         from ..data.shards import write_shards
 
         m = json.loads(Path(res["manifest"]).read_text())
-        index = write_shards(m, out_dir(args.shards), args.shard_size)
+        index = write_shards(m, out_dir(args.shards, flag="--shards"), args.shard_size)
         print(f"wrote {index['count']} images into {len(index['shards'])} shards in {args.shards} (data.name=shards "
               f"data.root={args.shards})")
     if args.pack:
