@@ -84,7 +84,7 @@ def test_a_changed_base_is_refused_and_lora_export_needs_a_lora_run(sd1, tmp_pat
     assert main(["export", str(plain), "--to", "lora", str(tmp_path / "out")]) == 1
     assert "was not trained with LoRA (model.lora.rank=0)" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
-    with pytest.raises(InvalidInput, match=r"model.lora.target_modules=\['to_qq'\]"):
+    with pytest.raises(InvalidInput, match=r"'model.lora.target_modules': \['to_qq'\] match no module"):
         train(_cfg(sd1, tmp_path / "t", 1, ["model.lora.target_modules=[to_qq]"]))
     with pytest.raises(InvalidInput, match="LoRA applies to diffusers backbones"):
         train(load_config("default", [f"run_dir={tmp_path / 'u'}", "train.steps=1", "model.lora.rank=2"]))
