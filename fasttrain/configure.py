@@ -254,13 +254,6 @@ def check_ranges(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if used and value > T:
             raise ConfigError(f"bad value for '{key}': {value!r} (at most diffusion.T = {T})")
-    d = cfg.data
-    if d.buckets:  # bucket sides between the two bounds, in steps that fit under the largest (data/buckets.py)
-        for key, value in (("data.min_bucket_reso", d.min_bucket_reso), ("data.bucket_reso_steps",
-                                                                          d.bucket_reso_steps)):
-            if value > d.max_bucket_reso:
-                raise ConfigError(f"bad value for '{key}': {value!r} (at most data.max_bucket_reso = "
-                                  f"{d.max_bucket_reso})")
     o = cfg.optim
     if o.lr * o.weight_decay >= 1:  # AdamW scales the weights by 1 - lr·wd each step (Loshchilov & Hutter, Alg. 2)
         raise ConfigError(f"bad value for 'optim.weight_decay': {o.weight_decay!r} (AdamW multiplies the "

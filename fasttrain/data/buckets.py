@@ -46,7 +46,10 @@ TABLE = "fasttrain-buckets.json"
 
 def resolutions(base: int, min_reso: int, max_reso: int, steps: int) -> list[tuple[int, int]]:
     """(width, height) of every bucket, sorted (sd-scripts' make_bucket_resolutions, max_reso = (base, base))."""
-    if steps < 1 or min_reso < 1 or max_reso < min_reso:
+    for key, value in (("data.min_bucket_reso", min_reso), ("data.bucket_reso_steps", steps)):
+        if value > max_reso:  # no bucket side would lie between the bounds (config.py checks each key's own range)
+            raise InvalidInput(f"bad value for '{key}': {value!r} (at most data.max_bucket_reso = {max_reso})")
+    if steps < 1 or min_reso < 1:
         raise InvalidInput(f"bad bucket settings: data.min_bucket_reso {min_reso}, data.max_bucket_reso {max_reso}, "
                            f"data.bucket_reso_steps {steps} (need 1 <= min <= max, step >= 1)")
     area = base * base
