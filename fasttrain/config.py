@@ -21,21 +21,25 @@ PRESET_DIR = Path(__file__).parent / "presets"
 # Counts of steps and periods: far beyond any run, and far below where the 64-bit counters they feed
 # (images = steps × batch) would overflow.
 STEPS = 2**40
+# Image sides in pixels (bucket sides): beyond any training resolution (SDXL's and SD3's are 1024); a
+# bucket table of larger sides would be sized for images no VAE or network here takes.
+SIDE = 2**14
 # Threads and workers: more than any machine has cores (cpu.py caps threads at this machine's); a C int
 # beyond it was "Overflow when unpacking long" (train.threads=9999999999).
 THREADS = 4096
 
 
 def _f(default, help: str, *, min=None, above=None, below=None, max=None, finite: bool = False, choices=None,
-       usual=None):
+       usual=None, min_items: int | None = None):
     """A field with its help line and the values it accepts: `min` and `max` (inclusive), `above` and
     `below` (exclusive), `finite`, `choices` (a fixed set; registry choices are configure.py's). For a
     list the bounds hold for every element; None is always accepted where the type is Optional.
     `usual` (lo, hi): the range practitioners use; a value outside it is accepted, and named when a
-    run stops for non-finite steps (`unusual`)."""
+    run stops for non-finite steps (`unusual`). `min_items`: a list of at least this many non-empty
+    strings (e.g. LoRA's target modules)."""
     bounded = min is not None or above is not None or below is not None or max is not None
     meta = {"help": help, "min": min, "above": above, "below": below, "max": max, "finite": finite or bounded,
-            "choices": choices, "usual": usual}
+            "choices": choices, "usual": usual, "min_items": min_items}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -58,10 +62,13 @@ class DataConfig:
                           choices=("auto", "vae", "channel", "none"))
     buckets: bool = _f(False, "aspect-ratio buckets for image folders (sd-scripts' semantics; data.image_size is the "
                        "base side: buckets keep about its area)")
-    min_bucket_reso: int = _f(256, "smallest bucket side (data.buckets)", min=1)
-    max_bucket_reso: int = _f(1024, "largest bucket side (data.buckets)", min=1)
-    bucket_reso_steps: int = _f(64, "bucket sides are multiples of this (data.buckets)", min=1)
-    shuffle_buffer: int = _f(1000, "samples in the seeded shuffle buffer of a shard stream (name=shards)", min=1)
+    min_bucket_reso: int = _f(256, "smallest bucket side (data.buckets; at most data.max_bucket_reso)", min=1,
+                              max=SIDE)
+    max_bucket_reso: int = _f(1024, "largest bucket side (data.buckets)", min=1, max=SIDE)
+    bucket_reso_steps: int = _f(64, "bucket sides are multiples of this (data.buckets; at most "
+                                "data.max_bucket_reso)", min=1, max=SIDE)
+    shuffle_buffer: int = _f(1000, "samples in the seeded shuffle buffer of a shard stream (name=shards; each "
+                             "is held undecoded in memory)", min=1, max=1_000_000)
     batch_size: int = _f(16, "micro-batch per process", min=1, max=2**24)
     holdout: int = _f(400, "digits held out from training (for evaluation)", min=1)
     num_workers: int = _f(0, "loader workers: DataLoader processes or DALI threads (0 = main process / 1 thread; "
@@ -71,23 +78,25 @@ class DataConfig:
                                 "sd-scripts --caption_dropout_rate)", min=0, max=1)
     shuffle_caption: bool = _f(False, "shuffle comma-separated caption tags per read (sd-scripts; needs live text "
                                "encoding, which fasttrain does not run: refused with cached encodings)")
-    keep_tokens: int = _f(0, "with shuffle_caption: the leading tags kept in place (sd-scripts --keep_tokens)", min=0)
+    keep_tokens: int = _f(0, "with shuffle_caption: the leading tags kept in place (sd-scripts --keep_tokens)", min=0,
+                          max=1000)
 
 
 @dataclass
 class LoraConfig:
     rank: int = _f(0, "LoRA rank through peft (0: off, the whole network trains; sd-scripts --network_dim, diffusers "
-                   "--rank); diffusers backbones only (fasttrain/pretrained/lora.py)", min=0)
+                   "--rank; at most the smallest width of the layers it adapts); diffusers backbones only "
+                   "(fasttrain/pretrained/lora.py)", min=0, max=4096)
     alpha: Optional[float] = _f(None, "LoRA alpha: the update is scaled by alpha / rank (None: the rank, as diffusers' "
-                                "LoRA scripts; sd-scripts --network_alpha)", above=0)
+                                "LoRA scripts; sd-scripts --network_alpha)", above=0, max=1e6)
     dropout: float = _f(0.0, "dropout on the LoRA branch's input (peft lora_dropout)", min=0, below=1)
     target_modules: List[str] = _f(["to_k", "to_q", "to_v", "to_out.0"],
                                    "module names the adapters wrap (default: the attention projections, as diffusers' "
-                                   "LoRA scripts)")
+                                   "LoRA scripts)", min_items=1)
     base_dtype: str = _f("auto", "dtype the frozen base is held in while training: auto is bf16 on CUDA (as "
                          "diffusers' LoRA scripts cast the frozen UNet to the mixed-precision dtype), fp32 on CPU; the "
                          "adapter, its optimizer state, EMA and checkpoints stay fp32; sampling and export read "
-                         "the base in fp32")
+                         "the base in fp32", choices=("auto", "fp32", "bf16", "fp16"))
 
 
 @dataclass
@@ -219,7 +228,7 @@ class SampleConfig:
     guidance: float = _f(1.0, "classifier-free guidance scale (1 = off, 0 = unconditional)", min=0, max=100,
                          usual=(1, 20))
     prompts: List[str] = _f([], "text runs: the prompts of the in-run sample grids (diffusers --validation_prompts; "
-                            "default: the data's first captions)")
+                            "default: the data's first captions)", min_items=0)
     negative_prompt: str = _f("", "text runs: the unconditional side of guidance (default the empty prompt)")
 
 
@@ -450,6 +459,12 @@ def check_schema(cfg: DictConfig) -> None:
             continue
         if meta.get("choices") and value not in meta["choices"]:
             raise ConfigError(f"bad value for '{key}': {value!r} (choose from {', '.join(meta['choices'])})")
+        if meta.get("min_items") is not None:
+            items = list(value)
+            if len(items) < meta["min_items"] or not all(isinstance(v, str) and v.strip() for v in items):
+                least = f", at least {meta['min_items']}" if meta["min_items"] else ""
+                raise ConfigError(f"bad value for '{key}': {items!r} (a list of non-empty strings{least})")
+            continue
         values = list(value) if isinstance(value, (list, tuple)) or OmegaConf.is_list(value) else [value]
         for v in values:
             need = _need(meta)

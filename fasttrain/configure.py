@@ -155,6 +155,20 @@ def _validate(cfg: DictConfig) -> None:
         if complete is not None:  # e.g. a pretrained folder's architecture: the checkpoint rebuilds without it
             cfg.model.args = complete(args)
             args = plain(cfg.model.args)
+    from .pretrained import lora
+
+    if lora.enabled(cfg):  # the adapter against the network it adapts, before any file is written
+        with _Key("model.lora.rank", cfg):
+            lora.check_config(cfg)
+        import torch
+
+        cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available())
+        if cfg.model.lora.base_dtype == "fp16" and cpu:
+            raise ConfigError("bad value for 'model.lora.base_dtype': 'fp16' (needs CUDA: on CPU hold the base in "
+                              "bf16 or fp32)")
+    elif cfg.model.lora.base_dtype != "auto":
+        raise ConfigError(f"bad value for 'model.lora.base_dtype': {cfg.model.lora.base_dtype!r} (it sets the dtype "
+                          f"of a LoRA run's frozen base; this run has no adapter (model.lora.rank=0))")
     data = data_kind(cfg.data.name)  # what the data set is: its declared traits (data/kinds.py)
     images = data.traits.images
     if images != is_image_model(cfg.model.name):

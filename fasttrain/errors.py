@@ -47,3 +47,8 @@ class NonFiniteStop(UserError, FloatingPointError):
 
 class DeviceError(UserError, RuntimeError):
     """A device or process layout that this request cannot use (no CUDA, no process group)."""
+
+
+class WriteError(UserError, OSError):
+    """An output that cannot be written (no space left, no permission, a read-only folder or disk); the
+    message names the path and says that nothing half-written was left."""

@@ -62,3 +62,20 @@ def check_output_file(out, what: str, inputs: dict[str, str | None], earlier_res
     if p.is_file() and not (earlier_result is not None and earlier_result(p)):
         raise InvalidInput(f"{what} {out} exists and is not an earlier result of this command (it would be "
                            f"overwritten): choose a new file name")
+
+
+def writable_folder(path, what: str) -> None:
+    """Refuse (one line) to write under `path` where its nearest existing folder is read-only: the file
+    system says so (os.access), or the folder's mode has no write bit (which root would write through)."""
+    import os
+    import stat
+
+    from .errors import WriteError
+
+    p = _real(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    bits = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
+    if p.is_dir() and (not os.access(p, os.W_OK) or not p.stat().st_mode & bits):
+        raise WriteError(f"{what} {path}: {p} is read-only (nothing was written); make it writable or choose "
+                         f"another folder")

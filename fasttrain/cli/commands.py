@@ -348,7 +348,7 @@ def _data(args) -> int:
     if args.out:
         out_file(args.out)
     if args.latents_out:
-        out_dir(args.latents_out)
+        out_dir(args.latents_out, create=False, flag="--latents-out")  # created by the encoder, once checked
     res = prepare(args.root, args.out, args.encoder, args.latents_out, args.image_size, args.batch_size)
     print(res["layout"])
     print(f"{res['num_files']} readable files, {len(res['classes'])} classes, sizes {res['sizes']}")
@@ -364,16 +364,20 @@ def _data(args) -> int:
         print(f"encoded {index['count']} images into {len(index['buckets'])} bucket arrays in {args.latents_out} "
               f"(data.name=bucket_latents data.root={args.latents_out})")
         return 0
+    job = None
+    if args.text_encoders:  # the captions and the encoders checked before any latent is written
+        from ..data.captioned import caption_job
+
+        job = caption_job(json.loads(Path(res["manifest"]).read_text()), args.text_encoders, args.clip_skip,
+                          args.caption_column, args.allow_empty_captions)
     if args.vae:
         res.update(_encode_with_vae(args, res["manifest"]))
     if args.text_encoders:
-        import json
-
         from ..data.captioned import encode_captions
 
         m = json.loads(Path(res["manifest"]).read_text())
         t = encode_captions(m, args.latents_out, args.text_encoders, args.clip_skip, args.caption_column,
-                            args.allow_empty_captions, args.image_size)
+                            args.allow_empty_captions, args.image_size, job=job)
         cut = f"; {t['truncated']} truncated to the tokenizer's length" if t["truncated"] else ""
         print(f"encoded {t['captions']} captions with the {t['family']} text encoders ({t['length']} tokens × "
               f"{t['width']}){cut}")
@@ -382,7 +386,7 @@ def _data(args) -> int:
         from ..data.shards import write_shards
 
         m = json.loads(Path(res["manifest"]).read_text())
-        index = write_shards(m, out_dir(args.shards), args.shard_size)
+        index = write_shards(m, out_dir(args.shards, flag="--shards"), args.shard_size)
         print(f"wrote {index['count']} images into {len(index['shards'])} shards in {args.shards} (data.name=shards "
               f"data.root={args.shards})")
     if args.pack:

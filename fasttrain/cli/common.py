@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..errors import InvalidInput, UserError
+from ..paths import writable_folder
 
 # What the user can fix is a UserError (errors.py), printed as one line; anything else keeps its
 # traceback (FASTTRAIN_DEBUG=1 keeps it for these too). Paths the user named that cannot be written
@@ -13,23 +14,31 @@ from ..errors import InvalidInput, UserError
 USER_ERRORS = (UserError, PermissionError, NotADirectoryError, IsADirectoryError, FileExistsError)
 
 
-def out_dir(path: str, create: bool = True) -> Path:
-    """An output folder that can be created (and is, unless `create` is false): not a file, not under a file."""
+def out_dir(path: str, create: bool = True, flag: str = "--out") -> Path:
+    """An output folder that can be created (and is, unless `create` is false): not a file, not under a file,
+    not in a read-only folder (paths.writable_folder: checked before a long command starts, not after it)."""
     p = Path(path)
     for q in [p, *p.parents]:
         if q.exists() and not q.is_dir():
-            raise InvalidInput(f"--out {path}: {q} is a file, not a folder")
+            raise InvalidInput(f"{flag} {path}: {q} is a file, not a folder")
+    writable_folder(p, flag)
     if create:
         p.mkdir(parents=True, exist_ok=True)
     return p
 
 
-def out_file(path: str | Path, flag: str = "--out", create: bool = True) -> Path:
-    """An output file whose folder can be created (and is, unless `create` is false)."""
+def out_file(path: str | Path, flag: str = "--out", create: bool = True, written: bool = True) -> Path:
+    """An output file whose folder can be created (and is, unless `create` is false) and written (unless
+    not `written`: a file the command reads where it exists)."""
     p = Path(path)
     if p.is_dir():
         raise InvalidInput(f"{flag} {path} is a folder; give a file name")
-    out_dir(str(p.parent), create) if str(p.parent) not in ("", ".") else None
+    if not written and p.is_file():  # read where it exists
+        return p
+    if str(p.parent) not in ("", "."):
+        out_dir(str(p.parent), create, flag)
+    else:
+        writable_folder(Path("."), flag)
     return p
 
 

@@ -38,6 +38,10 @@ def sample(args) -> int:
     if b.spec.text is not None:
         prompts = RunPrompts.sample_args(b.cfg.sample)
         if args.prompt:
+            blank = sum(not p.strip() for p in args.prompt)
+            if blank:  # the empty prompt is guidance's unconditional side, not a prompt to sample
+                raise InvalidInput(f"--prompt: {blank} of {len(args.prompt)} prompt(s) are empty; give text to "
+                                   f"sample (the unconditional model: --guidance 0)")
             prompts["prompts"] = args.prompt
         if args.negative_prompt is not None:
             prompts["negative_prompt"] = args.negative_prompt
@@ -151,7 +155,7 @@ def evaluate(args) -> int:
     if args.ref is not None and not Path(args.ref).is_dir():
         raise InvalidInput(f"--ref {args.ref} is not a folder")
     if args.ref_stats is not None:
-        out_file(args.ref_stats, "--ref-stats", create=False)
+        out_file(args.ref_stats, "--ref-stats", create=False, written=False)
     info = init()  # under torchrun: the generated images split across ranks by index (generation/ranks.py)
     b = load_bundle(args)
     reads = checkpoint_reads(args, b)

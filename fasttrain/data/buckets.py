@@ -10,6 +10,8 @@ as SDXL and NovelAI trained:
                is wider than the bucket, else its width; rounded as int(x + 0.5)) and cropped to it, at
                the centre or (`data.crop=random`) at a seeded position; its bucket, scaled size and crop
                box are recorded in ROOT/fasttrain-buckets.json, with the settings and the file list
+  too narrow   an image whose aspect ratio is more than twice the most extreme bucket's trains cropped to
+               that bucket, counted and named (one line, with how much of it is kept);
   too small    an image whose sides are both below `data.min_bucket_reso` is left out and reported (one
                line naming the first files): it would only be blown up
 
@@ -44,7 +46,10 @@ TABLE = "fasttrain-buckets.json"
 
 def resolutions(base: int, min_reso: int, max_reso: int, steps: int) -> list[tuple[int, int]]:
     """(width, height) of every bucket, sorted (sd-scripts' make_bucket_resolutions, max_reso = (base, base))."""
-    if steps < 1 or min_reso < 1 or max_reso < min_reso:
+    for key, value in (("data.min_bucket_reso", min_reso), ("data.bucket_reso_steps", steps)):
+        if value > max_reso:  # no bucket side would lie between the bounds (config.py checks each key's own range)
+            raise InvalidInput(f"bad value for '{key}': {value!r} (at most data.max_bucket_reso = {max_reso})")
+    if steps < 1 or min_reso < 1:
         raise InvalidInput(f"bad bucket settings: data.min_bucket_reso {min_reso}, data.max_bucket_reso {max_reso}, "
                            f"data.bucket_reso_steps {steps} (need 1 <= min <= max, step >= 1)")
     area = base * base
@@ -83,15 +88,20 @@ def bucket_table(root: str, files: list, settings: dict) -> dict:
         except ValueError:
             pass
     resos = resolutions(settings["base"], settings["min"], settings["max"], settings["steps"])
-    items, small = [], []
+    items, small, beyond = [], [], []
+    widest = max(r[0] / r[1] for r in resos)  # the buckets' most extreme aspect ratio (they come in pairs)
     for i, (rel, _) in enumerate(files):
         (w, h), _mode = describe(Path(root) / rel)  # after the EXIF orientation, as training decodes it
         if w < settings["min"] and h < settings["min"]:
             small.append(f"{rel} ({w}×{h})")
             continue
         reso, size = select(w, h, resos)
+        if max(w / h, h / w) > 2 * widest:  # cropped to less than half of its long side
+            kept = min(reso[0] / size[0], reso[1] / size[1])
+            beyond.append(f"{rel} ({w}×{h}: {kept:.0%} of it kept)")
         items.append([i, resos.index(reso), size[0], size[1]])
-    t = {"key": key, "settings": settings, "resolutions": [list(r) for r in resos], "items": items, "small": small}
+    t = {"key": key, "settings": settings, "resolutions": [list(r) for r in resos], "items": items, "small": small,
+         "beyond": beyond}
     tmp = path.with_name(f".{TABLE}.{os.getpid()}.tmp")
     try:
         tmp.write_text(json.dumps(t))
@@ -231,8 +241,14 @@ def build(d, at, files: list) -> BucketStream:
     if small:
         say(f"fasttrain: buckets: left out {len(small)} image(s) smaller than every bucket (both sides below "
             f"data.min_bucket_reso {settings['min']}): {', '.join(small[:3])}{' ...' if len(small) > 3 else ''}")
+    beyond = table.get("beyond", [])
+    if beyond:
+        say(f"fasttrain: buckets: {len(beyond)} image(s) have an aspect ratio more than twice the most extreme "
+            f"bucket's and are centre-cropped to it (raise data.max_bucket_reso or lower data.min_bucket_reso to keep "
+            f"more): {', '.join(beyond[:3])}{' ...' if len(beyond) > 3 else ''}")
     if not table["items"]:
-        raise DataError(f"data.root {d.root}: every image is smaller than every bucket")
+        raise DataError(f"data.root {d.root}: every image is smaller than every bucket (data.min_bucket_reso "
+                        f"{settings['min']}): lower data.min_bucket_reso, or train without data.buckets")
     say(f"fasttrain: buckets: {_counts(table)}")
     return BucketStream(BucketImages(d.root, files, table, d.channels), table, d.batch_size, at.seed, at.device,
                         d.num_workers, at.rank, at.world_size, d.flip, d.crop == "random", where=d.root)

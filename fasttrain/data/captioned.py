@@ -68,19 +68,29 @@ def _time_ids(root: Path, files: list[str], image_size: int) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.float32)
 
 
-def encode_captions(image_manifest: dict, out: str | Path, folder: str, clip_skip: int | None = None,
-                    column: str = "text", allow_empty: bool = False, image_size: int = 256, device=None) -> dict:
-    """Encode every caption of the manifest's images (their order is the latents manifest's) with the
-    pipeline folder's text encoders; write `text-embeddings.pt` (fp16) and the "text" section of the
-    latents manifest; return that section."""
+def caption_job(image_manifest: dict, folder: str, clip_skip: int | None = None, column: str = "text",
+                allow_empty: bool = False, device=None) -> tuple[list[list[str]], object]:
+    """(every image's captions, the loaded text encoders): what `encode_captions` needs, read and checked
+    before anything is encoded or written (a missing caption or a damaged encoder folder is one line, and
+    no latents are left without their captions)."""
     from ..pretrained.text_encoders import TextEncoders
     from .captions import captions_for
 
+    files = [str(rel) for rel, _ in image_manifest["files"]]
+    caps = captions_for(Path(image_manifest["root"]), files, column, allow_empty)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return caps, TextEncoders.load(folder, clip_skip, device)
+
+
+def encode_captions(image_manifest: dict, out: str | Path, folder: str, clip_skip: int | None = None,
+                    column: str = "text", allow_empty: bool = False, image_size: int = 256, device=None,
+                    job=None) -> dict:
+    """Encode every caption of the manifest's images (their order is the latents manifest's) with the
+    pipeline folder's text encoders (`job`: `caption_job`'s, when the caller checked them first); write
+    `text-embeddings.pt` (fp16) and the "text" section of the latents manifest; return that section."""
     root, out = Path(image_manifest["root"]), Path(out)
     files = [str(rel) for rel, _ in image_manifest["files"]]
-    caps = captions_for(root, files, column, allow_empty)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    enc = TextEncoders.load(folder, clip_skip, device)
+    caps, enc = job or caption_job(image_manifest, folder, clip_skip, column, allow_empty, device)
     ident = enc.identity()
     mpath = out / MANIFEST
     manifest = json.loads(mpath.read_text())

@@ -217,6 +217,10 @@ def prepare(root: str | Path, out: str | Path | None = None, encoder: str | None
     """The `fasttrain data prepare` command: check, optionally encode, write the manifest(s)."""
     check_outputs(root, out, latents_out)
     m = build_manifest(root)
+    if not m["num_files"] and m["bad"]:  # nothing to train on: refused before the manifest is written
+        shown = "; ".join(f"{rel}: {why}" for rel, why in m["bad"][:2])
+        raise DataError(f"{root} holds no usable {m['kind']}: all {len(m['bad'])} file(s) are unreadable or of "
+                        f"another kind ({shown}{' ...' if len(m['bad']) > 2 else ''})")
     path = Path(out) if out else Path(root) / MANIFEST
     if m["kind"] == "latents" and path.is_file():  # a rerun on latents from `--vae` keeps their record (encode.py)
         try:

@@ -89,6 +89,27 @@ def write_shards(manifest: dict, out, shard_size: int = 1000, progress: bool = T
     return index
 
 
+def _read_index(path: Path) -> dict:
+    """The shard index, its fields checked: a cut-off or edited index is one line naming it."""
+    again = "write the shards again with `fasttrain data prepare IMAGES --shards DIR`"
+    try:
+        index = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"{path} is not valid JSON ({str(e).splitlines()[0][:80]}): {again}") from None
+    shards = index.get("shards") if isinstance(index, dict) else None
+    ok = (isinstance(shards, list) and shards and isinstance(index.get("count"), int)
+          and isinstance(index.get("classes"), list)
+          and all(isinstance(s, dict) and isinstance(s.get("name"), str) and "/" not in s["name"]
+                  and isinstance(s.get("bytes"), int) and isinstance(s.get("count"), int) for s in shards))
+    if not ok:
+        raise DataError(f"{path} is not a shard index (it needs \"shards\": [{{name, count, bytes}}, ...], "
+                        f"\"count\" and \"classes\"): {again}")
+    if sum(s["count"] for s in shards) != index["count"]:
+        raise DataError(f"{path}: its shards hold {sum(s['count'] for s in shards)} samples, its count says "
+                        f"{index['count']}: {again}")
+    return index
+
+
 class ShardSet:
     """The shards under ROOT as their index lists them, checked against the files on disk."""
 
@@ -98,7 +119,7 @@ class ShardSet:
         if not path.is_file():
             raise DataError(f"data.root {root} holds no {INDEX}: write shards with `fasttrain data prepare IMAGES "
                             f"--shards {root}`")
-        self.index = json.loads(path.read_text())
+        self.index = _read_index(path)
         self.names = [s["name"] for s in self.index["shards"]]
         self.count, self.classes = int(self.index["count"]), list(self.index["classes"])
         for s in self.index["shards"]:
@@ -177,7 +198,7 @@ class ShardStream(Position):
         epoch, pos = self.epoch, self.pos
         while True:
             aug = augment_table(self.per_rank, self.seed, epoch, self.rank, self.flip, self.random_crop)
-            slot = 0
+            slot, usable = 0, 0
             for g, s in enumerate(self.global_stream(epoch)):
                 if slot >= self.per_rank:
                     break
@@ -188,7 +209,12 @@ class ShardStream(Position):
                     continue
                 x = self._decode(s, aug[slot - 1].tolist())
                 if x is not None:
+                    usable += 1
                     yield epoch, slot, x, int(s["cls"])
+            if not usable and not pos:  # a whole pass without one sample: every further pass would be the same
+                last = f" (the last: {self.skipped[-1]})" if self.skipped else ""
+                raise DataError(f"{self.shards.root}: a whole pass over its shards gave rank {self.rank} no usable "
+                                f"sample, {len(self.skipped)} skipped{last}: write the shards again")
             epoch, pos = epoch + 1, 0
 
     def _decode(self, s: dict, aug) -> torch.Tensor | None:

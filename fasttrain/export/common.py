@@ -3,22 +3,47 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 from pathlib import Path
 
 from .. import optional
+from ..errors import InvalidInput, UserError, WriteError
+from ..paths import writable_folder
 from ..pretrained.scheduler_config import to_diffusers
+
+
+def check_folder(out) -> Path:
+    """An export folder that can be written: absent or empty, not a file, not read-only (one line)."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        what = "is a file, not a folder" if not out.is_dir() else "already exists and is not empty"
+        raise InvalidInput(f"export folder {out} {what} (nothing was written)")
+    writable_folder(out, "export folder")
+    return out
 
 
 @contextlib.contextmanager
 def written_whole(out: Path):
-    """The export folder `out`, created; if anything fails while it is written, it is removed again, so
-    that no half-written export is left (every exporter writes through this)."""
-    out.mkdir(parents=True, exist_ok=True)
+    """The export folder `out` (absent or empty), written whole: the exporter writes into the folder this
+    yields, a hidden sibling `.NAME.PID.tmp`, which is renamed to `out` only once everything is in it (a
+    rename onto an absent or empty folder is atomic on POSIX). If anything fails meanwhile (a full disk,
+    a killed process's next run aside) the sibling is removed and `out` stays as it was; a write that
+    fails for the disk's or the folder's reasons (OSError) is one line naming `out` (WriteError). Every
+    exporter writes through this (dispatch.py, stable_diffusion.py, sd3.py; tests/reliability/)."""
+    out = check_folder(out)
+    tmp = out.parent / f".{out.name}.{os.getpid()}.tmp"
     try:
-        yield out
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # this process's own leftover, if any
+        tmp.mkdir(parents=True)
+        yield tmp
+        os.replace(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and not isinstance(e, UserError):
+            why = e.strerror or str(e) or type(e).__name__
+            raise WriteError(f"export to {out} failed: {why} (nothing was written: the partial folder was "
+                             f"removed)") from None
         raise
 
 

@@ -38,7 +38,7 @@ import torch
 from .. import optional
 from ..errors import InvalidInput
 from ..pretrained.scheduler_config import PREDICTION_TYPES
-from .common import scheduler_for, written_whole
+from .common import check_folder, scheduler_for, written_whole
 
 FORMATS = ("diffusers", "lora")  # lora: a LoRA run's adapter (stable_diffusion.py: export_lora)
 PIPELINE_FILE = Path(__file__).with_name("remote_pipeline.py")
@@ -180,9 +180,7 @@ def export_diffusers(run: str, out: str, vae: str | None = None, ema: bool = Tru
     from .model_card import model_card
 
     diffusers = optional.diffusers("export --to diffusers")
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise InvalidInput(f"export folder {out} already exists and is not empty (nothing was written)")
+    out = check_folder(out)
     b = ModelBundle.load(run, device="cpu", vae=vae)
     if vae and not b.spec.latents:
         raise InvalidInput(f"--vae: {run} was not trained on VAE latents (nothing was written)")
@@ -212,15 +210,15 @@ def export_diffusers(run: str, out: str, vae: str | None = None, ema: bool = Tru
         index["id2label"] = class_names(b)
     if kind.custom:
         index["fasttrain"] = settings(e)
-    with written_whole(out):
-        model.save_pretrained(out / component)
-        sched.save_pretrained(out / "scheduler")
+    with written_whole(out) as folder:
+        model.save_pretrained(folder / component)
+        sched.save_pretrained(folder / "scheduler")
         if e.codec is not None:
-            e.codec.vae.save_pretrained(out / "vae")
-        (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+            e.codec.vae.save_pretrained(folder / "vae")
+        (folder / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
         if kind.custom:
-            shutil.copyfile(PIPELINE_FILE, out / "pipeline.py")
-        (out / "README.md").write_text(model_card(run, b, kind, index, ema))
+            shutil.copyfile(PIPELINE_FILE, folder / "pipeline.py")
+        (folder / "README.md").write_text(model_card(run, b, kind, index, ema))
     if note:
         print(f"fasttrain: note: {note}", file=sys.stderr)
     return {"out": str(out), "pipeline": kind.name, "network": type(model).__name__, "scheduler": type(sched).__name__,

@@ -135,10 +135,10 @@ def export_sd3(run: str, out: Path, b, ema: bool) -> dict:
         text_encoder_2=encs[1], tokenizer_2=toks[1], text_encoder_3=encs[2], tokenizer_3=toks[2])
     from .common import written_whole
 
-    with written_whole(out):
-        pipe.save_pretrained(out)
-        index = json.loads((out / "model_index.json").read_text())
-        (out / "README.md").write_text(card(run, b, ema))
+    with written_whole(out) as folder:
+        pipe.save_pretrained(folder)
+        index = json.loads((folder / "model_index.json").read_text())
+        (folder / "README.md").write_text(card(run, b, ema))
     if encs[2] is None:
         print("fasttrain: note: the run's text encoders have no T5 (text_encoder_3): the pipeline zero-fills its "
               "part, as fasttrain did", file=sys.stderr)

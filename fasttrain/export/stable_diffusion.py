@@ -124,10 +124,10 @@ def export_text(run: str, out: Path, b, ema: bool) -> dict:
     pipe = _pipeline(diffusers, family, unet, b.decoder.codec.vae, encoders, sched)
     err = check_encoding(pipe, family, encoders)
     kind = type("Kind", (), {"name": type(pipe).__name__, "custom": False})()
-    with written_whole(out):
-        pipe.save_pretrained(out, safe_serialization=True)
-        index = json.loads((out / "model_index.json").read_text())
-        (out / "README.md").write_text(model_card(run, b, kind, index, ema))
+    with written_whole(out) as folder:
+        pipe.save_pretrained(folder, safe_serialization=True)
+        index = json.loads((folder / "model_index.json").read_text())
+        (folder / "README.md").write_text(model_card(run, b, kind, index, ema))
     if note:
         print(f"fasttrain: note: {note}", file=sys.stderr)
     return {"out": str(out), "pipeline": type(pipe).__name__, "network": type(unet).__name__,
@@ -171,8 +171,8 @@ def export_lora(run: str, out: Path, b, ema: bool) -> dict:
         kwargs[f"{part}_lora_adapter_metadata"] = meta  # keeps alpha (the scale alpha / rank) with the weights
     from .common import written_whole
 
-    with written_whole(out):
-        cls.save_lora_weights(str(out), **kwargs)
+    with written_whole(out) as folder:
+        cls.save_lora_weights(str(folder), **kwargs)
     base = lora.identity(b.net)["pipeline"]
     return {"out": str(out), "pipeline": name, "network": "LoRA", "scheduler": "-", "vae": False,
             "max_abs_diff": 0.0, "step": b.step, "weights": "ema" if ema else "raw", "remote_code": False,

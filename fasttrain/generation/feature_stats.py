@@ -108,17 +108,30 @@ class ReferenceStats:
                 if "mu" not in z or "sigma" not in z:
                     raise InvalidInput(f"--ref-stats {path} holds no 'mu' and 'sigma' arrays (keys: "
                                        f"{', '.join(z.files)})")
+                for k in ("mu", "sigma"):
+                    if z[k].dtype.kind not in "fiu":  # complex, text, bool: not statistics
+                        raise InvalidInput(f"--ref-stats {path}: {k} is an array of {z[k].dtype}, not of real "
+                                           f"numbers")
                 mu, sigma = z["mu"].astype(np.float64), z["sigma"].astype(np.float64)
                 name = str(z["extractor"]) if "extractor" in z else None
                 feats = {k[len("features_"):]: torch.from_numpy(z[k]) for k in z.files if k.startswith("features_")}
                 source = str(z["source"]) if "source" in z else str(path)
-        except (OSError, ValueError) as e:
-            raise InvalidInput(f"--ref-stats {path} is not a readable .npz: {e}") from None
+        except (OSError, ValueError, TypeError) as e:
+            if "pickle" in str(e):  # an object array, or a pickle rather than an .npz: never unpickled
+                raise InvalidInput(f"--ref-stats {path} holds pickled Python objects, which fasttrain never loads "
+                                   f"(allow_pickle=False): save plain float arrays 'mu' and 'sigma' "
+                                   f"(numpy.savez)") from None
+            why = (str(e).strip() or type(e).__name__).splitlines()[0]
+            raise InvalidInput(f"--ref-stats {path} is not a readable .npz: {why}") from None
         if name and name != extractor:
             raise InvalidInput(f"--ref-stats {path} holds statistics of the extractor {name!r}, the evaluation "
                                f"uses {extractor!r}")
         if mu.ndim != 1 or sigma.shape != (len(mu), len(mu)):
             raise InvalidInput(f"--ref-stats {path}: mu {mu.shape} and sigma {sigma.shape} do not fit together")
+        bad = [k for k, a in (("mu", mu), ("sigma", sigma)) if not np.isfinite(a).all()]
+        if bad:  # the FID of non-finite statistics is NaN: a result that looks like one
+            raise InvalidInput(f"--ref-stats {path}: {' and '.join(bad)} hold NaN or infinite values (write the "
+                               f"statistics again)")
         return cls(mu, sigma, feats, name, source)
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..errors import InvalidInput
+from ..errors import InvalidInput, WriteError
 
 RECORD = "sampling.json"
 
@@ -173,10 +173,21 @@ def write_adm_npz(path, items, n: int, shape_hwc: tuple[int, int, int], classes:
     """ADM's evaluation-suite layout (guided-diffusion evaluations/evaluator.py, and DiT's sample_ddp.py):
     arr_0 uint8 [N, H, W, 3]; arr_1 int64 [N] the class labels of a conditional model. Streamed chunk by
     chunk into the (uncompressed, zip64) archive, so 50K images never sit in memory at once."""
-    import zipfile
-
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        _write_npz(tmp, items, n, shape_hwc, classes)
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk, a folder gone read-only: no partial .npz is left
+        tmp.unlink(missing_ok=True)
+        raise WriteError(f"--npz {path}: writing failed ({e.strerror or e}); nothing was written (the samples "
+                         f"are kept: run the command again to write it)") from None
+    return path
+
+
+def _write_npz(tmp: Path, items, n: int, shape_hwc: tuple[int, int, int], classes: int) -> None:
+    import zipfile
+
     labels = []
     with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         with zf.open("arr_0.npy", "w", force_zip64=True) as f:
@@ -189,8 +200,6 @@ def write_adm_npz(path, items, n: int, shape_hwc: tuple[int, int, int], classes:
         if classes:
             with zf.open("arr_1.npy", "w", force_zip64=True) as f:
                 np.lib.format.write_array(f, np.concatenate(labels))
-    os.replace(tmp, path)
-    return path
 
 
 def _rank() -> int:

@@ -62,6 +62,59 @@ def _weights_hash(folder: Path) -> str:
     return file_hashes.sha256([weights_file(folder)])
 
 
+def _matches(name: str, targets: list[str]) -> bool:
+    """peft's rule for a list of target names: the module's full name, or its last dotted parts."""
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def check_targets(model: torch.nn.Module, lc) -> None:
+    """The adapter fits the network (one line naming the key, before anything is built or written): its
+    target modules match some layer, every matched layer is one LoRA adapts (linear, convolution,
+    embedding: peft's LoRA layers), and the rank is at most the smallest width it adapts (a rank above
+    min(in, out) adds parameters and no expressiveness: B A of rank r spans at most min(in, out))."""
+    targets = list(lc.target_modules)
+    matched = [(n, m) for n, m in model.named_modules() if n and _matches(n, targets)]
+    if not matched:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise InvalidInput(f"bad value for 'model.lora.target_modules': {targets} match no module of the network "
+                           f"(its linear layers are named {', '.join(linear[:8])}{' ...' if len(linear) > 8 else ''})")
+    kinds = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Embedding)
+    for n, m in matched:
+        if not isinstance(m, kinds):
+            raise InvalidInput(f"bad value for 'model.lora.target_modules': {n} is a {type(m).__name__}, not a "
+                               f"linear, convolution or embedding layer that LoRA adapts")
+
+    def widths(m):
+        if isinstance(m, torch.nn.Linear):
+            return m.in_features, m.out_features
+        if isinstance(m, torch.nn.Embedding):
+            return m.num_embeddings, m.embedding_dim
+        return m.in_channels, m.out_channels
+
+    n, m = min(matched, key=lambda nm: min(widths(nm[1])))
+    a, b = widths(m)
+    if int(lc.rank) > min(a, b):
+        raise InvalidInput(f"bad value for 'model.lora.rank': {int(lc.rank)} (at most {min(a, b)}: the adapted layer "
+                           f"{n} is {a} → {b}, and a rank above its smaller width adds no expressiveness)")
+
+
+def check_config(cfg) -> None:
+    """A LoRA run's settings at configuration: a pretrained diffusers backbone, and an adapter that fits it
+    (`check_targets` on the network built on the meta device from the architecture configure.py completed)."""
+    from ..config import plain
+
+    lc, args = cfg.model.lora, plain(cfg.model.args)
+    if cfg.model.name != "diffusers":
+        raise InvalidInput(f"bad value for 'model.lora.rank': {lc.rank} (LoRA applies to diffusers backbones: "
+                           f"model.name=diffusers with model.args.pretrained, not model.name={cfg.model.name})")
+    if not args.get("pretrained"):
+        raise InvalidInput(f"bad value for 'model.lora.rank': {lc.rank} (LoRA adapts a pretrained network; set "
+                           f"model.args.pretrained)")
+    from ..models.diffusers_backbone import construct
+
+    check_targets(construct(args.get("class_name", "UNet2DModel"), args.get("config") or {}, meta=True), lc)
+
+
 def apply(net, cfg) -> None:
     """Freeze the backbone's diffusers model and add the adapter (module docstring); records the base's
     identity on the backbone (`lora_base`)."""
@@ -74,6 +127,7 @@ def apply(net, cfg) -> None:
         raise InvalidInput(f"model.lora.rank={lc.rank}: LoRA adapts a pretrained network; set model.args.pretrained")
     folder = Path(args["pretrained"]) / (args.get("subfolder") or "")
     model = backbone.model
+    check_targets(model, lc)
     model.requires_grad_(False)
     rank = int(lc.rank)
     config = peft().LoraConfig(r=rank, lora_alpha=float(lc.alpha if lc.alpha is not None else rank),

@@ -19,6 +19,9 @@ from ..errors import DataError, MissingFile
 # WEIGHTS_NAME and their sharded indexes)
 WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safetensors.index.json",
                 "diffusion_pytorch_model.bin", "diffusion_pytorch_model.bin.index.json")
+# transformers' (a pipeline's text encoders: SAFE_WEIGHTS_NAME, WEIGHTS_NAME and their indexes)
+TRANSFORMERS_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                             "pytorch_model.bin.index.json")
 
 
 def model_dir(folder: str | Path, subfolder: str | None = None, what: str = "VAE", key: str = "--vae-subfolder ",
@@ -55,23 +58,25 @@ def read_config(path: Path, name: str = "config.json") -> dict:
     return config
 
 
-def weights_file(path: Path) -> Path:
-    """The weights file diffusers will read from a model folder; missing or empty is one line."""
-    found = [path / f for f in WEIGHT_FILES if (path / f).is_file()]
+def weights_file(path: Path, names: tuple[str, ...] = WEIGHT_FILES) -> Path:
+    """The weights file diffusers (or, with `names`, transformers) will read from a model folder;
+    missing or empty is one line."""
+    found = [path / f for f in names if (path / f).is_file()]
     if not found:
-        raise MissingFile(f"{path} holds no weights file ({WEIGHT_FILES[0]} or {WEIGHT_FILES[2]}): the folder is "
-                          f"incomplete")
+        raise MissingFile(f"{path} holds no weights file ({names[0]} or {names[2]}): the folder is incomplete")
     if found[0].stat().st_size == 0:
         raise DataError(f"{found[0]} is empty: the folder is damaged (copy it again)")
     return found[0]
 
 
-def load_model(cls, folder: str | Path, subfolder: str | None = None, what: str = "model", **kwargs):
-    """`cls.from_pretrained` of a local folder (no download); a broken folder is one line naming the
-    file. The config is read first so that its errors name config.json, not the weights."""
+def load_model(cls, folder: str | Path, subfolder: str | None = None, what: str = "model",
+               weight_files: tuple[str, ...] = WEIGHT_FILES, **kwargs):
+    """`cls.from_pretrained` of a local folder (no download; diffusers' or, with `weight_files`,
+    transformers' classes); a broken folder is one line naming the file. The config is read first so
+    that its errors name config.json, not the weights."""
     path = model_dir(folder, subfolder, what)
     read_config(path)
-    weights = weights_file(path)
+    weights = weights_file(path, weight_files)
     try:
         return cls.from_pretrained(str(Path(folder)), subfolder=subfolder or None, local_files_only=True, **kwargs)
     except _load_errors() as e:  # a truncated or damaged file, a file of other sizes

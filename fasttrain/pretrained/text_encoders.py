@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DataError, InvalidInput, MissingDependency, MissingFile
+from .model_folders import TRANSFORMERS_WEIGHT_FILES, load_model
 
 FAMILIES = ("sd1", "sdxl", "sd3")
 T5_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length default
@@ -45,17 +46,67 @@ def transformers():
 
 
 def family_of(folder: str | Path) -> str:
-    """Which family a pipeline folder's text encoders are (module docstring), or a one-line error."""
+    """Which family a pipeline folder's text encoders are (module docstring), or a one-line error; a
+    folder whose model_index.json names an encoder it does not hold is refused (`declared`)."""
     root = Path(folder)
     if not root.is_dir():
         raise MissingFile(f"text encoder folder {str(folder)!r} does not exist")
     if not (root / "text_encoder" / "config.json").is_file() or not (root / "tokenizer").is_dir():
         raise MissingFile(f"{root} holds no text encoder (a pipeline folder with tokenizer/ and text_encoder/)")
+    declared(root)
     if (root / "text_encoder_3").is_dir() or (root / "tokenizer_3").is_dir():
         return "sd3"
     if (root / "text_encoder_2").is_dir():
         return "sd3" if _class(root / "text_encoder") == "CLIPTextModelWithProjection" else "sdxl"
     return "sd1"
+
+
+# the encoders each pipeline class needs (diffusers' StableDiffusionXLPipeline and StableDiffusion3Pipeline
+# take them as required components; SD3's T5 may be dropped: model_index.json then says [null, null])
+NEEDS = {"StableDiffusionXLPipeline": ("_2",), "StableDiffusionXLImg2ImgPipeline": ("_2",),
+         "StableDiffusion3Pipeline": ("_2", "_3")}
+
+
+def declared(root: Path) -> None:
+    """Refuse a pipeline folder missing a text encoder or tokenizer its model_index.json names, or that its
+    pipeline class needs (SDXL's text_encoder_2, SD3's text_encoder_2 and _3): the family would be guessed
+    from what is left (an SDXL folder without its second encoder encodes as SD 1.x, at the wrong width)."""
+    from .model_folders import read_config
+
+    if not (root / "model_index.json").is_file():
+        return
+    index = read_config(root, "model_index.json")
+    cls = index.get("_class_name")
+    for sub in ("_2", "_3"):
+        entry = index.get(f"text_encoder{sub}")
+        named = isinstance(entry, list) and len(entry) == 2 and entry[1] is not None
+        needed = sub in NEEDS.get(cls, ()) and (entry is None or named)  # [null, null]: dropped on purpose
+        for part in (f"text_encoder{sub}", f"tokenizer{sub}"):
+            if (named or needed) and not (root / part).is_dir():
+                why = f"its model_index.json names {part}" if named else f"{cls} needs {part}"
+                raise MissingFile(f"{root} holds no {part}/ and {why}: the pipeline folder is incomplete (copy it "
+                                  f"again)")
+
+
+def _tokenizer(tf, root: Path, sub: str):
+    """A pipeline's tokenizer subfolder; a damaged one (a cut-off vocab or tokenizer.json, a missing file)
+    is one line naming it."""
+    try:
+        return tf.AutoTokenizer.from_pretrained(str(root), subfolder=sub, local_files_only=True)
+    except Exception as e:  # tokenizers and transformers raise many types for a damaged folder
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise DataError(f"{root / sub}: the tokenizer cannot be loaded ({type(e).__name__}: {first[:120]}); the "
+                        f"folder is damaged (copy it again)") from None
+
+
+def _check_vocabulary(tok, enc, root: Path, sub: str) -> None:
+    """The tokenizer's ids must index the encoder's embedding table: a tokenizer of another model (more
+    tokens than rows) would fail on the first prompt with an index error deep inside torch."""
+    rows = enc.get_input_embeddings().num_embeddings
+    if len(tok) > rows:
+        raise DataError(f"{root}/tokenizer{sub} has {len(tok)} tokens but text_encoder{sub}'s embedding table "
+                        f"{rows} rows: the tokenizer is not this encoder's (ids beyond its table); use the pipeline's "
+                        f"own tokenizer")
 
 
 def _class(path: Path) -> str:
@@ -98,12 +149,10 @@ class TextEncoders:
                 toks.append(None)
                 encs.append(None)  # SD3 without T5: zeros in its place (StableDiffusion3Pipeline)
                 continue
-            try:
-                tok = tf.AutoTokenizer.from_pretrained(str(root), subfolder=f"tokenizer{sub}", local_files_only=True)
-                enc = klass.from_pretrained(str(root), subfolder=f"text_encoder{sub}", local_files_only=True)
-            except (OSError, ValueError, json.JSONDecodeError) as e:
-                first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-                raise DataError(f"{root}/text_encoder{sub}: cannot be loaded ({first[:160]})") from None
+            tok = _tokenizer(tf, root, f"tokenizer{sub}")
+            enc = load_model(klass, root, f"text_encoder{sub}", what="text encoder",
+                             weight_files=TRANSFORMERS_WEIGHT_FILES)
+            _check_vocabulary(tok, enc, root, sub)
             toks.append(tok)
             encs.append(enc.eval().requires_grad_(False).to(device))
         return cls(family, root, toks, encs, clip_skip, device)

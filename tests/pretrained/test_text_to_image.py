@@ -37,7 +37,7 @@ def test_captions_from_txt_files_and_metadata_jsonl(tmp_path):
     meta = write_captioned(tmp_path / "b", n=2, metadata=True)
     assert captions_for(meta, files) == [CAPTIONS["red"], CAPTIONS["blue"]]
     (txt / "blue1.txt").write_text("\n  \n")  # empty: no caption
-    with pytest.raises(DataError, match=r"1 of 2 images have no .txt caption.*blue1.png.*allow_empty_captions"):
+    with pytest.raises(DataError, match=r"1 of 2 images have no .txt caption.*blue1.png.*allow-empty-captions"):
         captions_for(txt, files)
     assert captions_for(txt, files, allow_empty=True, say=lambda s: None)[1] == [""]
     (txt / "blue1.txt").write_bytes(b"caf\xe9 latin-1")
