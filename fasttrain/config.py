@@ -67,6 +67,9 @@ class DataConfig:
     max_bucket_reso: int = _f(1024, "largest bucket side (data.buckets)", min=1, max=SIDE)
     bucket_reso_steps: int = _f(64, "bucket sides are multiples of this (data.buckets; at most "
                                 "data.max_bucket_reso)", min=1, max=SIDE)
+    skip_bad_latents: bool = _f(False, "latent folders: train on the folder's one layout, leaving out the files "
+                                "`data prepare` names (another shape, rank or dtype; NaN/Inf; unreadable); off: "
+                                "such a folder is refused before training")
     shuffle_buffer: int = _f(1000, "samples in the seeded shuffle buffer of a shard stream (name=shards; each "
                              "is held undecoded in memory)", min=1, max=1_000_000)
     batch_size: int = _f(16, "micro-batch per process", min=1, max=2**24)

@@ -162,7 +162,7 @@ def test_training_on_a_latent_folder_with_bad_files_skips_them(tmp_path, backend
     cfg = load_config("default", [f"run_dir={tmp_path / 'run'}", "data.name=latents", f"data.root={tmp_path / 'lat'}",
                                   f"data.backend={backend}", "data.batch_size=3", "model.name=dit_tiny",
                                   "model.args.hidden=32", "model.args.depth=1", "model.args.heads=2",
-                                  "train.steps=3"] + TINY[:-2])
+                                  "train.steps=3", "data.skip_bad_latents=true"] + TINY[:-2])
     summary = train(cfg)
     assert summary["skipped_steps"] == 0 and summary["steps"] == 3
 
@@ -516,7 +516,8 @@ def test_latent_folders_of_mixed_shapes_and_dtypes_keep_the_majority_and_say_so(
     out = capsys.readouterr().out
     assert "6 readable files" in out and all(f"skipped {n}" in out for n in odd), out
     tiny = TINY[:-2] + ["data.name=latents", f"data.root={lat}", "model.name=dit_tiny", "model.args.hidden=32",
-                        "model.args.depth=1", "model.args.heads=2", "data.backend=torch", "train.steps=1"]
+                        "model.args.depth=1", "model.args.heads=2", "data.backend=torch", "train.steps=1",
+                        "data.skip_bad_latents=true"]
     assert main(["train", f"run_dir={tmp_path / 'a'}", "data.batch_size=2"] + tiny) == 0
     err = capsys.readouterr().err
     assert ("6 usable arrays; left out: 2 unreadable and 3 of another shape or dtype ([3, 4, 4] float32 ×1, "

@@ -228,8 +228,8 @@ def prepare(root: str | Path, out: str | Path | None = None, encoder: str | None
         except (ValueError, KeyError, TypeError):
             pass
     path.write_text(json.dumps(m, indent=1))
-    result = {"manifest": str(path), "num_files": m["num_files"], "bad": m["bad"], "classes": m["classes"],
-              "sizes": m["sizes"], "layout": m["layout"], "summary": summary(m)}
+    result = {"manifest": str(path), "kind": m["kind"], "num_files": m["num_files"], "bad": m["bad"],
+              "classes": m["classes"], "sizes": m["sizes"], "layout": m["layout"], "summary": summary(m)}
     if encoder:
         if not latents_out:
             raise DataError("--latents-out is needed with --encoder")

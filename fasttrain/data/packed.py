@@ -28,6 +28,7 @@ from .kinds import DataInfo, DataKind, Placement, Reference, Traits, register
 from .latents import LatentStream
 from .loader import LoaderStream
 from .manifest import MANIFEST, load_manifest
+from .streamed import refuse_bad_latents
 
 PACKED, INDEX = "fasttrain-packed.npy", "fasttrain-packed.json"
 
@@ -132,6 +133,7 @@ class Packed(DataKind):
         m = load_manifest(d.root, d.manifest)
         if m is None:
             raise DataError(f"data.root {d.root} holds no {MANIFEST}: run `fasttrain data prepare {d.root} --pack`")
+        refuse_bad_latents(d, m)
         index = read_index(d.root, m)
         n = index["count"]
         if n // at.world_size < d.batch_size:

@@ -31,6 +31,7 @@ def folder_manifest(d, at) -> dict:
         say(f"fasttrain: checking {d.root} (run `fasttrain data prepare {d.root}` once to cache this)")
         m = build_manifest(d.root)
     say(f"fasttrain: data: {summary(m)}")
+    refuse_bad_latents(d, m)
     odd = set(m.get("other_layout_files", []))
     unreadable = [b[0] for b in m["bad"] if b[0] not in odd]
     if unreadable:
@@ -48,6 +49,20 @@ def folder_manifest(d, at) -> dict:
         raise DataError(f"data.batch_size {d.batch_size} is larger than one rank's share of {d.root}: {n} "
                         f"usable file(s) over {at.world_size} rank(s){left}")
     return m
+
+
+def refuse_bad_latents(d, m: dict) -> None:
+    """A latent folder with files `data prepare` left out (another shape, rank or dtype, NaN/Inf, unreadable)
+    is refused before training unless data.skip_bad_latents says to train on the rest: a latent of the
+    wrong shape or with NaNs is a broken encoding, not a sample to drop silently (issue 41, class 1)."""
+    bad = m.get("bad") or []
+    if m.get("kind") != "latents" or not bad or not m["num_files"] or d.skip_bad_latents:  # none: said below
+        return
+    shown = "; ".join(f"{rel}: {why}" for rel, why in bad[:2])
+    raise DataError(f"data.root {d.root!r}: {len(bad)} of its {len(bad) + m['num_files']} latent files are not usable "
+                    f"({shown}{' ...' if len(bad) > 2 else ''}; `fasttrain data prepare {d.root}` lists each): "
+                    f"remove or re-encode them, or set data.skip_bad_latents=true to train on the other "
+                    f"{m['num_files']}")
 
 
 def _stderr(line: str) -> None:

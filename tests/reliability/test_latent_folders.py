@@ -42,8 +42,15 @@ def test_mixed_and_nonfinite_latents_are_named_and_never_trained_on(tmp_path, ca
     assert "6 readable files" in out and "packed 6 latents of shape [4, 4, 4]" in out, out
     for name, (_, why) in ODD.items():
         assert any(ln.startswith(f"skipped {name}: ") and why in ln for ln in out.splitlines()), (name, out)
+    assert "training refuses this folder until the 11 skipped file(s) are removed" in out, out
+    for kind in ("latents", "packed"):  # refused before training: nothing of a run is written
+        assert main(["train", f"run_dir={tmp_path / ('refused-' + kind)}", f"data.root={lat}",
+                     f"data.name={kind}"] + DIT[1:]) == 1
+        one_line(capsys, "11 of its 17 latent files are not usable", "data.skip_bad_latents=true", notes=True)
+        assert not (tmp_path / f"refused-{kind}" / "last.pt").exists()
     for kind in ("latents", "packed"):
-        assert main(["train", f"run_dir={tmp_path / kind}", f"data.root={lat}", f"data.name={kind}"] + DIT[1:]) == 0
+        assert main(["train", f"run_dir={tmp_path / kind}", f"data.root={lat}", f"data.name={kind}",
+                     "data.skip_bad_latents=true"] + DIT[1:]) == 0
     err = capsys.readouterr().err
     assert ("6 usable arrays; left out: 8 unreadable and 3 of another shape or dtype ([3, 4, 4] float32 ×1, "
             "[4, 4, 4] float16 ×1, [4, 8, 8] float32 ×1)") in err, err
