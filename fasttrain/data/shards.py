@@ -35,7 +35,7 @@ from .kinds import DataInfo, DataKind, Placement, Reference, Traits, register
 from .shard_index import INDEX, ShardIndex, entry_of, write_index
 from .shard_reader import ShardLoader, ShardSamples, Undecodable
 
-__all__ = ["INDEX", "IMAGE_KEYS", "ShardImages", "Shards", "write_shards"]
+__all__ = ["INDEX", "IMAGE_KEYS", "ShardImages", "Shards", "shard_stream", "write_shards"]
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp", "bmp")
 
 
@@ -110,6 +110,12 @@ class ShardImages(ShardSamples):
         return x, torch.tensor(label)
 
 
+def shard_stream(ds: ShardSamples, d, at: Placement, augment=None) -> ShardLoader:
+    """The stream of a shard kind's samples `ds` for the `data` section `d` (its batch, shuffle block and
+    loader workers), built `at`; `augment`: (flip, random crop) for images."""
+    return ShardLoader(ds, d.batch_size, at, d.shuffle_buffer, d.num_workers, augment)
+
+
 @register("shards")
 class Shards(DataKind):
     traits = Traits(images=True, pixels=True, resident=False, needs_root=True)
@@ -120,7 +126,7 @@ class Shards(DataKind):
             raise InvalidInput(f"data.channels must be 1 (grey) or 3 (RGB) for shards, got {d.channels}")
         s = ShardIndex(d.root, kind="images")
         ds = ShardImages(s, d.image_size, d.channels)
-        stream = ShardLoader(ds, d.batch_size, at, d.shuffle_buffer, d.num_workers, (d.flip, d.crop == "random"))
+        stream = shard_stream(ds, d, at, (d.flip, d.crop == "random"))
         return stream, DataInfo(d.channels, d.image_size, len(s.classes), s.count, None, s.classes)
 
     def reference(self, cfg, spec, ref_path, n):
