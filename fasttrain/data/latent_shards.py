@@ -219,10 +219,13 @@ def prepare_shards(image_manifest: dict, out, vae_folder: str, subfolder: str | 
 
 
 def write_synthetic(out, n: int, captions: int = 1, length: int = 8, width: int = 16, shape=(4, 4, 4),
-                    shard_size: int = 100, seed: int = 0, pooled: int | None = None) -> dict:
+                    shard_size: int = 100, seed: int = 0, pooled: int | None = None, ids: bool = True) -> dict:
     """Captioned latent shards of random numbers (tests and benchmarks: any number of captions without
-    encoders): sample i's posterior mean is the constant i (std 0), each of its `captions` encodings
-    random; recorded as encoded by a made-up SD 1.x VAE and encoders ("synthetic")."""
+    encoders): sample i's posterior mean is the constant i (`ids`: exact in fp16 up to 2048; else standard
+    normal), std 0, each of its `captions` encodings random; recorded as encoded by a made-up SD 1.x VAE
+    and encoders ("synthetic")."""
+    if ids and n > 2048:
+        raise ValueError(f"write_synthetic: sample ids above 2048 are not exact in fp16 ({n} samples): ids=False")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -231,7 +234,8 @@ def write_synthetic(out, n: int, captions: int = 1, length: int = 8, width: int 
     for k, lo in enumerate(range(0, n, shard_size)):
         samples = []
         for i in range(lo, min(n, lo + shard_size)):
-            lat = np.concatenate([np.full(shape, float(i)), np.zeros(shape)])
+            mean = np.full(shape, float(i)) if ids else rng.standard_normal(shape)
+            lat = np.concatenate([mean, np.zeros(shape)])
             samples.append(sample_of(i, lat, rng.standard_normal((captions, length, width)),
                                      np.ones((captions, length)), [f"caption {j} of {i}" for j in range(captions)],
                                      None if pooled is None else rng.standard_normal((captions, pooled))))
