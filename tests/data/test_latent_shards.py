@@ -172,3 +172,34 @@ def test_a_text_unet_trains_on_captioned_shards_and_resumes_where_it_stopped(mad
     summary = json.loads((run / "summary.json").read_text())
     losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert summary["steps"] == 5 and len(losses) == 5 and np.isfinite(losses).all()
+
+
+UNET = ('model.args.config={"block_out_channels": [16, 32], "down_block_types": ["CrossAttnDownBlock2D", '
+        '"DownBlock2D"], "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"], "layers_per_block": 1, '
+        '"norm_num_groups": 8, "attention_head_dim": 8, "cross_attention_dim": 32}')
+
+
+@pytest.mark.parametrize("over", [
+    pytest.param(["diffusion.sampler=adaptive", "diffusion.sampler_args.every=2"], marks=pytest.mark.slow),
+    ["diffusion.prediction=mixed", "diffusion.mixed.gate=timestep", "diffusion.stats_every=2",
+     "diffusion.noise.immiscible=assignment", "train.grad_accum=2"],
+])
+def test_timestep_strategies_train_on_captioned_shards_and_resume_exactly(tmp_path, over):
+    """The per-batch table's codes travel where labels travel (the adaptive sampler's probes, the mixed
+    head's statistics, immiscible assignment, micro-batches of one step in their own slots); a run
+    stopped and resumed gives the losses of the run that never stopped."""
+    from fasttrain.configure import load_config
+    from fasttrain.train import train
+
+    root = tmp_path / "syn"
+    ls.write_synthetic(root, 24, captions=2, length=8, width=32, shape=(4, 8, 8), shard_size=7, ids=False)
+    common = ["data.name=captioned_shards", f"data.root={root}", "data.batch_size=4", "data.shuffle_buffer=6",
+              "model.name=diffusers", "model.args.class_name=UNet2DConditionModel", UNET, "train.threads=1",
+              "train.progress=false", "sample.num=0", "eval.num_samples=0", "eval.bpd=false", "train.log_every=1",
+              "train.ckpt_every=0", "diagnostics.interference_every=0", "data.caption_dropout=0.3"] + over
+    train(load_config("default", [f"run_dir={tmp_path / 'a'}", "train.steps=4"] + common))
+    train(load_config("default", [f"run_dir={tmp_path / 'b'}", "train.steps=2"] + common))
+    train(load_config("default", [f"run_dir={tmp_path / 'b'}", "train.steps=4"] + common, resume=True), resume=True)
+    la, lb = ([r["loss"] for r in map(json.loads, (tmp_path / x / "metrics.jsonl").read_text().splitlines())
+               if "loss" in r] for x in "ab")
+    assert len(la) == 4 and la == lb and all(np.isfinite(la))
