@@ -203,3 +203,29 @@ def test_timestep_strategies_train_on_captioned_shards_and_resume_exactly(tmp_pa
     la, lb = ([r["loss"] for r in map(json.loads, (tmp_path / x / "metrics.jsonl").read_text().splitlines())
                if "loss" in r] for x in "ab")
     assert len(la) == 4 and la == lb and all(np.isfinite(la))
+
+
+def test_dali_s_webdataset_reader_reads_the_shards_as_written(tmp_path):
+    """The shards are plain WebDataset: DALI's fn.readers.webdataset (a CPU pipeline) reads every sample's
+    members with the bytes fasttrain's reader reads, in file order. Training does not read through it
+    (docs/data.md says why: it cannot follow the one global order nor seek to a position)."""
+    pytest.importorskip("nvidia.dali")
+    from nvidia.dali import fn, pipeline_def
+
+    root = tmp_path / "syn"
+    ls.write_synthetic(root, 10, captions=2, shard_size=4, pooled=6)
+    index = ShardIndex(root)
+    keys = ["latent.npy", "states.npy", "mask.npy", "pooled.npy", "txt"]
+
+    @pipeline_def(batch_size=10, num_threads=1, device_id=None)
+    def pipe():
+        return tuple(fn.readers.webdataset(paths=[str(root / n) for n in index.names], ext=keys,
+                                           random_shuffle=False))
+
+    p = pipe()
+    p.build()
+    outs = p.run()
+    members = _members(root)
+    for i in range(10):
+        for k, out in zip(keys, outs):
+            assert bytes(np.array(out[i])) == members[f"{i:08d}"][k], (i, k)
