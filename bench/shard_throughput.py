@@ -33,8 +33,11 @@ def _step(a: torch.Tensor, reps: int) -> None:
         a = torch.tanh(a @ a) * 0.5
 
 
-def worker(root: str, batch: int, workers: int, reps: int, out: str) -> None:
-    """One rank under torchrun: one epoch, timed."""
+MARK = "shard-throughput-ranks: "
+
+
+def worker(root: str, batch: int, workers: int, reps: int) -> None:
+    """One rank under torchrun: one epoch, timed; rank 0 prints every rank's row (one line after MARK)."""
     import torch.distributed as dist
 
     from fasttrain.config import DataConfig
@@ -66,7 +69,7 @@ def worker(root: str, batch: int, workers: int, reps: int, out: str) -> None:
     every = [None] * world
     dist.all_gather_object(every, row)
     if rank == 0:
-        Path(out).write_text(json.dumps(every))
+        print(MARK + json.dumps(every), flush=True)
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -98,14 +101,13 @@ def main(args):
     rows = []
     for world in args.ranks:
         for w in args.workers:
-            out = work / f"tp-{world}-{w}.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                   __file__, "--worker", str(root), str(args.batch), str(w), str(reps), str(out)]
+                   __file__, "--worker", str(root), str(args.batch), str(w), str(reps)]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
             if r.returncode != 0:
                 raise RuntimeError(f"torchrun failed:\n{r.stderr[-3000:]}")
-            ranks = json.loads(out.read_text())
+            ranks = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith(MARK))[len(MARK):])
             rows.append({"ranks": world, "workers": w, "per_rank": ranks,
                          "images_per_s_total": sum(x["images_per_s"] for x in ranks),
                          "bytes_share_per_rank": [x["own_epoch_bytes"] / set_bytes for x in ranks],
@@ -142,7 +144,7 @@ def main(args):
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
     p = _env.Parser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=_env.count(16), default=4000)
     p.add_argument("--batch", type=_env.count(), default=16)
