@@ -66,7 +66,9 @@ class TextTable:
     [N, L] (the tokenizer's attention mask), `pooled` [N, P] (SDXL, SD3) or None, `time_ids` [N, 6]
     (SDXL's original size, crop top-left, target size per row) or None; `empty` the row of the empty
     prompt ("" encoded by the same encoders: the unconditional model, Ho & Salimans 2022); `offsets`,
-    `counts` [G] the rows of each caption group (an image's alternative captions)."""
+    `counts` [G] the rows of each caption group (an image's alternative captions). `per_batch`: the rows
+    are those of the step's batches only, rewritten in place as batches arrive (data/latent_shards.py:
+    captioned shards carry their encodings), so a code is valid within its own step alone."""
     states: torch.Tensor
     mask: torch.Tensor
     pooled: torch.Tensor | None
@@ -74,6 +76,7 @@ class TextTable:
     empty: int
     offsets: torch.Tensor
     counts: torch.Tensor
+    per_batch: bool = False
 
     @property
     def rows(self) -> int:
@@ -82,7 +85,7 @@ class TextTable:
     def to(self, device) -> TextTable:
         mv = (lambda t: None if t is None else t.to(device))
         return TextTable(mv(self.states), mv(self.mask), mv(self.pooled), mv(self.time_ids), self.empty,
-                         mv(self.offsets), mv(self.counts))
+                         mv(self.offsets), mv(self.counts), self.per_batch)
 
     def gather(self, code: torch.Tensor | None, batch: int, dtype: torch.dtype) -> dict:
         """The network's text inputs for condition codes `code` [B] (None: the empty prompt for all `batch`):

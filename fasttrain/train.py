@@ -74,7 +74,8 @@ class Trainer:
         tc = cfg.train
         d = cfg.data
         # the data section whole: the data kind reads its own fields (data/kinds.py)
-        self.data, info = build_data(d, seed=tc.seed, device=self.device, rank=rank, world_size=world)
+        self.data, info = build_data(d, seed=tc.seed, device=self.device, rank=rank, world_size=world,
+                                     batches_per_step=tc.grad_accum)
         conditional = cfg.model.class_conditional and info.num_classes > 0
         self.spec = DataSpec(d.name, info.channels, info.image_size, info.num_classes if conditional else 0,
                              cfg.model.label_dropout, info.latents, info.class_names if conditional else None,
@@ -103,7 +104,14 @@ class Trainer:
         self.ema = self.bundle.ema
         dg = cfg.diagnostics
         self.interference = None
-        if dg.interference_every:
+        interference = dg.interference_every
+        if interference and getattr(info.text_table, "per_batch", False):
+            interference = 0  # its probe keeps a batch's caption codes for later steps: valid within their step only
+            if self.dist.is_main:
+                print(f"fasttrain: note: the interference diagnostic is off (diagnostics.interference_every="
+                      f"{dg.interference_every}): data.name={d.name} holds only the current step's caption encodings "
+                      f"on the device, and its probe keeps a batch for later steps", file=sys.stderr)
+        if interference:
             self.interference = InterferenceDiagnostic(self.objective.T, dg.interference_every, dg.buckets,
                                                        dg.probe_size, seeds.derive(tc.seed, "probe"))
         self.hooks = self.objective.lookaheads() + ([self.interference] if self.interference else [])

@@ -30,6 +30,9 @@ MOVED_NAMES = {
     "fasttrain.kernels.noise_spec.prepare": "fasttrain.kernels.noise_prepare.prepare",  # it runs noise_std
     "fasttrain.periodic.RunView": "fasttrain.periodic.ActionParts",  # a view of the run's parts, not the trainer
     "fasttrain.data.kinds.DataArgs": None,  # the positional copy of the data fields: a kind reads cfg.data itself
+    # the stream that read every shard's bytes and replayed an epoch to resume: shards are read by seeking now
+    "fasttrain.data.shards.ShardSet": "fasttrain.data.shard_index.ShardIndex",
+    "fasttrain.data.shards.ShardStream": "fasttrain.data.shard_reader.ShardLoader",
     # the AOT check tool's vocabulary, which the Triton modules are given without importing the tool
     **{f"fasttrain.kernels.aot.{n}": f"fasttrain.kernels.aot_specs.{n}" for n in ("loss_table", "name", "noise_spec",
                                                                                  "unaligned")},

@@ -6,7 +6,8 @@
     fasttrain report RUN
     fasttrain export RUN --to diffusers OUT
     fasttrain data prepare ROOT [--vae FOLDER | --encoder module:function] [--latents-out DIR] [--pack]
-                                [--shards DIR] [--text-encoders PIPE]   (captions cached beside the latents)
+                                [--shards DIR] [--text-encoders PIPE]   (captions cached beside the latents,
+                                                                         or with --shards in the shards)
     fasttrain sample --ckpt RUN --prompt TEXT [--negative-prompt TEXT] --guidance 4 --out DIR   (text runs)
 
 `sample` and `eval` also run under torchrun (`--num-samples` for `--n` there): the images split across
@@ -172,7 +173,9 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--image-size", type=_positive("--image-size"), default=256, help="image side fed to the encoder")
     pr.add_argument("--batch-size", type=_positive("--batch-size"), default=64, help="encoder batch size")
     pr.add_argument("--shards", default=None, help="also write the folder's images as WebDataset tar shards "
-                    "(+ index) into this folder, for data.name=shards (data/shards.py)")
+                    "(+ index) into this folder, for data.name=shards (data/shards.py); with --vae and "
+                    "--text-encoders: the images' latents and their captions' encodings instead, for "
+                    "data.name=captioned_shards (data/latent_shards.py)")
     pr.add_argument("--shard-size", type=_positive("--shard-size"), default=1000, help="samples per shard")
     pr.add_argument("--buckets", action="store_true", help="with --vae: encode each image at its aspect-ratio "
                     "bucket's size (around --image-size), one packed array per bucket, for data.name=bucket_latents")
@@ -327,6 +330,10 @@ def _data(args) -> int:
         raise InvalidInput("--buckets encodes VAE latents per aspect-ratio bucket: give --vae")
     if args.text_encoders and not args.vae:
         raise InvalidInput("--text-encoders needs --vae: captions are cached beside VAE latents")
+    captioned_shards = bool(args.shards and args.vae and args.text_encoders)  # data/latent_shards.py
+    if captioned_shards and (args.latents_out or args.pack or args.buckets):
+        raise InvalidInput("--shards with --vae and --text-encoders writes the latents and captions into the shards: "
+                           "drop --latents-out, --pack and --buckets")
     if args.text_encoders:
         from ..pretrained.text_encoders import family_of, transformers
 
@@ -339,7 +346,8 @@ def _data(args) -> int:
 
         model_dir(args.vae, args.vae_subfolder)
         optional.diffusers("data prepare --vae")
-        args.latents_out = args.latents_out or str(default_out(args.root))
+        if not captioned_shards:
+            args.latents_out = args.latents_out or str(default_out(args.root))
     if args.out:
         out_file(args.out, create=False)
     check_outputs(args.root, args.out, args.latents_out, args.vae)  # before anything is created
@@ -357,6 +365,17 @@ def _data(args) -> int:
     if res["bad"] and res.get("kind") == "latents":
         print(f"training refuses this folder until the {len(res['bad'])} skipped file(s) are removed or re-encoded "
               f"(or data.skip_bad_latents=true trains on the {res['num_files']} usable ones)")
+    if captioned_shards:
+        from ..data.latent_shards import prepare_shards
+
+        index = prepare_shards(json.loads(Path(res["manifest"]).read_text()), out_dir(args.shards), args.vae,
+                               args.vae_subfolder, args.text_encoders, args.clip_skip, args.caption_column,
+                               args.allow_empty_captions, args.image_size, args.batch_size, args.shard_size)
+        t = index["text"]
+        print(f"wrote {index['count']} latents and their {t['captions']} captions ({t['family']} encoders, "
+              f"{t['length']} tokens × {t['width']}) into {len(index['shards'])} shards in {args.shards} "
+              f"(data.name=captioned_shards data.root={args.shards})")
+        return 0
     if args.vae and args.buckets:
         from ..data.bucket_latents import encode_buckets
 

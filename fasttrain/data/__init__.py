@@ -8,14 +8,16 @@ The kinds, one module per kind or family:
   `latent_folder.py`   `latents`: .npy latents (`data prepare --vae`, `encode.py`), and `decoded` (outputs only)
   `packed.py`          `packed`: a latent folder packed into one memory-mapped array (`data prepare --pack`)
   `bucket_latents.py`  `bucket_latents`: VAE latents cached per aspect-ratio bucket
-  `shards.py`          `shards`: WebDataset tar shards, one global seeded order split by rank
+  `shards.py`          `shards`: WebDataset tar shards of images, one global seeded order split by rank
+  `latent_shards.py`   `captioned_shards`: tar shards of VAE latents with their captions' encodings
   `captioned.py`       `captioned_latents`, `captioned_digits`: latents with cached caption encodings
 What they share: `streamed.py` (a folder's manifest and its stream), `dali.py` (NVIDIA DALI) and
 `loader.py` (a torch DataLoader), `order.py` (the epoch order and augmentation draws every backend reads),
 `folder.py` (folder data sets), `images.py` (decoding one image), `layout.py` (a folder's files and labels),
 `manifest.py` (`data prepare`: the checked file list), `captions.py` (a folder's captions), `latents.py`
-(posterior draws and normalisation on the device), `reference.py` (the real data evaluations compare with),
-`spec.py` (`DataSpec`: what a run's data are, recorded in its checkpoint).
+(posterior draws and normalisation on the device), `shard_index.py` (a shard set's index, its checks and
+its global order), `shard_reader.py` (each rank's samples read by seeking), `reference.py` (the real data
+evaluations compare with), `spec.py` (`DataSpec`: what a run's data are, recorded in its checkpoint).
 A new data kind is one module here that registers itself (kinds.py).
 """
 from __future__ import annotations

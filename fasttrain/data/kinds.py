@@ -54,12 +54,15 @@ class Traits:
 class Placement:
     """Where a stream is built and for whom, beside the `data` section that a kind reads whole: the run's
     seed (train.seed: the data order and augmentation draws), the device its batches land on, this
-    process's rank among `world_size`, and the split (train; test: the held-out part where a kind has one)."""
+    process's rank among `world_size`, the split (train; test: the held-out part where a kind has one), and
+    how many batches a step draws before it trains on any (train.grad_accum: a kind whose batches bring
+    their caption encodings keeps that many batches' rows on the device, latent_shards.py)."""
     seed: int = 0
     device: torch.device | str = "cpu"
     rank: int = 0
     world_size: int = 1
     split: str = "train"
+    batches_per_step: int = 1
 
 
 @dataclass

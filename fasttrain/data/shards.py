@@ -1,49 +1,41 @@
 """The `shards` data kind: images (with labels, and captions where a folder has them) in WebDataset tar
-shards, streamed with a seeded shuffle buffer and an exact resume position on any number of ranks.
+shards, each rank reading only its share of one global order, resumed by seeking.
 
 `fasttrain data prepare ROOT --shards OUT [--shard-size N]` writes the folder's readable images (as
 their manifest lists them, manifest.py) into OUT/shard-NNNNNN.tar with the `webdataset` package's
 TarWriter: sample i is key %08d with its file's bytes under its extension, `cls` (the label) and `txt`
-(ROOT/…/name.txt beside the image, where there is one); OUT/fasttrain-shards.json indexes the shards
-(name, sample count, bytes) and the classes.
+(ROOT/…/name.txt beside the image, where there is one); each shard is written under a temporary name
+and renamed; OUT/fasttrain-shards.json indexes them (shard_index.py: names, counts, bytes, sha256, each
+sample's offset) with the classes.
 
-The order is the same whatever the number of ranks, as for folders (order.py): epoch e reads the shards
-in a permutation seeded by (seed, e), their samples (webdataset's tar expansion and key grouping) pass a
-shuffle buffer of `data.shuffle_buffer` seeded by (seed, e) (webdataset's `shuffle` with our rng), and
-the g-th sample of that global stream belongs to rank g mod W, each rank taking n // W per epoch. Every
-rank reads every shard's bytes (the order needs the whole stream) and decodes only its own samples. The
-position is (epoch, this rank's slots in it): a resume on W' ranks starts at slot pos·W/W' (Position),
-replaying the epoch's stream from its start without decoding, so it continues the global order exactly.
-The checkpoint keeps a fingerprint of the shard files (names and sizes); a resume on another shard set
-is refused, as is a shard whose size differs from the index when the stream starts.
-
-Bad members: a truncated or unreadable shard (tar errors: every rank sees them alike) skips the rest of
-that shard; a sample without an image or a label is dropped before the rank split; an image that does
-not decode is skipped by the rank that owns it (it takes its next slot). Each is counted and named once
-on stderr (`skipped`, per stream). Images are resized, cropped and flipped as folder.py does, with the
-same per-sample draws (order.augment_table).
+Training (`data.name=shards`) reads them as shard_reader.py does: the global order of an epoch comes
+from the index (shard_index.global_order, blocks of data.shuffle_buffer), rank r takes its g ≡ r (mod W)
+samples and reads their bytes alone, through a DataLoader (data.num_workers) that splits them again
+between its workers. The position is (epoch, this rank's slots in it): a resume on W' ranks starts at
+slot pos·W/W' (order.Position) and seeks there. The checkpoint keeps a fingerprint of the shard files
+(names and sizes); a resume on another shard set is refused, as is a shard whose size differs from the
+index when the stream starts. A sample without an image or a label, or whose image does not decode, is
+replaced by the next sample of its shard (shard_reader.py: the same on every rank count), counted and
+named on stderr. Images are resized, cropped and flipped as folder.py does, with per-sample draws
+(order.augment_table) taken by the sample's global position.
 """
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 import os
-import random
-import sys
 from pathlib import Path
 
 import torch
 from PIL import Image
 from torchvision import transforms
 
-from .. import seeds
 from ..errors import DataError, InvalidInput
 from .images import open_image
 from .kinds import DataInfo, DataKind, Placement, Reference, Traits, register
-from .order import Position, augment_table
+from .shard_index import INDEX, ShardIndex, entry_of, write_index
+from .shard_reader import ShardLoader, ShardSamples, Undecodable
 
-INDEX = "fasttrain-shards.json"
+__all__ = ["INDEX", "IMAGE_KEYS", "ShardImages", "Shards", "shard_stream", "write_shards"]
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp", "bmp")
 
 
@@ -79,188 +71,49 @@ def write_shards(manifest: dict, out, shard_size: int = 1000, progress: bool = T
                     sample["txt"] = path.with_suffix(".txt").read_text()
                 w.write(sample)
         os.replace(tmp, out / name)
-        shards.append({"name": name, "count": len(part), "bytes": (out / name).stat().st_size})
+        shards.append(entry_of(out / name))
         bar.update(len(part))
     bar.close()
-    index = {"shards": shards, "count": len(files), "classes": manifest["classes"], "source": str(root.resolve())}
-    tmp = out / f".{INDEX}.tmp"
-    tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, out / INDEX)
+    index = {"kind": "images", "shards": shards, "count": len(files), "classes": manifest["classes"],
+             "source": str(root.resolve())}
+    write_index(out, index)
     return index
 
 
-def _read_index(path: Path) -> dict:
-    """The shard index, its fields checked: a cut-off or edited index is one line naming it."""
-    again = "write the shards again with `fasttrain data prepare IMAGES --shards DIR`"
-    try:
-        index = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise DataError(f"{path} is not valid JSON ({str(e).splitlines()[0][:80]}): {again}") from None
-    shards = index.get("shards") if isinstance(index, dict) else None
-    ok = (isinstance(shards, list) and shards and isinstance(index.get("count"), int)
-          and isinstance(index.get("classes"), list)
-          and all(isinstance(s, dict) and isinstance(s.get("name"), str) and "/" not in s["name"]
-                  and isinstance(s.get("bytes"), int) and isinstance(s.get("count"), int) for s in shards))
-    if not ok:
-        raise DataError(f"{path} is not a shard index (it needs \"shards\": [{{name, count, bytes}}, ...], "
-                        f"\"count\" and \"classes\"): {again}")
-    if sum(s["count"] for s in shards) != index["count"]:
-        raise DataError(f"{path}: its shards hold {sum(s['count'] for s in shards)} samples, its count says "
-                        f"{index['count']}: {again}")
-    return index
+class ShardImages(ShardSamples):
+    """Samples of an image shard set → (x [C, S, S] in [-1, 1], label); item (i, mirror, crop_x, crop_y)."""
 
+    needs = (IMAGE_KEYS, ("cls",))
 
-class ShardSet:
-    """The shards under ROOT as their index lists them, checked against the files on disk."""
-
-    def __init__(self, root):
-        self.root = Path(root)
-        path = self.root / INDEX
-        if not path.is_file():
-            raise DataError(f"data.root {root} holds no {INDEX}: write shards with `fasttrain data prepare IMAGES "
-                            f"--shards {root}`")
-        self.index = _read_index(path)
-        self.names = [s["name"] for s in self.index["shards"]]
-        self.count, self.classes = int(self.index["count"]), list(self.index["classes"])
-        for s in self.index["shards"]:
-            p = self.root / s["name"]
-            if not p.is_file():
-                raise DataError(f"shard {p} is listed in {path} but missing: write the shards again")
-            if p.stat().st_size != s["bytes"]:
-                raise DataError(f"shard {p} has {p.stat().st_size} bytes, its index says {s['bytes']}: it changed "
-                                f"since `data prepare --shards`; write the shards again")
-        self.fingerprint = hashlib.sha256(json.dumps([[s["name"], s["bytes"]] for s in self.index["shards"]])
-                                          .encode()).hexdigest()[:16]
-
-    def samples(self, order: list[str], on_error) -> object:
-        """Valid samples (an image and a label) of the shards in `order`: webdataset's tar expansion and
-        key grouping; tar errors and incomplete samples go to `on_error(where, why)` and are skipped."""
-        from webdataset.tariterators import group_by_keys, tar_file_expander
-
-        current = {"shard": None}
-
-        def sources():
-            for name in order:
-                current["shard"] = name
-                with open(self.root / name, "rb") as f:
-                    yield {"url": name, "stream": f}
-
-        def handler(exn) -> bool:  # webdataset's handler protocol: True = go on with the next member/shard
-            on_error(current["shard"], f"{type(exn).__name__}: {str(exn.args[0]) if exn.args else ''}")
-            return True
-
-        for s in group_by_keys(tar_file_expander(sources(), handler=handler), handler=handler):
-            if "cls" not in s or not any(k in s for k in IMAGE_KEYS):
-                members = sorted(k for k in s if not k.startswith("__"))
-                on_error(f"{s.get('__url__')}:{s.get('__key__')}", f"incomplete sample (members {members})")
-                continue
-            yield s
-
-
-class ShardStream(Position):
-    """Batches (x [B, C, S, S] in [-1, 1], labels) of this rank's share of the global shard order."""
-
-    def __init__(self, shards: ShardSet, batch_size: int, seed: int, image_size: int, channels: int = 3,
-                 device="cpu", rank: int = 0, world_size: int = 1, buffer: int = 1000, flip: bool = True,
-                 random_crop: bool = False):
-        self.shards, self.batch_size, self.seed = shards, batch_size, seed
+    def __init__(self, index: ShardIndex, image_size: int, channels: int = 3):
+        super().__init__(index)
         self.size, self.channels = image_size, channels
-        self.device, self.rank, self.world_size, self.buffer = torch.device(device), rank, world_size, buffer
-        self.flip, self.random_crop = flip, random_crop
-        self.per_rank = shards.count // world_size
-        if batch_size > self.per_rank:
-            raise DataError(f"data.batch_size {batch_size} is larger than one rank's share of {shards.root}: "
-                            f"{shards.count} samples over {world_size} rank(s)")
-        self.epoch, self.pos = 0, 0
-        self.skipped: list[str] = []
-        self._it = None
         self.resize = transforms.Resize(image_size)
         self.to_tensor = transforms.Compose([transforms.ToTensor(), transforms.Normalize([0.5], [0.5])])
 
-    # -- the order ---------------------------------------------------------------------------------
-    def global_stream(self, epoch: int):
-        """Epoch `epoch`'s samples in the global order (module docstring), undecoded."""
-        from webdataset.filters import shuffle
-
-        perm = torch.randperm(len(self.shards.names),
-                              generator=torch.Generator().manual_seed(seeds.derive(self.seed, "data", epoch)))
-        order = [self.shards.names[i] for i in perm.tolist()]
-        rng = random.Random(seeds.derive(self.seed, "data", epoch, 1))
-        return shuffle(bufsize=self.buffer, initial=self.buffer, rng=rng)(self.shards.samples(order, self._note))
-
-    def _note(self, where: str, why: str) -> None:
-        self.skipped.append(f"{where}: {why}")
-        if self.rank == 0 or why.startswith("cannot decode"):
-            print(f"fasttrain: shards: skipped {where} ({why}); {len(self.skipped)} skipped so far", file=sys.stderr)
-
-    def _own(self):
-        """(epoch, slot after, x, label) of this rank's samples from the saved position on."""
-        epoch, pos = self.epoch, self.pos
-        while True:
-            aug = augment_table(self.per_rank, self.seed, epoch, self.rank, self.flip, self.random_crop)
-            slot, usable = 0, 0
-            for g, s in enumerate(self.global_stream(epoch)):
-                if slot >= self.per_rank:
-                    break
-                if g % self.world_size != self.rank:
-                    continue
-                slot += 1
-                if slot <= pos:  # replayed up to the saved position: read, never decoded
-                    continue
-                x = self._decode(s, aug[slot - 1].tolist())
-                if x is not None:
-                    usable += 1
-                    yield epoch, slot, x, int(s["cls"])
-            if not usable and not pos:  # a whole pass without one sample: every further pass would be the same
-                last = f" (the last: {self.skipped[-1]})" if self.skipped else ""
-                raise DataError(f"{self.shards.root}: a whole pass over its shards gave rank {self.rank} no usable "
-                                f"sample, {len(self.skipped)} skipped{last}: write the shards again")
-            epoch, pos = epoch + 1, 0
-
-    def _decode(self, s: dict, aug) -> torch.Tensor | None:
+    def decode(self, s: dict, extra):
         """As folder.py's ImageFolderDataset: shorter side resized, crop at (cx, cy), mirror, [-1, 1]."""
-        mirror, cx, cy = aug
+        mirror, cx, cy = extra if extra else (0.0, 0.5, 0.5)
         key = next(k for k in IMAGE_KEYS if k in s)
         try:
             im = self.resize(open_image(io.BytesIO(s[key]), self.channels))
+            label = int(s["cls"])
         except (OSError, ValueError, SyntaxError) as e:  # PIL's errors for truncated or corrupt images
-            self._note(f"{s['__url__']}:{s['__key__']}.{key}", f"cannot decode ({type(e).__name__})")
-            return None
+            raise Undecodable(f"cannot decode {key} ({type(e).__name__})") from None
         w, h = im.size
         left, top = round(cx * (w - self.size)), round(cy * (h - self.size))
         im = im.crop((left, top, left + self.size, top + self.size))
         if mirror:
             im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         x = self.to_tensor(im)
-        return x.expand(self.channels, -1, -1).contiguous() if x.shape[0] != self.channels else x
+        x = x.expand(self.channels, -1, -1).contiguous() if x.shape[0] != self.channels else x
+        return x, torch.tensor(label)
 
-    # -- the stream --------------------------------------------------------------------------------
-    def __iter__(self):
-        return self
 
-    def __next__(self):
-        if self._it is None:
-            self._it = self._own()
-        xs, ys = [], []
-        for _ in range(self.batch_size):
-            epoch, slot, x, y = next(self._it)
-            xs.append(x)
-            ys.append(y)
-        self.epoch, self.pos = (epoch + 1, 0) if slot >= self.per_rank else (epoch, slot)
-        return torch.stack(xs).to(self.device), torch.tensor(ys, dtype=torch.long).to(self.device)
-
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "shards": self.shards.fingerprint}
-
-    def load_state_dict(self, state: dict) -> None:
-        if "shards" in state and state["shards"] != self.shards.fingerprint:
-            raise DataError(f"the shards under {self.shards.root} are not those the checkpoint read (fingerprint "
-                            f"{state['shards']} then, {self.shards.fingerprint} now): refusing to resume on another "
-                            f"shard set (restore it, or start over with --restart)")
-        super().load_state_dict(state)
-
-    def _restart(self) -> None:
-        self._it = None
+def shard_stream(ds: ShardSamples, d, at: Placement, augment=None) -> ShardLoader:
+    """The stream of a shard kind's samples `ds` for the `data` section `d` (its batch, shuffle block and
+    loader workers), built `at`; `augment`: (flip, random crop) for images."""
+    return ShardLoader(ds, d.batch_size, at, d.shuffle_buffer, d.num_workers, augment)
 
 
 @register("shards")
@@ -271,9 +124,9 @@ class Shards(DataKind):
         _webdataset("data.name=shards")
         if d.channels not in (1, 3):
             raise InvalidInput(f"data.channels must be 1 (grey) or 3 (RGB) for shards, got {d.channels}")
-        s = ShardSet(d.root)
-        stream = ShardStream(s, d.batch_size, at.seed, d.image_size, d.channels, at.device, at.rank, at.world_size,
-                             d.shuffle_buffer, d.flip, d.crop == "random")
+        s = ShardIndex(d.root, kind="images")
+        ds = ShardImages(s, d.image_size, d.channels)
+        stream = shard_stream(ds, d, at, (d.flip, d.crop == "random"))
         return stream, DataInfo(d.channels, d.image_size, len(s.classes), s.count, None, s.classes)
 
     def reference(self, cfg, spec, ref_path, n):
@@ -294,17 +147,12 @@ class Shards(DataKind):
         root = cfg.data.root
         if not root or not (Path(root) / INDEX).is_file():
             return ReferenceImages(None, f"none (the shards {root!r} are gone: pass --ref PATH)")
-        return ReferenceImages(_first_images(ShardSet(root), spec, n), str(root))
+        return ReferenceImages(_first_images(ShardIndex(root, kind="images"), spec, n), str(root))
 
 
-def _first_images(s, spec, n: int):
-    """The first n decodable samples of the shards in their written order, centre-cropped, unflipped."""
-    st = ShardStream(s, 1, 0, spec.image_size, spec.channels, world_size=1, buffer=1)
-    count = 0
-    for sample in s.samples(s.names, st._note):
-        x = st._decode(sample, (0.0, 0.5, 0.5))
-        if x is not None:
-            count += 1
-            yield x
-        if count >= n:  # before the next sample is read (its errors would be noted)
-            return
+def _first_images(s: ShardIndex, spec, n: int):
+    """The first n samples of the shards in their written order, centre-cropped, unflipped (an
+    undecodable one replaced as in training)."""
+    ds = ShardImages(s, spec.image_size, spec.channels)
+    for i in range(min(n, s.count)):
+        yield ds[i][0]

@@ -1,6 +1,8 @@
 """WebDataset shards (data/shards.py): `data prepare --shards`, the global order that any number of
-ranks splits alike, exact resume across rank counts, a changed shard set refused, truncated shards and
-corrupt members skipped, counted and named. The torchrun version: tests/distributed/test_shards_ranks.py."""
+ranks splits alike, exact resume across rank counts (by seeking: no byte before the position is read),
+each rank reading only its own samples' bytes, an old index (no offsets) read, a changed shard set
+refused, truncated shards and corrupt members replaced by the same sample on every rank count, counted
+and named. The torchrun version: tests/distributed/test_shards_ranks.py."""
 import json
 import sys
 from pathlib import Path
@@ -12,7 +14,7 @@ import torch
 from fasttrain.cli import main
 from fasttrain.config import DataConfig
 from fasttrain.data import build_data
-from fasttrain.data.shards import INDEX, ShardSet, ShardStream
+from fasttrain.data.shard_index import INDEX, ShardIndex
 from fasttrain.errors import DataError
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -84,6 +86,38 @@ def test_the_global_order_is_split_alike_on_any_rank_count_and_resumes_exactly(s
         assert take(s, 2) == [whole[6 + r + 2 * j] for j in range(4)]
 
 
+def test_each_rank_reads_only_its_samples_bytes_and_a_resume_reads_nothing_before_its_position(shards):
+    index = ShardIndex(shards)
+    total = sum(s["bytes"] for s in index.index["shards"])
+    spans = index.span_bytes(range(index.count))
+    assert spans <= total <= spans + len(index.names) * 20 * 512  # the rest: tar's end blocks and record padding
+    two = [stream(shards, 2, r) for r in range(2)]
+    for s in two:
+        take(s, 2)  # 2 batches of the epoch's 3 per rank; the stream has read the third ahead
+    read = [s.bytes_read() for s in two]
+    assert sum(read) == spans and all(abs(r - spans / 2) < spans / 4 for r in read)  # disjoint, ≈ 1/W each
+    # a resume late in the epoch reads only what comes after its position
+    one = stream(shards)
+    one.load_state_dict({"epoch": 0, "pos": 10, "world_size": 1, "shards": index.fingerprint, "order": "blocks-v1"})
+    x, _ = next(one)
+    whole = stream(shards)
+    assert ident(x) == take(whole, 6)[10:12]
+    ahead = whole.order(1)[0][:2]  # the next batch, read ahead while this one trains
+    assert one.bytes_read() == index.span_bytes(list(whole.order(0)[0][10:12]) + list(ahead))
+
+
+def test_an_index_written_before_offsets_reads_the_same_stream(shards, capsys):
+    want = take(stream(shards), 6)
+    index = json.loads((shards / INDEX).read_text())
+    for s in index["shards"]:
+        del s["spans"], s["sha256"]
+    index.pop("format")
+    index.pop("kind")
+    (shards / INDEX).write_text(json.dumps(index))
+    assert take(stream(shards), 6) == want
+    assert "records no sample offsets" in capsys.readouterr().err
+
+
 def test_a_changed_shard_set_is_refused(shards, tmp_path):
     s = stream(shards)
     take(s, 1)
@@ -98,23 +132,33 @@ def test_a_changed_shard_set_is_refused(shards, tmp_path):
         stream(shards)
 
 
-def _reindex(root):
+def _reindex(root, rescan=()):
+    """The index as if the files on disk had been written so (sizes; the spans of the tars `rescan`)."""
+    from fasttrain.data.shard_index import scan_spans
+
     index = json.loads((root / INDEX).read_text())
     for s in index["shards"]:
         s["bytes"] = (root / s["name"]).stat().st_size
+        if s["name"] in rescan:
+            s["spans"] = scan_spans(root / s["name"])
+            s["count"] = len(s["spans"])
+    index["count"] = sum(s["count"] for s in index["shards"])
     (root / INDEX).write_text(json.dumps(index))
 
 
-def test_truncated_shards_and_corrupt_members_are_skipped_counted_and_named(shards, capsys):
+def test_truncated_shards_and_corrupt_members_are_replaced_alike_on_every_rank_count(shards, capsys):
     data = (shards / "shard-000001.tar").read_bytes()
-    (shards / "shard-000001.tar").write_bytes(data[: len(data) // 2])  # cut inside a member
+    (shards / "shard-000001.tar").write_bytes(data[: len(data) // 2])  # cut inside a member; the index's spans kept
     _reindex(shards)
-    s = ShardStream(ShardSet(shards), 2, 5, 8, world_size=1, buffer=4, flip=False)
-    got = [i for _ in range(3) for i in ident(next(s)[0])]
-    assert len(got) == 6 and set(got) <= set(range(12))
-    assert any("shard-000001.tar" in m for m in s.skipped)
+    s = stream(shards)
+    got = take(s, 6)
+    assert len(got) == 12 and set(got) <= set(range(12)) and set(got) != set(range(12))
+    assert any("shard-000001.tar" in m and "truncated" in m for m in s.dataset.skipped)
     assert "fasttrain: shards: skipped shard-000001.tar" in capsys.readouterr().err
-    # a member whose bytes are not an image: skipped by the rank that owns it, named with its key
+    # the replacement is the sample's own shard's next one: two ranks train the same samples
+    parts = [take(stream(shards, 2, r), 3) for r in range(2)]
+    assert [parts[g % 2][g // 2] for g in range(12)] == got
+    # a member whose bytes are not an image, a sample without one: replaced, named with their place
     import webdataset as wds
 
     bad = shards / "shard-000002.tar"
@@ -123,12 +167,12 @@ def test_truncated_shards_and_corrupt_members_are_skipped_counted_and_named(shar
         w.write({"__key__": "00000011", "png": (shards.parent / "images" / "dog" / "005.png").read_bytes(),
                  "cls": "1"})
         w.write({"__key__": "00000012", "cls": "1"})  # no image at all
-    _reindex(shards)
-    s = ShardStream(ShardSet(shards), 1, 5, 8, world_size=1, buffer=4, flip=False)
-    for _ in range(6):
-        next(s)
-    assert any("shard-000002.tar:00000010.jpg: cannot decode" in m for m in s.skipped)
-    assert any("00000012: incomplete sample" in m for m in s.skipped)
+    _reindex(shards, rescan=[bad.name])
+    s = stream(shards, batch=1)
+    got = take(s, 13)
+    assert any("shard-000002.tar:0: cannot decode jpg" in m for m in s.dataset.skipped)
+    assert any("shard-000002.tar:2: incomplete sample" in m for m in s.dataset.skipped)
+    assert got.count(11) >= 3  # sample 11 (the shard's one good image) read in the place of both
 
 
 def test_training_on_shards_with_its_reference(shards, tmp_path):
@@ -140,5 +184,5 @@ def test_training_on_shards_with_its_reference(shards, tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["eval"]["bpd"] > 0
     state = torch.load(run / "last.pt", weights_only=False)["data"]
-    assert state["pos"] == 8 and state["shards"] == ShardSet(shards).fingerprint
+    assert state["pos"] == 8 and state["shards"] == ShardIndex(shards).fingerprint
     assert np.isfinite(summary["eval"]["bpd"])

@@ -38,7 +38,7 @@ def test_shard_streams_resume_across_rank_counts(tmp_path):
     assert main(["data", "prepare", str(images), "--shards", str(shards), "--shard-size", "5"]) == 0
     whole = _ids(_stream(shards), 12)  # one process, two epochs of 12
     # two ranks, 2 batches each: rank r holds the global samples r, r + 2, ...
-    torchrun([str(HERE / "shards_worker.py"), str(shards), str(tmp_path / "a.json"), "2"])
+    torchrun([str(HERE / "shards_worker.py"), "shards", str(shards), str(tmp_path / "a.json"), "2"])
     a = json.loads((tmp_path / "a.json").read_text())
     assert a["ids"] == [[whole[r + 2 * j] for j in range(4)] for r in range(2)]
     # ... saved, then one process continues the global order where the two stopped (8 samples in)
@@ -49,7 +49,8 @@ def test_shard_streams_resume_across_rank_counts(tmp_path):
     one = _stream(shards)
     _ids(one, 3)
     (tmp_path / "one.json").write_text(json.dumps(one.state_dict()))
-    torchrun([str(HERE / "shards_worker.py"), str(shards), str(tmp_path / "b.json"), "3", str(tmp_path / "one.json")])
+    torchrun([str(HERE / "shards_worker.py"), "shards", str(shards), str(tmp_path / "b.json"), "3",
+              str(tmp_path / "one.json")])
     b = json.loads((tmp_path / "b.json").read_text())
     assert b["ids"] == [[whole[6 + r + 2 * j] for j in range(6)] for r in range(2)]
     # the trainer: 2 ranks train 2 steps on the shards, one process resumes their checkpoint

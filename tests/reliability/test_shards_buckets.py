@@ -41,7 +41,7 @@ def _strip_images(tar):
     ("index of another format", "is not a shard index"),
     ("missing shard", "is listed in"),
     ("emptied shard", "has 0 bytes, its index says"),
-    ("samples without images", "a whole pass over its shards gave rank 0 no usable sample, 4 skipped"),
+    ("samples without images", "holds no usable sample"),
 ])
 def test_broken_shard_sets_are_one_line_before_any_step(shards, tmp_path, capsys, how, needle):
     d = tmp_path / "sh"
