@@ -306,11 +306,39 @@ class ModelBundle:
             if labels is None:
                 labels = (torch.arange(n, device=self.device) + (first_image or 0)) % (table.rows - 1)
             self._rows = table.rows
-            with using(self.net, table):
+            with using(self.net, table), self.sampling():
                 return self._generate(n, labels, seed, steps, solver, guidance, ema, progress, eta, chunk, spacing,
                               first_image)
         return self._generate(n, labels, seed, steps, solver, guidance, ema, progress, eta, chunk, spacing,
                               first_image)
+
+    @contextlib.contextmanager
+    def sampling(self):
+        """What a Flux run samples with and does not train with: the resolution-dependent flow shift
+        (diffusion.dynamic_shift: the schedule, the output head's and the backbone's tables swapped,
+        diffusion/dynamic_shift.py) and the embedded guidance (sample.embedded_guidance)."""
+        from .diffusion import dynamic_shift
+
+        dyn, value = self.cfg.diffusion.dynamic_shift, self.cfg.sample.embedded_guidance
+        guided = [m for m in self.net.modules() if getattr(m, "guidance", None) is not None]
+        before = [m.guidance for m in guided]
+        kept = self.schedule, self._alpha, self._sigma
+        with contextlib.ExitStack() as stack:
+            if dyn.enabled:
+                shift = dynamic_shift.shift_at(dynamic_shift.tokens(self.spec.image_size), dyn)
+                df = self.cfg.diffusion
+                self.schedule = make_schedule("flow", df.T, False, shift).to(self.device)
+                self._alpha, self._sigma = self.schedule.alpha.float(), self.schedule.sigma.float()
+                stack.enter_context(dynamic_shift.retabled(self.net, self.schedule))
+            try:
+                if value is not None:
+                    for m in guided:
+                        m.guidance = float(value)
+                yield
+            finally:
+                for m, g in zip(guided, before):
+                    m.guidance = g
+                self.schedule, self._alpha, self._sigma = kept
 
     def _generate(self, n, labels, seed, steps, solver, guidance, ema, progress, eta, chunk, spacing, first_image):
         if n < 1:

@@ -177,6 +177,14 @@ def _validate(cfg: DictConfig) -> None:
         raise ConfigError(f"bad value for '{key}': {value!r} ({args.get('class_name')} trains on the flow schedule "
                           f"with flow prediction: diffusion.schedule=flow diffusion.prediction=flow, and SD3's "
                           f"diffusion.flow_shift=3.0; a pretrained pipeline's scheduler sets them)")
+    dyn, dynamic = d.dynamic_shift, MODELS.get(cfg.model.name).dynamic_shift
+    if dyn.enabled and not (dynamic is not None and dynamic(args)):
+        raise ConfigError(f"bad value for 'diffusion.dynamic_shift.enabled': True (a resolution-dependent shift at "
+                          f"sampling is implemented for FluxTransformer2DModel runs, not model.name={cfg.model.name} "
+                          f"{args.get('class_name') or ''})".replace(" )", ")"))
+    if dyn.max_image_seq_len <= dyn.base_image_seq_len:
+        raise ConfigError(f"bad value for 'diffusion.dynamic_shift.max_image_seq_len': {dyn.max_image_seq_len} (it "
+                          f"must exceed base_image_seq_len = {dyn.base_image_seq_len})")
     with _Key("data"):
         data.check(cfg.data)  # its own rules (a folder needs data.root, ...), naming the key
     if data.traits.needs_root:

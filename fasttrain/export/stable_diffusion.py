@@ -137,26 +137,30 @@ def export_text(run: str, out: Path, b, ema: bool) -> dict:
 
 def export_lora(run: str, out: Path, b, ema: bool) -> dict:
     """OUT/pytorch_lora_weights.safetensors: a LoRA run's adapter in diffusers' format, written by the
-    pipeline class's own `save_lora_weights` (as diffusers' train_text_to_image_lora.py, and for SD3's
-    transformer as train_dreambooth_lora_sd3.py), which `pipe.load_lora_weights(OUT)` applies to the base
-    pipeline the run was trained on."""
+    pipeline class's own `save_lora_weights` (as diffusers' train_text_to_image_lora.py, and for SD3's and
+    Flux's transformers as train_dreambooth_lora_sd3.py and train_dreambooth_lora_flux.py), which
+    `pipe.load_lora_weights(OUT)` applies to the base pipeline the run was trained on."""
     diffusers = optional.diffusers("export --to lora")
     from diffusers.utils import convert_state_dict_to_diffusers
 
+    from . import flux as export_flux
     from . import sd3 as export_sd3
 
     if not lora.identity(b.net):
         raise InvalidInput(f"{run} was not trained with LoRA (model.lora.rank=0): it has no adapter to export; "
                            f"export the whole pipeline with --to diffusers")
-    sd3 = export_sd3.is_sd3(b)
-    if sd3:
+    flux = export_flux.is_flux(b)
+    sd3 = export_sd3.is_sd3(b) or flux  # a transformer whose peft names are saved as they are
+    if flux:
+        why = export_flux.refusal(b)
+    elif sd3:
         why = export_sd3.refusal(b)
     else:
-        why = refusal(b) if b.spec.text else ("LoRA weights are exported for SD / SDXL pipelines and SD3 "
-                                              "pipelines (text runs)")
+        why = refusal(b) if b.spec.text else ("LoRA weights are exported for SD / SDXL, SD3 and Flux pipelines "
+                                              "(text runs)")
     if why:
         raise InvalidInput(f"{run} cannot be exported as LoRA weights: {why}")
-    name = "StableDiffusion3Pipeline" if sd3 else PIPELINES[b.spec.text["family"]]
+    name = export_flux.PIPELINE if flux else "StableDiffusion3Pipeline" if sd3 else PIPELINES[b.spec.text["family"]]
     part = "transformer" if sd3 else "unet"  # the save_lora_weights argument: {part}_lora_layers
     with b.averaged(ema) as net:
         model = net.net.model

@@ -19,8 +19,10 @@ from ..registry import Registry, discover
 # recorded: the arguments a checkpoint's config records that a resumed run takes from it when the
 # command line does not give them (a convention older checkpoints used, a pretrained architecture);
 # text(args) -> bool: whether the network these arguments build is conditioned on text (captioned data);
-# flow(args) -> bool: whether it trains on the flow schedule only, taking its σ table (`flow_sigma`: SD3)
-MODELS = Registry("model", defaults={"check": None, "complete": None, "recorded": (), "text": None, "flow": None})
+# flow(args) -> bool: whether it trains on the flow schedule only, taking its σ table (`flow_sigma`: SD3);
+# dynamic_shift(args) -> bool: whether it samples with a resolution-dependent flow shift (Flux)
+MODELS = Registry("model", defaults={"check": None, "complete": None, "recorded": (), "text": None, "flow": None,
+                                     "dynamic_shift": None})
 register = MODELS.register
 
 # False while a model is built to receive a checkpoint's weights: a factory that would read pretrained
