@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -177,6 +178,12 @@ def _validate(cfg: DictConfig) -> None:
         raise ConfigError(f"bad value for '{key}': {value!r} ({args.get('class_name')} trains on the flow schedule "
                           f"with flow prediction: diffusion.schedule=flow diffusion.prediction=flow, and SD3's "
                           f"diffusion.flow_shift=3.0; a pretrained pipeline's scheduler sets them)")
+    lc = cfg.model.lora
+    if lc.init is not None and not lc.rank:
+        raise ConfigError(f"bad value for 'model.lora.init': {lc.init!r} (a LoRA file starts an adapter: set "
+                          f"model.lora.rank, and model.lora.alpha, to the file's)")
+    if lc.init is not None and not Path(lc.init).exists():
+        raise ConfigError(f"bad value for 'model.lora.init': {lc.init!r} (no such file)")
     dyn, dynamic = d.dynamic_shift, MODELS.get(cfg.model.name).dynamic_shift
     if dyn.enabled and not (dynamic is not None and dynamic(args)):
         raise ConfigError(f"bad value for 'diffusion.dynamic_shift.enabled': True (a resolution-dependent shift at "

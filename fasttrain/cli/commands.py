@@ -367,6 +367,11 @@ def _export(args) -> int:
 
     check_output(args.out, "the export folder", _reads(args, ModelBundle.load(args.run, vae=args.vae)))
     res = export_diffusers(args.run, args.out, vae=args.vae, ema=not args.raw, to=args.to)
+    if args.to == "kohya":
+        print(f"wrote {res['out']} ({res['tensors']} tensors in sd-scripts' names, {res['pipeline']}, {res['weights']} "
+              f"weights of step {res['step']}): ComfyUI / AUTOMATIC1111 / sd-scripts load it, and "
+              f"diffusers' pipe.load_lora_weights({res['out']!r}) on {res['base']!r}")
+        return 0
     if args.to == "lora":
         print(f"wrote {res['out']}/pytorch_lora_weights.safetensors ({res['tensors']} tensors, {res['weights']} "
               f"weights of step {res['step']}); apply it with {res['pipeline']}.from_pretrained({res['base']!r})"

@@ -183,9 +183,12 @@ def _refuse_patched_export(pretrained: str, subfolder: str) -> None:
 
 
 def check(image_size: int, class_name: str = "UNet2DModel", config: dict | None = None, pretrained: str = "",
-          subfolder: str = "", **_) -> None:
+          subfolder: str = "", guidance: float | None = None, **_) -> None:
     """Structural needs, checked when the run is configured (configure.py)."""
     kind = _kind(class_name)
+    if guidance is not None and kind.network is None:
+        raise InvalidInput(f"model.args.guidance={guidance}: a guidance embedding's input is a guidance-distilled "
+                           f"FluxTransformer2DModel's (guidance_embeds), not a {class_name}'s")
     if pretrained and load_pretrained():
         _pretrained_dir(pretrained, subfolder, class_name)
     kind.sizes(image_size, config if isinstance(config, dict) else {})
@@ -283,16 +286,13 @@ def build(in_channels: int, image_size: int, num_classes: int = 0, out_channels:
     (data/captioned.py: the encoders' width, length, pooled width, micro-conditions) for a text class.
     `flow_sigma`: the run's flow σ table (bundle.py passes it to the flow classes). `guidance`: the value a
     guidance-distilled Flux transformer's guidance embedding is fed in training (models/flux.py)."""
-    check(image_size, class_name, config, pretrained, subfolder)
+    check(image_size, class_name, config, pretrained, subfolder, guidance)
     kind = KINDS[class_name]
     if kind.text != (text is not None):
         raise InvalidInput(f"model.args.class_name={class_name} is conditioned on "
                            f"{'text' if kind.text else 'class labels'}, the data are "
                            f"{'captioned' if text is not None else 'not captioned'} (captioned data train a "
                            f"UNet2DConditionModel; others UNet2DModel or DiTTransformer2DModel)")
-    if guidance is not None and kind.network is None:
-        raise InvalidInput(f"model.args.guidance={guidance}: a guidance embedding's input is a guidance-distilled "
-                           f"FluxTransformer2DModel's (guidance_embeds), not a {class_name}'s")
     user = dict(config or {})
     pre = bool(pretrained)
     if pre and "in_channels" not in user:  # built without configure.py's `complete`
