@@ -284,8 +284,8 @@ def _tables(args, setup, eq, mem, rows) -> list[str]:
               f"{args.memory_steps} steps (one thread):", "", "| weighting | loop | peak above base (MiB) |",
               "|---|---|---|"]
     lines += [f"| {m['weighting']} | {m['loop']} | {m['peak_above_base_mib']:.1f} |" for m in mem]
-    lines += ["", f"Equal noise ({args.equal_steps} steps, the same x0, ε, t): per-step loss and the UNets after "
-              "(‖Δw‖ relative to how far training moved the weights):", "",
+    lines += ["", f"Equal noise ({args.equal_steps} steps, the same x0, ε, t): per-step loss and the trained weights "
+              "after (the UNet; Flux: its adapter) (‖Δw‖ relative to how far training moved them):", "",
               "| weighting | fasttrain backend | max rel. loss diff | max abs weight diff | ‖Δw‖ / ‖w − w₀‖ |",
               "|---|---|---|---|---|"]
     for e in eq:

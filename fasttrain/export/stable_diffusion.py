@@ -141,8 +141,6 @@ def export_lora(run: str, out: Path, b, ema: bool) -> dict:
     Flux's transformers as train_dreambooth_lora_sd3.py and train_dreambooth_lora_flux.py), which
     `pipe.load_lora_weights(OUT)` applies to the base pipeline the run was trained on."""
     diffusers = optional.diffusers("export --to lora")
-    from diffusers.utils import convert_state_dict_to_diffusers
-
     from . import flux as export_flux
     from . import sd3 as export_sd3
 
@@ -164,9 +162,11 @@ def export_lora(run: str, out: Path, b, ema: bool) -> dict:
     part = "transformer" if sd3 else "unet"  # the save_lora_weights argument: {part}_lora_layers
     with b.averaged(ema) as net:
         model = net.net.model
-        state = lora.adapter_state(model)  # SD3's script saves peft's names as they are; the UNet's convert
-        layers = {k: v.detach().clone().contiguous() for k, v in
-                  (state if sd3 else convert_state_dict_to_diffusers(state)).items()}
+        state = lora.adapter_state(model)
+        # peft's names as they are, for UNets too: diffusers 0.42's loader reads the older lora.down spelling
+        # (convert_state_dict_to_diffusers, train_text_to_image_lora.py) of an adapter on attention and resnet
+        # layers without its attention modules (tests/test_kohya.py)
+        layers = {k: v.detach().clone().contiguous() for k, v in state.items()}
         meta = model.peft_config["default"].to_dict()
     cls = getattr(diffusers, name)
     kwargs = {f"{part}_lora_layers": layers, "safe_serialization": True}
