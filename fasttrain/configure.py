@@ -136,7 +136,7 @@ def _validate(cfg: DictConfig) -> None:
     from .diffusion import schedule as make_schedule
     from .diffusion.objective import objective_class
     from .diffusion.solvers import SOLVERS, check_options
-    from .models import MODELS, is_image_model
+    from .models import MODELS, is_image_model, load_pretrained
 
     for key, allowed in choices().items():
         value = OmegaConf.select(cfg, key)
@@ -182,7 +182,7 @@ def _validate(cfg: DictConfig) -> None:
     if lc.init is not None and not lc.rank:
         raise ConfigError(f"bad value for 'model.lora.init': {lc.init!r} (a LoRA file starts an adapter: set "
                           f"model.lora.rank, and model.lora.alpha, to the file's)")
-    if lc.init is not None and not Path(lc.init).exists():
+    if lc.init is not None and load_pretrained() and not Path(lc.init).exists():  # a resumed run does not read it
         raise ConfigError(f"bad value for 'model.lora.init': {lc.init!r} (no such file)")
     dyn, dynamic = d.dynamic_shift, MODELS.get(cfg.model.name).dynamic_shift
     if dyn.enabled and not (dynamic is not None and dynamic(args)):

@@ -4,6 +4,7 @@ layouts, independently of fasttrain/pretrained/kohya.py); diffusers' load_lora_w
 the outputs of the diffusers-format file; `model.lora.init=FILE` (either format) starts a run from a LoRA file
 with its outputs at step 0, and a file that does not fit the config is refused in one line."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -353,9 +354,10 @@ def test_text_encoder_adapters_join_the_file_under_lora_te(sd1):
 
 
 # -- model.lora.init ------------------------------------------------------------------------------------------
-def _init_cfg(sd1, run, *more):
+def _init_cfg(sd1, run, *more, resume=False):
     return load_config("default", [f"run_dir={run}", "train.steps=2", f"data.root={sd1['lat']}",
-                                   f"model.args.pretrained={sd1['pipe']}", *TRAIN, *LORA, SD1_TARGETS, *more])
+                                   f"model.args.pretrained={sd1['pipe']}", *TRAIN, *LORA, SD1_TARGETS, *more],
+                       resume=resume)
 
 
 def _same_at_step_0(source_run, trainer, shape, prompts=("a red square", "a blue circle")):
@@ -379,6 +381,15 @@ def test_init_from_a_lora_file_gives_its_outputs_and_trains_on(sd1, tmp_path, fm
         trainer.close()
     assert err <= 1e-6 * max(1.0, size)
     train(_init_cfg(sd1, tmp_path / "again", f"model.lora.init={sd1[fmt]}"))
+    # stopped after 1 step and resumed without the file (the checkpoint holds the adapter): the same run
+    copy = tmp_path / "copy"
+    (shutil.copytree if sd1[fmt].is_dir() else shutil.copy)(sd1[fmt], copy)
+    train(_init_cfg(sd1, tmp_path / "parts", f"model.lora.init={copy}", "train.steps=1"))
+    shutil.rmtree(copy) if copy.is_dir() else copy.unlink()
+    train(_init_cfg(sd1, tmp_path / "parts", f"model.lora.init={copy}", resume=True), resume=True)
+    losses = [[r["loss"] for r in map(json.loads, (tmp_path / x / "metrics.jsonl").read_text().splitlines())
+               if "loss" in r] for x in ("again", "parts")]
+    assert len(losses[0]) == 2 and losses[0] == losses[1]
     st = torch.load(tmp_path / "again" / "last.pt", weights_only=True)
     assert st["lora"]["init"]["format"] == ("kohya" if fmt == "kohya" else "diffusers") and st["lora"]["init"]["sha256"]
     src = torch.load(sd1["run"] / "last.pt", weights_only=True)["ema"]["shadow"]

@@ -154,8 +154,8 @@ def export_lora(run: str, out: Path, b, ema: bool) -> dict:
     elif sd3:
         why = export_sd3.refusal(b)
     else:
-        why = refusal(b) if b.spec.text else ("LoRA weights are exported for SD / SDXL, SD3 and Flux pipelines "
-                                              "(text runs)")
+        why = refusal(b) if b.spec.text else ("LoRA weights are exported for SD / SDXL pipelines, SD3 and Flux "
+                                              "pipelines (text runs)")
     if why:
         raise InvalidInput(f"{run} cannot be exported as LoRA weights: {why}")
     name = export_flux.PIPELINE if flux else "StableDiffusion3Pipeline" if sd3 else PIPELINES[b.spec.text["family"]]

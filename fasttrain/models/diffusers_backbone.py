@@ -13,6 +13,7 @@ without the pretrained folder; its weights are read only when a run starts.
 
     model.args.class_name=UNet2DConditionModel model.args.pretrained=PIPE model.args.subfolder=unet  # text
     model.args.class_name=SD3Transformer2DModel model.args.pretrained=PIPE model.args.subfolder=transformer
+    model.args.class_name=FluxTransformer2DModel ...    # models/flux.py, registered here (`register_kind`)
 
 A UNet2DConditionModel (SD 1.x/2.x; SDXL with added_cond_kwargs) trains on captioned data: its text
 inputs are gathered from the run's cached encodings (conditioning.TextTable), the data decide its
