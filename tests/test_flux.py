@@ -94,6 +94,29 @@ def test_dynamic_shift_is_flux_pipelines_and_training_is_unshifted():
     assert dynamic_shift.shift_at(4096, dyn) == pytest.approx(2.718281828 ** 1.15, rel=1e-6)
 
 
+def test_the_scripts_timestep_densities_are_fasttrains_samplers_mirrored():
+    """train_dreambooth_lora_flux.py's --weighting_scheme logit_normal / mode draws u, index (u·T).long() into the
+    scheduler's descending timesteps (σ = (T − index)/T, fasttrain's t = T − 1 − index): the same distribution as
+    fasttrain's logit_normal with mean −m (the docs' mapping) and mode with the same scale; +m, or another
+    scale, is not (the comparison can fail)."""
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    from fasttrain.diffusion.samplers import LogitNormal, Mode
+
+    sched, n = schedule("flow", 1000), 200_000
+    cases = [("logit_normal", {"logit_mean": 0.7, "logit_std": 1.3}, LogitNormal(sched, mean=-0.7, std=1.3),
+              LogitNormal(sched, mean=0.7, std=1.3)),
+             ("mode", {"mode_scale": 1.29}, Mode(sched, scale=1.29), Mode(sched, scale=0.5))]
+    for scheme, kw, ours, other in cases:
+        u = compute_density_for_timestep_sampling(weighting_scheme=scheme, batch_size=n,
+                                                  **{"logit_mean": 0.0, "logit_std": 1.0, "mode_scale": 1.29, **kw},
+                                                  generator=torch.Generator().manual_seed(0))
+        t = 999 - (u * 1000).long()
+        cdf = torch.bincount(t, minlength=1000).double().cumsum(0) / n
+        assert float((cdf - ours.probs().cumsum(0)).abs().max()) < 0.006, scheme  # Kolmogorov-Smirnov distance
+        assert float((cdf - other.probs().cumsum(0)).abs().max()) > 0.05, scheme
+
+
 def test_flux_trains_resumes_exactly_and_flux_pipeline_makes_its_samples(flux, tmp_path):
     """Full fine-tune: 2 steps + resume to 3 = 3 straight; `fasttrain sample --prompt` runs; the FluxPipeline
     export (dynamic shift, embedded guidance, true CFG) makes fasttrain's latents to 1e-4, with its default

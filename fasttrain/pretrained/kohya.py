@@ -25,8 +25,10 @@ lora_te1 / lora_te3 (Flux's CLIP-L / T5). The module paths are those of the mode
 A fused module's parts (diffusers' separate Linears with their own LoRA each) are written as sd-scripts'
 `split_qkv` saves them (lora_flux.py LoRANetwork.state_dict): the parts' downs stacked [P·r, in], the ups
 block-diagonal [Σ out, P·r] (a part without an adapter contributes zero blocks). The product is exactly the
-parts' updates side by side; every reader (sd-scripts, ComfyUI, diffusers' _convert_kohya_flux_lora_to_diffusers)
-scales it by alpha / (the file's rank, P·r), so the file's alpha is P·alpha to keep the trained scale alpha / r.
+parts' updates side by side; the readers (ComfyUI's alpha / mat2.shape[0], diffusers'
+_convert_kohya_flux_lora_to_diffusers, sd-scripts' create_network_from_weights) scale it by alpha / (the file's
+rank, P·r), so the file's alpha is P·alpha to keep the trained scale alpha / r. (sd-scripts' own split_qkv save
+keeps the parts' alpha, lora_flux.py state_dict, so its files read at 1/P of their trained scale there.)
 Read back (`from_kohya`), such a module is split into its parts again; a dense fused module of rank r (sd-scripts
 without split_qkv: one down shared by the parts) becomes each part's LoRA with that down and its rows of the up.
 """
