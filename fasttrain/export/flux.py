@@ -48,9 +48,9 @@ def is_flux(bundle) -> bool:
 def refusal(b) -> str | None:
     """Why this Flux run has no FluxPipeline (None: it has one)."""
     lat = b.spec.latents
-    if not lat or b.codec is None:
+    if not lat or b.decoder.codec is None:
         return "FluxPipeline decodes VAE latents, and the run's VAE is not available (pass --vae)"
-    vae = b.codec.vae.config
+    vae = b.decoder.codec.vae.config
     scale, shift = float(vae.scaling_factor), float(vae.get("shift_factor") or 0.0)
     if any(abs(s - shift) > 1e-6 for s in lat["shift"]) or any(abs(s - scale) > 1e-6 * scale for s in lat["scale"]):
         return "FluxPipeline decodes latents as z / scaling_factor + shift_factor: train with data.latent_norm=vae"
@@ -77,7 +77,7 @@ def verify(b, backbone, transformer) -> float:
 
     net = copy.deepcopy(backbone).double().eval()
     hf = copy.deepcopy(transformer).double().eval()
-    table = b.prompt_table(["a", ""], "").to("cpu")
+    table = b.prompts.table(["a", ""], "").to("cpu")
     g = torch.Generator().manual_seed(0)
     T = b.schedule.T
     x = torch.randn((3,) + tuple(b.spec.shape), generator=g, dtype=torch.float64)
@@ -92,7 +92,7 @@ def verify(b, backbone, transformer) -> float:
              guidance=guidance, pooled_projections=rows["pooled"], encoder_hidden_states=rows["states"],
              txt_ids=torch.zeros(rows["states"].shape[1], 3, dtype=torch.float64),
              img_ids=FluxPipeline._prepare_latent_image_ids(3, h // 2, w // 2, "cpu", torch.float64)).sample
-    vae_scale = 2 ** (len(b.codec.vae.config.block_out_channels) - 1)
+    vae_scale = 2 ** (len(b.decoder.codec.vae.config.block_out_channels) - 1)
     out = FluxPipeline._unpack_latents(out, h * vae_scale, w * vae_scale, vae_scale)
     err = float((a - out).abs().max())
     if not err <= 1e-6 * max(1.0, float(a.abs().max())):
@@ -111,7 +111,7 @@ def embedded_guidance(b) -> float | None:
 def card(run: str, b, ema: bool) -> str:
     sc, df = b.cfg.sample, b.cfg.diffusion
     steps, guidance = int(sc.steps), float(sc.guidance)
-    side = b.spec.image_size * 2 ** (len(b.codec.vae.config.block_out_channels) - 1)
+    side = b.spec.image_size * 2 ** (len(b.decoder.codec.vae.config.block_out_channels) - 1)
     embedded = embedded_guidance(b)
     dyn = df.dynamic_shift
     shift = (f"the resolution-dependent shift of FLUX.1-dev's scheduler (base_shift {dyn.base_shift}, max_shift "
@@ -140,9 +140,11 @@ default linspace(1, 1/n, n) when n divides T; the scheduler shifts them).
 """
 
 
-def export_flux(run: str, out: Path, b, ema: bool, written) -> dict:
-    """Write the FluxPipeline folder `out` (empty or absent) for the Flux run `b`; `written`: the context that
-    removes a half-written folder (dispatch.written_whole)."""
+def export_flux(run: str, out: Path, b, ema: bool) -> dict:
+    """Write the FluxPipeline folder `out` (empty or absent) for the Flux run `b`, whole or not at all
+    (common.written_whole)."""
+    from .common import written_whole
+
     diffusers = optional.diffusers("export --to diffusers")
     why = refusal(b)
     if why:
@@ -153,11 +155,11 @@ def export_flux(run: str, out: Path, b, ema: bool, written) -> dict:
             transformer = lora.merged(transformer)
         err = verify(b, net.net, transformer)
     sched = scheduler(b)
-    enc = b.encoders
-    pipe = diffusers.FluxPipeline(transformer=transformer, scheduler=sched, vae=b.codec.vae,
+    enc = b.prompts.encoders
+    pipe = diffusers.FluxPipeline(transformer=transformer, scheduler=sched, vae=b.decoder.codec.vae,
                                   text_encoder=enc.encoders[0], tokenizer=enc.tokenizers[0],
                                   text_encoder_2=enc.encoders[1], tokenizer_2=enc.tokenizers[1])
-    with written(out):
+    with written_whole(out):
         pipe.save_pretrained(out)
         index = json.loads((out / "model_index.json").read_text())
         (out / "README.md").write_text(card(run, b, ema))

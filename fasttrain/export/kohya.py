@@ -23,9 +23,11 @@ VERSIONS = {"sd1": "sd_v1", "sdxl": "sdxl_base_v1-0", "flux": "flux1"}
 MODULES = {"sd1": "networks.lora", "sdxl": "networks.lora", "flux": "networks.lora_flux"}
 
 
-def export_kohya(run: str, out: Path, b, ema: bool, written) -> dict:
-    """Write OUT/<run name>.safetensors for the LoRA run `b` (`written`: dispatch.written_whole)."""
+def export_kohya(run: str, out: Path, b, ema: bool) -> dict:
+    """Write OUT/<run name>.safetensors for the LoRA run `b`."""
     from safetensors.torch import save_file
+
+    from .common import written_whole
 
     if not lora.identity(b.net):
         raise InvalidInput(f"{run} was not trained with LoRA (model.lora.rank=0): it has no adapter to export "
@@ -47,7 +49,7 @@ def export_kohya(run: str, out: Path, b, ema: bool, written) -> dict:
     if folder.is_file() or folder.name == "dcp":  # RUN/last.pt, RUN/dcp: named after RUN
         folder = folder.parent
     path = out / f"{folder.name or 'lora'}.safetensors"
-    with written(out):
+    with written_whole(out):
         save_file(tensors, str(path), metadata=meta)
     return {"out": str(path), "pipeline": f"kohya ({family})", "network": "LoRA", "scheduler": "-", "vae": False,
             "max_abs_diff": 0.0, "step": b.step, "weights": "ema" if ema else "raw", "remote_code": False,

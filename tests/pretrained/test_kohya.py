@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 from flux_fixtures import FLUX, save_flux
-from test_text_to_image import TRAIN, _prepare
 from text_fixtures import UNET, save_sd1, save_sdxl
+from text_runs import FLUX_TRAIN, TRAIN, prepare
 
 from fasttrain.bundle import ModelBundle
 from fasttrain.cli import main
@@ -215,7 +215,7 @@ def sd1(tmp_path_factory):
     """A tiny SD 1.x LoRA run, and its exports in both formats."""
     root = tmp_path_factory.mktemp("kohya-sd1")
     pipe = save_sd1(root / "pipe")
-    lat = _prepare(root, pipe)
+    lat = prepare(root, pipe)
     run = root / "run"
     train(load_config("default", [f"run_dir={run}", "train.steps=2", f"data.root={lat}",
                                   f"model.args.pretrained={pipe}", *TRAIN, *LORA, SD1_TARGETS]))
@@ -364,7 +364,7 @@ def _same_at_step_0(source_run, trainer, shape, prompts=("a red square", "a blue
     src = ModelBundle.load(source_run, device="cpu")
     g = torch.Generator().manual_seed(0)
     x, t, y = torch.randn((3,) + shape, generator=g), torch.tensor([5, 500, 990]), torch.tensor([0, 1, 2])
-    table = src.prompt_table(list(prompts), "")
+    table = src.prompts.table(list(prompts), "")
     with torch.no_grad(), src.averaged(True) as net, using(net, table), using(trainer.model, table):
         a, b = net(x, t, y), trainer.model(x, t, y)
     return float((a - b).abs().max()), float(a.abs().max())
@@ -428,7 +428,6 @@ def test_init_refuses_files_that_do_not_fit_in_one_line(sd1, tmp_path):
 def test_flux_init_from_its_kohya_file_splits_the_fused_modules(tmp_path):
     """A Flux LoRA run on to_q/to_k/to_v/to_out.0 (both kinds of block: the single blocks' q, k, v fused with
     proj_mlp into linear1), exported in kohya's format and read back by model.lora.init: its outputs at step 0."""
-    from test_flux import TRAIN as FLUX_TRAIN
     from text_fixtures import write_captioned
 
     pipe = save_flux(tmp_path / "pipe")

@@ -9,6 +9,7 @@ import pytest
 import torch
 from flux_fixtures import DEV_SCHEDULER, FLUX, save_flux
 from text_fixtures import write_captioned
+from text_runs import FLUX_TRAIN as TRAIN
 
 from fasttrain.bundle import ModelBundle
 from fasttrain.cli import main
@@ -22,11 +23,6 @@ from fasttrain.train import train
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-TRAIN = ["data.name=captioned_latents", "data.batch_size=4", "train.threads=1", "train.progress=false",
-         "model.name=diffusers", "model.args.class_name=FluxTransformer2DModel", "model.args.subfolder=transformer",
-         "sample.num=0", "sample.steps=3", "sample.solver=flow_euler", "eval.num_samples=0", "eval.bpd=false",
-         "train.log_every=1", "train.ckpt_every=0", "optim.warmup_steps=1", "data.latent_norm=vae",
-         "diffusion.weighting=simple", "sample.prompts=[a red square,a blue circle]"]
 PROMPTS = ["a red square", "a blue circle"]
 
 
