@@ -161,8 +161,9 @@ class DynamicShiftConfig:
                        "packed image tokens from base_shift at base_image_seq_len to max_shift at max_image_seq_len "
                        "(FluxPipeline); training keeps diffusion.flow_shift (1.0, as diffusers' Flux script); a "
                        "pipeline's scheduler sets these keys")
-    base_shift: float = _f(0.5, "mu at base_image_seq_len tokens", finite=True)
-    max_shift: float = _f(1.15, "mu at max_image_seq_len tokens", finite=True)
+    # |mu| <= 10: shifts from e^-10 to e^10 (FLUX.1-dev: 0.5 and 1.15); a wider mu only saturates the schedule
+    base_shift: float = _f(0.5, "mu at base_image_seq_len tokens", min=-10, max=10)
+    max_shift: float = _f(1.15, "mu at max_image_seq_len tokens", min=-10, max=10)
     base_image_seq_len: int = _f(256, "image tokens where mu is base_shift", min=1)
     max_image_seq_len: int = _f(4096, "image tokens where mu is max_shift", min=2)
     time_shift_type: str = _f("exponential", "exponential: shift exp(mu) | linear: shift mu (the scheduler's "
