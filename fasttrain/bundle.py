@@ -27,7 +27,7 @@ from .diffusion.samplers import SAMPLERS
 from .diffusion.schedule import from_config as schedule_of
 from .generation import sampling
 from .generation.prompts import RunPrompts
-from .models import MODELS, build_model, weights_from_checkpoint
+from .models import MODELS, build_model, load_pretrained, weights_from_checkpoint
 from .optim.ema import EMA
 from .pretrained import lora
 from .pretrained.vae import LatentDecoder
@@ -49,11 +49,12 @@ def build_network(cfg: DictConfig, spec: DataSpec) -> Denoiser:
     if flow is not None and flow(args):  # SD3: its time input is the (shifted) flow σ_t·T
         args["flow_sigma"] = sched.sigma
     adapted = lora.enabled(cfg)
+    fresh = load_pretrained()  # a new run's network (not one a checkpoint's weights will replace)
     with lora.base_weights() if adapted else contextlib.nullcontext():  # a LoRA checkpoint holds no base weights
         net = build_model(cfg.model.name, in_channels=spec.channels, image_size=spec.image_size,
                           num_classes=spec.num_classes, **args)
     if adapted:
-        lora.apply(net, cfg)
+        lora.apply(net, cfg, init=fresh)  # model.lora.init: read only for a new run
     return Denoiser(net, kind.output_head(df, sched), sched, learned_weighting=df.learned_weighting,
                     gate_heads=kind.gate_heads(df), logvar_layer=df.logvar_layer,
                     logvar_seed=seeds.derive(cfg.train.seed, "logvar"))

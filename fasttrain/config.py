@@ -96,6 +96,9 @@ class LoraConfig:
     target_modules: List[str] = _f(["to_k", "to_q", "to_v", "to_out.0"],
                                    "module names the adapters wrap (default: the attention projections, as diffusers' "
                                    "LoRA scripts)", min_items=1)
+    init: Optional[str] = _f(None, "start the adapter from this LoRA file: diffusers' pytorch_lora_weights.safetensors "
+                             "or a kohya/webui .safetensors (lora_unet_… keys with .alpha); its rank, alpha and "
+                             "adapted modules must be this config's (sd-scripts --network_weights)")
     base_dtype: str = _f("auto", "dtype the frozen base is held in while training: auto is bf16 on CUDA (as "
                          "diffusers' LoRA scripts cast the frozen UNet to the mixed-precision dtype), fp32 on CPU; the "
                          "adapter, its optimizer state, EMA and checkpoints stay fp32; sampling and export read "
@@ -164,12 +167,29 @@ class LossConfig:
 
 
 @dataclass
+class DynamicShiftConfig:
+    enabled: bool = _f(False, "sample with the resolution-dependent flow shift of a FlowMatchEulerDiscreteScheduler "
+                       "with use_dynamic_shifting (FLUX.1-dev): shift exp(mu) (or mu, type linear), mu linear in the "
+                       "packed image tokens from base_shift at base_image_seq_len to max_shift at max_image_seq_len "
+                       "(FluxPipeline); training keeps diffusion.flow_shift (1.0, as diffusers' Flux script); a "
+                       "pipeline's scheduler sets these keys")
+    # |mu| <= 10: shifts from e^-10 to e^10 (FLUX.1-dev: 0.5 and 1.15); a wider mu only saturates the schedule
+    base_shift: float = _f(0.5, "mu at base_image_seq_len tokens", min=-10, max=10)
+    max_shift: float = _f(1.15, "mu at max_image_seq_len tokens", min=-10, max=10)
+    base_image_seq_len: int = _f(256, "image tokens where mu is base_shift", min=1)
+    max_image_seq_len: int = _f(4096, "image tokens where mu is max_shift", min=2)
+    time_shift_type: str = _f("exponential", "exponential: shift exp(mu) | linear: shift mu (the scheduler's "
+                              "time_shift_type)", choices=("exponential", "linear"))
+
+
+@dataclass
 class DiffusionConfig:
     schedule: str = _f("linear", "the noise schedule")
     T: int = _f(1000, "number of discrete timesteps", min=2, max=100_000)
     zero_terminal_snr: bool = _f(False, "rescale a VP schedule to SNR = 0 at t = T-1 (Lin et al. 2024)")
     flow_shift: float = _f(1.0, "the flow schedule's time shift σ' = shift·σ/(1+(shift-1)·σ) (SD3: 3.0; 1: none)",
                              above=0)
+    dynamic_shift: DynamicShiftConfig = field(default_factory=DynamicShiftConfig)
     prediction: str = _f("eps", "what the network predicts (mixed: several heads and a gate, see diffusion.mixed)")
     weighting: str = _f("min_snr", "loss weighting, defined in x0 space")
     weighting_args: Dict[str, Any] = _f({}, "arguments of the weighting, e.g. diffusion.weighting_args.gamma=5")
@@ -233,6 +253,9 @@ class SampleConfig:
     prompts: List[str] = _f([], "text runs: the prompts of the in-run sample grids (diffusers --validation_prompts; "
                             "default: the data's first captions)", min_items=0)
     negative_prompt: str = _f("", "text runs: the unconditional side of guidance (default the empty prompt)")
+    embedded_guidance: Optional[float] = _f(None, "a guidance-distilled Flux transformer's embedded guidance when "
+                                            "sampling (FluxPipeline guidance_scale; None: model.args.guidance, the "
+                                            "training value)", min=0, max=100)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -135,7 +136,7 @@ def _validate(cfg: DictConfig) -> None:
     from .diffusion.objective import objective_class
     from .diffusion.schedule import from_config as schedule_of
     from .diffusion.solvers import SOLVERS, check_options
-    from .models import MODELS, is_image_model
+    from .models import MODELS, is_image_model, load_pretrained
 
     for key, allowed in choices().items():
         value = OmegaConf.select(cfg, key)
@@ -191,6 +192,20 @@ def _validate(cfg: DictConfig) -> None:
         raise ConfigError(f"bad value for '{key}': {value!r} ({args.get('class_name')} trains on the flow schedule "
                           f"with flow prediction: diffusion.schedule=flow diffusion.prediction=flow, and SD3's "
                           f"diffusion.flow_shift=3.0; a pretrained pipeline's scheduler sets them)")
+    lc = cfg.model.lora
+    if lc.init is not None and not lc.rank:
+        raise ConfigError(f"bad value for 'model.lora.init': {lc.init!r} (a LoRA file starts an adapter: set "
+                          f"model.lora.rank, and model.lora.alpha, to the file's)")
+    if lc.init is not None and load_pretrained() and not Path(lc.init).exists():  # a resumed run does not read it
+        raise ConfigError(f"bad value for 'model.lora.init': {lc.init!r} (no such file)")
+    dyn, dynamic = d.dynamic_shift, MODELS.get(cfg.model.name).dynamic_shift
+    if dyn.enabled and not (dynamic is not None and dynamic(args)):
+        raise ConfigError(f"bad value for 'diffusion.dynamic_shift.enabled': True (a resolution-dependent shift at "
+                          f"sampling is implemented for FluxTransformer2DModel runs, not model.name={cfg.model.name} "
+                          f"{args.get('class_name') or ''})".replace(" )", ")"))
+    if dyn.max_image_seq_len <= dyn.base_image_seq_len:
+        raise ConfigError(f"bad value for 'diffusion.dynamic_shift.max_image_seq_len': {dyn.max_image_seq_len} (it "
+                          f"must exceed base_image_seq_len = {dyn.base_image_seq_len})")
     with _Key("data"):
         data.check(cfg.data)  # its own rules (a folder needs data.root, ...), naming the key
     if data.traits.needs_root:

@@ -9,6 +9,7 @@ not counted (that edge is Python's, not the code's: a package that names its sur
 from __future__ import annotations
 
 import ast
+import collections
 import textwrap
 from pathlib import Path
 
@@ -184,3 +185,10 @@ def test_every_package_has_an_init_that_names_its_modules():
             if f"{stem}.py" not in doc and f"`{stem}`" not in doc:
                 problems.append(f"{init.relative_to(ROOT)} does not name {stem}.py")
     assert not problems, "; ".join(problems)
+
+
+def test_no_two_test_files_share_a_name():
+    """pytest's default import mode keys test modules by file name (the folders have no __init__.py): two
+    tests/**/test_x.py would stop collection with "import file mismatch" whenever both are collected."""
+    names = collections.Counter(p.name for p in (ROOT / "tests").rglob("test_*.py"))
+    assert not [n for n, k in names.items() if k > 1], names.most_common(3)

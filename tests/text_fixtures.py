@@ -69,17 +69,17 @@ def write_captioned(root, n: int = 4, size=(20, 24), metadata: bool = False):
     return root
 
 
-def save_tiny_t5(path, words=WORDS, width: int = 64, seed: int = 0):
+def save_tiny_t5(path, words=WORDS, width: int = 64, seed: int = 0, subfolder: str = "_3"):
     """tokenizer_3/ (a unigram T5 tokenizer of `words` and single letters) and text_encoder_3/ (a
-    2-layer T5EncoderModel of width `width`), as an SD3 pipeline holds them."""
+    2-layer T5EncoderModel of width `width`), as an SD3 pipeline holds them (Flux: `subfolder` "_2")."""
     from transformers import T5Config, T5EncoderModel, T5Tokenizer
 
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [("▁" + w, -1.0) for w in words]
     vocab += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz▁"]
-    T5Tokenizer(vocab=vocab, extra_ids=0).save_pretrained(str(path / "tokenizer_3"))
+    T5Tokenizer(vocab=vocab, extra_ids=0).save_pretrained(str(path / f"tokenizer{subfolder}"))
     torch.manual_seed(seed)
     cfg = T5Config(vocab_size=len(vocab), d_model=width, d_kv=16, d_ff=2 * width, num_layers=2, num_heads=4)
-    T5EncoderModel(cfg).save_pretrained(str(path / "text_encoder_3"))
+    T5EncoderModel(cfg).save_pretrained(str(path / f"text_encoder{subfolder}"))
     return path
 
 

@@ -1,5 +1,6 @@
 """What the text-run tests share (tests/pretrained/test_text_to_image.py, tests/export/test_export_sd.py,
-tests/pretrained/test_lora.py, tests/distributed/test_text_ranks.py): the tiny text run's settings, a captioned
+tests/pretrained/test_lora.py, tests/distributed/test_text_ranks.py, tests/export/test_flux.py,
+tests/pretrained/test_kohya.py): the tiny text run's settings (a Flux run's: FLUX_TRAIN), a captioned
 folder prepared with a local pipeline's VAE and text encoders, and the check that a stock pipeline makes
 fasttrain's samples."""
 import torch
@@ -14,6 +15,15 @@ TRAIN = ["data.name=captioned_latents", "data.batch_size=4", "train.threads=1", 
          "model.name=diffusers", "model.args.class_name=UNet2DConditionModel", "model.args.subfolder=unet",
          "sample.num=2", "sample.steps=2", "eval.num_samples=0", "eval.bpd=false", "train.log_every=1",
          "train.ckpt_every=0", "optim.warmup_steps=1"]
+
+
+# a tiny Flux run (tests/flux_fixtures.py's folder)
+FLUX_TRAIN = ["data.name=captioned_latents", "data.batch_size=4", "train.threads=1", "train.progress=false",
+              "model.name=diffusers", "model.args.class_name=FluxTransformer2DModel",
+              "model.args.subfolder=transformer", "sample.num=0", "sample.steps=3", "sample.solver=flow_euler",
+              "eval.num_samples=0", "eval.bpd=false", "train.log_every=1", "train.ckpt_every=0",
+              "optim.warmup_steps=1", "data.latent_norm=vae", "diffusion.weighting=simple",
+              "sample.prompts=[a red square,a blue circle]"]
 
 
 def prepare(root, pipe, name="lat", **kw):

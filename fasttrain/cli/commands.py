@@ -152,9 +152,11 @@ def _parser() -> argparse.ArgumentParser:
 
     ex = sub.add_parser("export", help="write a run as a pipeline folder of another library (diffusers)")
     ex.add_argument("run", help="run directory, checkpoint file or DCP folder")
-    ex.add_argument("--to", required=True, choices=("diffusers", "lora"),
-                    help="the library: diffusers (a pipeline folder), or lora (a LoRA run's adapter as "
-                         "pytorch_lora_weights.safetensors for pipe.load_lora_weights)")
+    ex.add_argument("--to", required=True, choices=("diffusers", "lora", "kohya"),
+                    help="the library: diffusers (a pipeline folder), lora (a LoRA run's adapter as "
+                         "pytorch_lora_weights.safetensors for pipe.load_lora_weights), or kohya (the adapter as one "
+                         "OUT/<run name>.safetensors in sd-scripts' lora_unet_… names with .alpha: ComfyUI, "
+                         "AUTOMATIC1111/Forge, sd-scripts)")
     ex.add_argument("out", help="the pipeline folder to write (new or empty)")
     ex.add_argument("--vae", default=None, help="latent runs: the VAE to ship (default: the recorded one)")
     ex.add_argument("--raw", action="store_true", help="export the raw weights instead of the EMA")
@@ -304,6 +306,11 @@ def _export(args) -> int:
 
     check_output(args.out, "the export folder", checkpoint_reads(args, ModelBundle.load(args.run, vae=args.vae)))
     res = export_diffusers(args.run, args.out, vae=args.vae, ema=not args.raw, to=args.to)
+    if args.to == "kohya":
+        print(f"wrote {res['out']} ({res['tensors']} tensors in sd-scripts' names, {res['pipeline']}, {res['weights']} "
+              f"weights of step {res['step']}): ComfyUI / AUTOMATIC1111 / sd-scripts load it, and "
+              f"diffusers' pipe.load_lora_weights({res['out']!r}) on {res['base']!r}")
+        return 0
     if args.to == "lora":
         print(f"wrote {res['out']}/pytorch_lora_weights.safetensors ({res['tensors']} tensors, {res['weights']} "
               f"weights of step {res['step']}); apply it with {res['pipeline']}.from_pretrained({res['base']!r})"

@@ -9,7 +9,8 @@
 The modules, one concept each:
   `schedule`        NoiseSchedule (α, σ, SNR tables) and its builders; `from_config` (the run's schedule)
   `prediction`      prediction types (eps, x0, v, flow): targets, conversions, c(t)
-  `weighting`       loss weights in x0 space; `debiased` and `timestep_bias` (ported weightings/samplers)
+  `weighting`       loss weights in x0 space; `debiased` and `timestep_bias` (ported weightings/samplers),
+                    `flow_weighting` (diffusers' SD3/Flux weights on the velocity MSE)
   `samplers`        TimestepSampler and the plain samplers; `adaptive` + `policy` + `vlb` (the learned one)
   `stats`           TimestepStats (per-timestep statistics on the device)
   `objective`       Objective, DiffusionObjective, the OBJECTIVES registry, the kernel backend boundary
@@ -20,6 +21,7 @@ The modules, one concept each:
   `lookahead`       the hook around the optimizer step (LookAhead, Probe, x0_mse, RankSplit)
   `interference`    the cross-timestep interference diagnostic; `variation` (the loss CV)
   `solvers`         generation solvers (DDPM, DDIM, Heun, flow); `nelbo` (bits/dim)
+  `dynamic_shift`   FLUX.1-dev's resolution-dependent flow shift at sampling (mu, the shift, re-tabling)
 
 Extension points are registries (fasttrain/registry.py): a prediction type, a weighting or a timestep
 sampler is one module in this package that registers itself; every module here is imported below."""

@@ -40,7 +40,8 @@ from ..errors import InvalidInput
 from ..pretrained.scheduler_config import PREDICTION_TYPES
 from .common import check_folder, scheduler_for, written_whole
 
-FORMATS = ("diffusers", "lora")  # lora: a LoRA run's adapter (stable_diffusion.py: export_lora)
+# lora: a LoRA run's adapter (stable_diffusion.py: export_lora); kohya: the same in sd-scripts' names (kohya.py)
+FORMATS = ("diffusers", "lora", "kohya")
 PIPELINE_FILE = Path(__file__).with_name("remote_pipeline.py")
 
 
@@ -187,8 +188,14 @@ def export_diffusers(run: str, out: str, vae: str | None = None, ema: bool = Tru
     if to == "lora":
         from .stable_diffusion import export_lora
         return export_lora(run, out, b, ema)
+    if to == "kohya":  # one .safetensors in sd-scripts' key names (export/kohya.py)
+        from .kohya import export_kohya
+        return export_kohya(run, out, b, ema)
+    from .flux import export_flux, is_flux
     from .sd3 import export_sd3, is_sd3
 
+    if is_flux(b):  # FluxPipeline with its CLIP-L and T5 (flux.py)
+        return export_flux(run, out, b, ema)
     if is_sd3(b):  # StableDiffusion3Pipeline with its text encoders (sd3.py)
         return export_sd3(run, out, b, ema)
     if b.spec.text is not None:  # stock SD / SDXL pipelines with their text encoders (stable_diffusion.py)

@@ -137,32 +137,36 @@ def export_text(run: str, out: Path, b, ema: bool) -> dict:
 
 def export_lora(run: str, out: Path, b, ema: bool) -> dict:
     """OUT/pytorch_lora_weights.safetensors: a LoRA run's adapter in diffusers' format, written by the
-    pipeline class's own `save_lora_weights` (as diffusers' train_text_to_image_lora.py, and for SD3's
-    transformer as train_dreambooth_lora_sd3.py), which `pipe.load_lora_weights(OUT)` applies to the base
-    pipeline the run was trained on."""
+    pipeline class's own `save_lora_weights` (as diffusers' train_text_to_image_lora.py, and for SD3's and
+    Flux's transformers as train_dreambooth_lora_sd3.py and train_dreambooth_lora_flux.py), which
+    `pipe.load_lora_weights(OUT)` applies to the base pipeline the run was trained on."""
     diffusers = optional.diffusers("export --to lora")
-    from diffusers.utils import convert_state_dict_to_diffusers
-
-    from . import sd3
+    from . import flux, sd3
 
     if not lora.identity(b.net):
         raise InvalidInput(f"{run} was not trained with LoRA (model.lora.rank=0): it has no adapter to export; "
                            f"export the whole pipeline with --to diffusers")
-    is_sd3 = sd3.is_sd3(b)
-    if is_sd3:
+    is_flux = flux.is_flux(b)
+    transformer = sd3.is_sd3(b) or is_flux  # a transformer whose peft names are saved as they are
+    if is_flux:
+        why = flux.refusal(b)
+    elif transformer:
         why = sd3.refusal(b)
     else:
-        why = refusal(b) if b.spec.text else ("LoRA weights are exported for SD / SDXL pipelines and SD3 "
+        why = refusal(b) if b.spec.text else ("LoRA weights are exported for SD / SDXL pipelines, SD3 and Flux "
                                               "pipelines (text runs)")
     if why:
         raise InvalidInput(f"{run} cannot be exported as LoRA weights: {why}")
-    name = "StableDiffusion3Pipeline" if is_sd3 else PIPELINES[b.spec.text["family"]]
-    part = "transformer" if is_sd3 else "unet"  # the save_lora_weights argument: {part}_lora_layers
+    name = (flux.PIPELINE if is_flux else "StableDiffusion3Pipeline" if transformer
+            else PIPELINES[b.spec.text["family"]])
+    part = "transformer" if transformer else "unet"  # the save_lora_weights argument: {part}_lora_layers
     with b.averaged(ema) as net:
         model = net.net.model
-        state = lora.adapter_state(model)  # SD3's script saves peft's names as they are; the UNet's convert
-        layers = {k: v.detach().clone().contiguous() for k, v in
-                  (state if is_sd3 else convert_state_dict_to_diffusers(state)).items()}
+        state = lora.adapter_state(model)
+        # peft's names as they are, for UNets too: diffusers 0.42's loader reads the older lora.down spelling
+        # (convert_state_dict_to_diffusers, train_text_to_image_lora.py) of an adapter on attention and resnet
+        # layers without its attention modules (tests/pretrained/test_kohya.py)
+        layers = {k: v.detach().clone().contiguous() for k, v in state.items()}
         meta = model.peft_config["default"].to_dict()
     cls = getattr(diffusers, name)
     kwargs = {f"{part}_lora_layers": layers, "safe_serialization": True}

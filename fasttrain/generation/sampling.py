@@ -2,27 +2,34 @@
 guidance, clipping to the data range) and samples in chunks of bounded memory, each chunk or image seeded
 so that the results depend neither on n nor on the device. `ModelBundle.generate` and `solver_fn` call
 these; the bundle is read, never changed (its network is put in eval mode with the EMA weights swapped in
-for the call, `ModelBundle.averaged`)."""
+for the call, `ModelBundle.averaged`; a Flux run's network samples on its resolution's shifted tables and
+with its embedded guidance inside `flux_sampling`, restored after)."""
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from .. import seeds
 from ..conditioning import using
+from ..diffusion import dynamic_shift
+from ..diffusion.schedule import schedule as make_schedule
 from ..diffusion.solvers import generate as run_solver
 from ..errors import CheckpointError, InvalidInput
 
 
 def solver_fn(b, labels: torch.Tensor | None = None, guidance: float = 1.0, clip: float | None = None,
-              uncond_offset: int = 0):
+              uncond_offset: int = 0, schedule=None):
     """`denoise(x_t, t) -> (x̂0, ε̂)` for the solvers: classifier-free guidance (Ho & Salimans 2022, Eq. 6,
     on x̂0) and clipping of x̂0 to the data range (ε̂ kept consistent with it). The unconditional side is
     the null label (class runs) or, for text runs, the prompt table's last row: label + `uncond_offset`
-    (the table's row count; conditioning.py codes a row of the table as rows + row)."""
+    (the table's row count; conditioning.py codes a row of the table as rows + row). `schedule`: the one
+    sampled on (default the run's; a Flux run's shifted one, `flux_sampling`)."""
     if guidance != guidance or guidance in (float("inf"), float("-inf")):
         raise InvalidInput(f"guidance must be a finite number, got {guidance}")
     null = b.spec.num_classes if b.spec.text is None else None
-    alpha, sigma = b.schedule.alpha.float(), b.schedule.sigma.float()
+    schedule = b.schedule if schedule is None else schedule
+    alpha, sigma = schedule.alpha.float(), schedule.sigma.float()
 
     def denoise(x_t, t: int):
         tt = torch.full((x_t.shape[0],), t, device=x_t.device, dtype=torch.long)
@@ -54,13 +61,39 @@ def generate(b, n: int, labels: torch.Tensor | None = None, *, seed: int = 0, st
     table = b.prompts.table(list(prompts or b.spec.text.get("prompts") or []), negative_prompt)
     if labels is None:
         labels = (torch.arange(n, device=b.device) + (first_image or 0)) % (table.rows - 1)
-    with using(b.net, table):
+    with using(b.net, table), flux_sampling(b) as schedule:
         return _generate(b, n, labels, seed, steps, solver, guidance, ema, progress, eta, chunk, spacing,
-                         first_image, table.rows)
+                         first_image, table.rows, schedule)
+
+
+@contextlib.contextmanager
+def flux_sampling(b):
+    """What a Flux run samples with and does not train with; yields the schedule to sample on: the
+    resolution-dependent flow shift (diffusion.dynamic_shift: a flow schedule with the shift of the
+    latent's token count, the output head's and the backbone's tables swapped, diffusion/dynamic_shift.py)
+    and the embedded guidance (sample.embedded_guidance). Other runs: the run's schedule, nothing swapped."""
+    dyn, value = b.cfg.diffusion.dynamic_shift, b.cfg.sample.embedded_guidance
+    guided = [m for m in b.net.modules() if getattr(m, "guidance", None) is not None]
+    before = [m.guidance for m in guided]
+    schedule = b.schedule
+    with contextlib.ExitStack() as stack:
+        if dyn.enabled:
+            shift = dynamic_shift.shift_at(dynamic_shift.tokens(b.spec.image_size), dyn)
+            schedule = make_schedule("flow", b.cfg.diffusion.T, False, shift).to(b.device)
+            stack.enter_context(dynamic_shift.retabled(b.net, schedule))
+        try:
+            if value is not None:
+                for m in guided:
+                    m.guidance = float(value)
+            yield schedule
+        finally:
+            for m, g in zip(guided, before):
+                m.guidance = g
 
 
 def _generate(b, n, labels, seed, steps, solver, guidance, ema, progress, eta, chunk, spacing, first_image,
-              uncond_offset: int = 0):
+              uncond_offset: int = 0, schedule=None):
+    schedule = b.schedule if schedule is None else schedule
     if n < 1:
         raise InvalidInput(f"the number of samples must be >= 1, got {n}")
     if steps < 1:
@@ -77,9 +110,10 @@ def _generate(b, n, labels, seed, steps, solver, guidance, ema, progress, eta, c
                 g = torch.Generator().manual_seed(seed if i == 0 else seeds.derive(seed, "eval", i))
             else:
                 g = [torch.Generator().manual_seed(seed + first_image + lo + k) for k in range(m)]
-            outs.append(run_solver(solver_fn(b, lab, guidance, clip, uncond_offset), b.schedule, (m,) + b.spec.shape,
-                                   solver=solver, steps=min(steps, b.schedule.T), generator=g, device=b.device,
-                                   progress=progress, spacing_kind=spacing or b.cfg.sample.spacing, **opts))
+            outs.append(run_solver(solver_fn(b, lab, guidance, clip, uncond_offset, schedule), schedule,
+                                   (m,) + b.spec.shape, solver=solver, steps=min(steps, schedule.T), generator=g,
+                                   device=b.device, progress=progress, spacing_kind=spacing or b.cfg.sample.spacing,
+                                   **opts))
     x = torch.cat(outs)
     if not bool(torch.isfinite(x).all()):
         raise CheckpointError(f"the samples are not finite: the weights of step {b.step} are broken "

@@ -3,8 +3,9 @@ of output channels: `out_channels`), and declare their repeated blocks (`repeate
 parallel/wrap.py checkpoints, compiles and shards. A model family is one module of this package that
 registers its presets (`@register` / `register(name)(factory)`); every module here is imported below:
 `unet.py` (ADM-style UNets), `dit.py` (DiT), `mlp.py` (2-D points), `diffusers_backbone.py` (diffusers'
-UNet2DModel, DiTTransformer2DModel, UNet2DConditionModel, SD3Transformer2DModel), `layers.py` (what
-they share: timestep and class embeddings)."""
+UNet2DModel, DiTTransformer2DModel, UNet2DConditionModel, SD3Transformer2DModel), `flux.py`
+(FluxTransformer2DModel, a kind registered into diffusers_backbone), `layers.py` (what they share: timestep
+and class embeddings)."""
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,10 @@ from ..registry import Registry, discover
 # recorded: the arguments a checkpoint's config records that a resumed run takes from it when the
 # command line does not give them (a convention older checkpoints used, a pretrained architecture);
 # text(args) -> bool: whether the network these arguments build is conditioned on text (captioned data);
-# flow(args) -> bool: whether it trains on the flow schedule only, taking its σ table (`flow_sigma`: SD3)
-MODELS = Registry("model", defaults={"check": None, "complete": None, "recorded": (), "text": None, "flow": None})
+# flow(args) -> bool: whether it trains on the flow schedule only, taking its σ table (`flow_sigma`: SD3);
+# dynamic_shift(args) -> bool: whether it samples with a resolution-dependent flow shift (Flux)
+MODELS = Registry("model", defaults={"check": None, "complete": None, "recorded": (), "text": None, "flow": None,
+                                     "dynamic_shift": None})
 register = MODELS.register
 
 # False while a model is built to receive a checkpoint's weights: a factory that would read pretrained

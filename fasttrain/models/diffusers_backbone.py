@@ -13,6 +13,7 @@ without the pretrained folder; its weights are read only when a run starts.
 
     model.args.class_name=UNet2DConditionModel model.args.pretrained=PIPE model.args.subfolder=unet  # text
     model.args.class_name=SD3Transformer2DModel model.args.pretrained=PIPE model.args.subfolder=transformer
+    model.args.class_name=FluxTransformer2DModel ...    # models/flux.py, registered here (`register_kind`)
 
 A UNet2DConditionModel (SD 1.x/2.x; SDXL with added_cond_kwargs) trains on captioned data: its text
 inputs are gathered from the run's cached encodings (conditioning.TextTable), the data decide its
@@ -56,6 +57,13 @@ class Kind:
     label_key: str
     sizes: Callable[[int, dict], None]
     child: str  # its subfolder in a pipeline folder
+    text: bool = False   # conditioned on text (captioned data, conditioning.TextTable)
+    flow: bool = False   # trained on the (shifted) flow schedule only, taking the run's σ table
+    # the network builder of a kind another module registers (`register_kind`; models/flux.py), called as
+    # network(in_channels=, image_size=, out_channels=, config=, pretrained=, subfolder=, text=, num_classes=,
+    # flow_sigma=, guidance=)
+    network: Callable | None = None
+    dynamic_shift: bool = False  # samples with a resolution-dependent shift (use_dynamic_shifting)
 
 
 def _unet_sizes(image_size: int, cfg: dict) -> None:
@@ -81,10 +89,13 @@ def _sd3_sizes(image_size: int, cfg: dict) -> None:
 # the classes model.args.class_name takes; UNet2DConditionModel is conditioned on text (conditioning.py)
 KINDS = {"UNet2DModel": Kind("num_class_embeds", _unet_sizes, "unet"),
          "DiTTransformer2DModel": Kind("num_embeds_ada_norm", _dit_sizes, "transformer"),
-         "UNet2DConditionModel": Kind("num_class_embeds", _unet_sizes, "unet"),
-         "SD3Transformer2DModel": Kind("", _sd3_sizes, "transformer")}
-TEXT_CLASSES = ("UNet2DConditionModel", "SD3Transformer2DModel")
-FLOW_CLASSES = ("SD3Transformer2DModel",)  # trained on the (shifted) flow schedule only, timestep input σ·T
+         "UNet2DConditionModel": Kind("num_class_embeds", _unet_sizes, "unet", text=True),
+         "SD3Transformer2DModel": Kind("", _sd3_sizes, "transformer", text=True, flow=True)}  # time input σ·T
+
+
+def register_kind(class_name: str, kind: Kind) -> None:
+    """A diffusers class whose backbone lives in its own module (models/flux.py), which registers it here."""
+    KINDS[class_name] = kind
 
 
 def _kind(class_name) -> Kind:
@@ -173,9 +184,12 @@ def _refuse_patched_export(pretrained: str, subfolder: str) -> None:
 
 
 def check(image_size: int, class_name: str = "UNet2DModel", config: dict | None = None, pretrained: str = "",
-          subfolder: str = "", **_) -> None:
+          subfolder: str = "", guidance: float | None = None, **_) -> None:
     """Structural needs, checked when the run is configured (configure.py)."""
     kind = _kind(class_name)
+    if guidance is not None and kind.network is None:
+        raise InvalidInput(f"model.args.guidance={guidance}: a guidance embedding's input is a guidance-distilled "
+                           f"FluxTransformer2DModel's (guidance_embeds), not a {class_name}'s")
     if pretrained and load_pretrained():
         _pretrained_dir(pretrained, subfolder, class_name)
     kind.sizes(image_size, config if isinstance(config, dict) else {})
@@ -266,15 +280,18 @@ class DiffusersBackbone(nn.Module):
 
 def build(in_channels: int, image_size: int, num_classes: int = 0, out_channels: int | None = None,
           class_name: str = "UNet2DModel", config: dict | None = None, pretrained: str = "",
-          subfolder: str = "", text: dict | None = None, flow_sigma: torch.Tensor | None = None) -> DiffusersBackbone:
+          subfolder: str = "", text: dict | None = None, flow_sigma: torch.Tensor | None = None,
+          guidance: float | None = None) -> DiffusersBackbone:
     """The network from `config` (completed from `pretrained` by configure.py), with pretrained weights
     when a run starts (not when a checkpoint's weights will replace them). `text`: the run's text record
     (data/captioned.py: the encoders' width, length, pooled width, micro-conditions) for a text class.
-    `flow_sigma`: the run's flow σ table (bundle.py passes it to the FLOW_CLASSES)."""
-    check(image_size, class_name, config, pretrained, subfolder)
-    if (class_name in TEXT_CLASSES) != (text is not None):
+    `flow_sigma`: the run's flow σ table (bundle.py passes it to the flow classes). `guidance`: the value a
+    guidance-distilled Flux transformer's guidance embedding is fed in training (models/flux.py)."""
+    check(image_size, class_name, config, pretrained, subfolder, guidance)
+    kind = KINDS[class_name]
+    if kind.text != (text is not None):
         raise InvalidInput(f"model.args.class_name={class_name} is conditioned on "
-                           f"{'text' if class_name in TEXT_CLASSES else 'class labels'}, the data are "
+                           f"{'text' if kind.text else 'class labels'}, the data are "
                            f"{'captioned' if text is not None else 'not captioned'} (captioned data train a "
                            f"UNet2DConditionModel; others UNet2DModel or DiTTransformer2DModel)")
     user = dict(config or {})
@@ -282,6 +299,10 @@ def build(in_channels: int, image_size: int, num_classes: int = 0, out_channels:
     if pre and "in_channels" not in user:  # built without configure.py's `complete`
         user = complete({"class_name": class_name, "config": user, "pretrained": pretrained,
                          "subfolder": subfolder})["config"]
+    if kind.network is not None:
+        return kind.network(in_channels=in_channels, image_size=image_size, out_channels=out_channels, config=user,
+                            pretrained=pretrained, subfolder=subfolder, text=text, num_classes=num_classes,
+                            flow_sigma=flow_sigma, guidance=guidance)
     cfg = dict(user)
     dit = class_name == "DiTTransformer2DModel"
     _fit(cfg, "in_channels", in_channels, pre or "in_channels" in user, "the data's channels")
@@ -290,13 +311,13 @@ def build(in_channels: int, image_size: int, num_classes: int = 0, out_channels:
         sliced = want
     else:
         _fit(cfg, "out_channels", want, pre or "out_channels" in user, "the prediction's output channels")
-    if not (pre and class_name in FLOW_CLASSES):  # SD3 crops its position table to the input: size is free
+    if not (pre and kind.flow):  # SD3 crops its position table to the input: size is free
         _fit(cfg, "sample_size", image_size, dit and (pre or "sample_size" in user), "data.image_size")
     # the class table: rows 0..K-1 the data's classes, the last row the null label
     key = KINDS[class_name].label_key
     given = cfg.get(key) if (pre or key in user) else None
     if text is not None:
-        if class_name in FLOW_CLASSES:
+        if kind.flow:
             return _sd3_network(cfg, pre, user, pretrained, subfolder, sliced, text, num_classes, flow_sigma)
         return _text_network(cfg, pre, user, class_name, pretrained, subfolder, sliced, text, num_classes)
     if dit:
@@ -381,13 +402,22 @@ def _sd3_network(cfg: dict, pre: bool, user: dict, pretrained: str, subfolder: s
     return DiffusersBackbone(model.train(), 0, None, sliced, text=text, flow_sigma=flow_sigma)
 
 
+def _declared(args: dict, what: str) -> bool:
+    kind = KINDS.get(args.get("class_name", "UNet2DModel"))
+    return bool(kind is not None and getattr(kind, what))
+
+
 def takes_text(args: dict) -> bool:
-    return args.get("class_name", "UNet2DModel") in TEXT_CLASSES
+    return _declared(args, "text")
 
 
 def flow_only(args: dict) -> bool:
-    return args.get("class_name", "UNet2DModel") in FLOW_CLASSES
+    return _declared(args, "flow")
+
+
+def dynamic_shift(args: dict) -> bool:
+    return _declared(args, "dynamic_shift")
 
 
 register("diffusers", check=check, complete=complete, recorded=("config",), text=takes_text,
-         flow=flow_only)(build)
+         flow=flow_only, dynamic_shift=dynamic_shift)(build)

@@ -7,6 +7,9 @@ diffusers' train_text_to_image_lora.py does) after its base weights are frozen: 
 A Gaussian and B zero, so the run starts from the pretrained network exactly. Only the adapter's parameters
 require gradients, so the optimizer and the EMA hold the adapter alone (train.py, ema.py).
 
+`model.lora.init=FILE` starts the adapter from a LoRA file (diffusers' or kohya's format; lora_file.py), its rank,
+alpha and adapted modules checked against the config; the checkpoint records the file's identity.
+
 Checkpoints hold the adapter (and the parameters outside the backbone, e.g. a learned weighting) plus the
 base model's identity: the pretrained folder and the sha256 of its weights file (`identity`). The base is
 read from the pretrained folder whenever the network is built, also on resume and by `ModelBundle.load`;
@@ -115,9 +118,10 @@ def check_config(cfg) -> None:
     check_targets(construct(args.get("class_name", "UNet2DModel"), args.get("config") or {}, meta=True), lc)
 
 
-def apply(net, cfg) -> None:
+def apply(net, cfg, init: bool = True) -> None:
     """Freeze the backbone's diffusers model and add the adapter (module docstring); records the base's
-    identity on the backbone (`lora_base`)."""
+    identity on the backbone (`lora_base`). With model.lora.init and `init` (a new run, not one whose
+    checkpoint holds the adapter), the adapter starts from that LoRA file (lora_file.py)."""
     lc, args = cfg.model.lora, cfg.model.args
     backbone = getattr(net, "net", net)
     if cfg.model.name != "diffusers" or not hasattr(backbone, "model"):
@@ -143,6 +147,10 @@ def apply(net, cfg) -> None:
         raise InvalidInput(f"model.lora.target_modules={list(lc.target_modules)}: {first}") from None
     backbone.lora_base = {"path": str(folder.resolve()), "pipeline": str(Path(args["pretrained"]).resolve()),
                           "sha256": _weights_hash(folder)}
+    if lc.get("init") and init:  # sd-scripts' --network_weights: continue from a LoRA file
+        from .lora_file import load_into
+
+        backbone.lora_base["init"] = load_into(model, lc, str(lc.init))
 
 
 def base_dtype(cfg, device) -> torch.dtype:

@@ -16,6 +16,15 @@ fasttrain's). The flow schedule as `FlowMatchEulerDiscreteScheduler` with the ru
 as its `shift` (its training sigmas, shift((t+1)/T), are fasttrain's grid; at shift 1 the model timestep
 σ·T is fasttrain's t + 1, which export/remote_pipeline.py undoes; SD3's transformer takes σ·T itself).
 
+`use_dynamic_shifting` (FLUX.1-dev's scheduler): FlowMatchEulerDiscreteScheduler then builds its training
+sigmas unshifted (its __init__ applies `shift` only without dynamic shifting), and diffusers'
+train_dreambooth_lora_flux.py draws its training sigmas from that table (`noise_scheduler_copy.sigmas`,
+L1678-1685, L1766-1779): it trains on shift 1. Only the pipeline shifts, by the image's packed tokens
+(FluxPipeline: `calculate_shift` → mu, `set_timesteps(sigmas, mu=mu)`). So such a scheduler gives
+diffusion.flow_shift=1.0 and diffusion.dynamic_shift.* (base/max shift and sequence lengths, the shift type)
+for sampling (diffusion/dynamic_shift.py); diffusion.flow_shift may then be set (a training shift the
+pipeline does not fix, as sd-scripts' --discrete_flow_shift).
+
 Fine-tuning from a pipeline folder (`model.args.pretrained` with the network in a subfolder) takes its
 scheduler: schedule, T, zero terminal SNR, prediction type and spacing. The betas are matched against
 fasttrain's schedules as tables (whatever the config calls them); a scheduler fasttrain cannot train
@@ -34,8 +43,10 @@ from ..errors import ConfigError, InvalidInput, UserError
 PREDICTION_TYPES = {"eps": "epsilon", "v": "v_prediction", "x0": "sample"}
 FLOW_SCHEDULERS = ("FlowMatchEulerDiscreteScheduler", "FlowMatchHeunDiscreteScheduler")
 # the keys a pipeline's scheduler decides (a resumed fine-tune takes them from its checkpoint: configure.py)
+DYNAMIC = ("base_shift", "max_shift", "base_image_seq_len", "max_image_seq_len", "time_shift_type")
 KEYS = ("diffusion.schedule", "diffusion.T", "diffusion.zero_terminal_snr", "diffusion.flow_shift",
-        "diffusion.prediction", "sample.spacing")
+        "diffusion.prediction", "sample.spacing", "diffusion.dynamic_shift.enabled",
+        *(f"diffusion.dynamic_shift.{k}" for k in DYNAMIC))
 
 
 def betas_config(schedule: str, T: int) -> dict:
@@ -52,11 +63,18 @@ def betas_config(schedule: str, T: int) -> dict:
 
 
 def to_diffusers(schedule: str, T: int, zero_terminal_snr: bool, prediction: str, clip: bool,
-                 spacing: str = "trailing", shift: float = 1.0) -> tuple[str, dict]:
-    """(scheduler class name, its config) for a run's schedule and prediction type (module docstring)."""
+                 spacing: str = "trailing", shift: float = 1.0, dynamic: dict | None = None) -> tuple[str, dict]:
+    """(scheduler class name, its config) for a run's schedule and prediction type (module docstring);
+    `dynamic`: the run's diffusion.dynamic_shift (enabled: the pipeline shifts by resolution)."""
     if schedule == "flow":
-        return "FlowMatchEulerDiscreteScheduler", {"num_train_timesteps": T, "shift": float(shift),
-                                                   "use_dynamic_shifting": False}
+        config = {"num_train_timesteps": T, "shift": float(shift), "use_dynamic_shifting": False}
+        if dynamic and dynamic.get("enabled"):
+            if float(shift) != 1.0:  # the scheduler cannot say it: with dynamic shifting it trains unshifted
+                raise InvalidInput(f"a run trained with diffusion.flow_shift={shift} and a dynamic shift at sampling "
+                                   f"has no FlowMatchEulerDiscreteScheduler (with use_dynamic_shifting its training "
+                                   f"sigmas are unshifted)")
+            config.update(use_dynamic_shifting=True, **{k: dynamic[k] for k in DYNAMIC})
+        return "FlowMatchEulerDiscreteScheduler", config
     spacing = spacing if spacing in ("trailing", "leading") else "trailing"  # linspace: DDIM's step disagrees
     return "DDIMScheduler", {"num_train_timesteps": T, **betas_config(schedule, T), "trained_betas": None,
                              "rescale_betas_zero_snr": bool(zero_terminal_snr),
@@ -96,14 +114,23 @@ def from_diffusers(config: dict, where: str) -> dict:
     if not isinstance(T, int) or T < 2:
         raise InvalidInput(f"{where}: num_train_timesteps must be an integer >= 2, got {T!r}")
     if name in FLOW_SCHEDULERS:
-        if config.get("use_dynamic_shifting"):  # Flux's resolution-dependent shift: no fixed table
-            raise InvalidInput(f"{where}: use_dynamic_shifting (a shift that depends on the image size) has no "
-                               f"fasttrain schedule (diffusion.flow_shift is one fixed shift)")
+        keys = {"diffusion.schedule": "flow", "diffusion.T": T, "diffusion.zero_terminal_snr": False,
+                "diffusion.prediction": "flow",
+                "diffusion.dynamic_shift.enabled": bool(config.get("use_dynamic_shifting"))}
+        if config.get("use_dynamic_shifting"):  # trained unshifted, shifted by resolution at sampling (docstring)
+            defaults = {"base_shift": 0.5, "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096,
+                        "time_shift_type": "exponential"}  # FlowMatchEulerDiscreteScheduler's
+            for k in DYNAMIC:
+                value = config.get(k, defaults[k])
+                keys[f"diffusion.dynamic_shift.{k}"] = defaults[k] if value is None else value
+            if keys["diffusion.dynamic_shift.time_shift_type"] not in ("exponential", "linear"):
+                raise InvalidInput(f"{where}: time_shift_type must be exponential or linear, got "
+                                   f"{keys['diffusion.dynamic_shift.time_shift_type']!r}")
+            return {**keys, "diffusion.flow_shift": 1.0}
         shift = config.get("shift", 1.0)
         if not isinstance(shift, (int, float)) or isinstance(shift, bool) or not 0 < shift < float("inf"):
             raise InvalidInput(f"{where}: shift must be a finite number > 0, got {shift!r}")
-        return {"diffusion.schedule": "flow", "diffusion.T": T, "diffusion.zero_terminal_snr": False,
-                "diffusion.flow_shift": float(shift), "diffusion.prediction": "flow"}
+        return {**keys, "diffusion.flow_shift": float(shift)}
     pred = {v: k for k, v in PREDICTION_TYPES.items()}.get(config.get("prediction_type", "epsilon"))
     if pred is None:
         raise InvalidInput(f"{where}: prediction_type {config.get('prediction_type')!r} is not one fasttrain "
@@ -159,6 +186,8 @@ def adopt(cfg: DictConfig, given: set[str]) -> list[str]:
         current = OmegaConf.select(cfg, key)
         if current == value:
             continue
+        if key == "diffusion.flow_shift" and key in given and keys.get("diffusion.dynamic_shift.enabled"):
+            continue  # a dynamically shifting pipeline does not fix the training shift (module docstring)
         if key in given:
             raise ConfigError(f"bad value for '{key}': {current!r} (the pretrained pipeline's scheduler, {path}, "
                               f"has {value!r}: a fine-tune keeps it; drop the override)")

@@ -15,6 +15,9 @@ Families, told apart by the subfolders a pipeline folder holds (diffusers' pipel
   sd3   CLIP-L + CLIP-G (both with projection) as SDXL, their states concatenated and zero-padded to T5's width,
         then T5's last hidden state appended along the sequence; pooled = both CLIP text_embeds concatenated
         (StableDiffusion3Pipeline.encode_prompt). Without text_encoder_3, T5's part is zeros, as there.
+  flux  text_encoder/ (CLIPTextModel: its pooled output only) + text_encoder_2/ (T5EncoderModel): states = T5's
+        last hidden state at 512 tokens, pooled = CLIP's pooler_output (FluxPipeline.encode_prompt; its
+        max_sequence_length default 512, diffusers' train_dreambooth_lora_flux.py --max_sequence_length 512).
 Prompts longer than a tokenizer's `model_max_length` are truncated (as the pipelines do), counted, and
 warned about once per encoder set. `tiny_clip` builds a small CLIP tokenizer + encoder from a word list
 (tests, the digits-text demo: no weights can be downloaded here).
@@ -30,8 +33,9 @@ import torch
 from ..errors import DataError, InvalidInput, MissingDependency, MissingFile
 from .model_folders import TRANSFORMERS_WEIGHT_FILES, load_model
 
-FAMILIES = ("sd1", "sdxl", "sd3")
+FAMILIES = ("sd1", "sdxl", "sd3", "flux")
 T5_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length default
+FLUX_T5_LENGTH = 512  # FluxPipeline's max_sequence_length default
 
 
 def transformers():
@@ -57,6 +61,8 @@ def family_of(folder: str | Path) -> str:
     if (root / "text_encoder_3").is_dir() or (root / "tokenizer_3").is_dir():
         return "sd3"
     if (root / "text_encoder_2").is_dir():
+        if _class(root / "text_encoder_2") == "T5EncoderModel":  # Flux: CLIP-L (pooled) + T5 (states)
+            return "flux"
         return "sd3" if _class(root / "text_encoder") == "CLIPTextModelWithProjection" else "sdxl"
     return "sd1"
 
@@ -140,9 +146,10 @@ class TextEncoders:
         family = family_of(root)
         if clip_skip is not None and clip_skip < 0:
             raise InvalidInput(f"clip_skip must be >= 0, got {clip_skip}")
-        subs = {"sd1": ("", ), "sdxl": ("", "_2"), "sd3": ("", "_2", "_3")}[family]
+        subs = {"sd1": ("", ), "sdxl": ("", "_2"), "sd3": ("", "_2", "_3"), "flux": ("", "_2")}[family]
         classes = {"sd1": (tf.CLIPTextModel,), "sdxl": (tf.CLIPTextModel, tf.CLIPTextModelWithProjection),
-                   "sd3": (tf.CLIPTextModelWithProjection, tf.CLIPTextModelWithProjection, tf.T5EncoderModel)}[family]
+                   "sd3": (tf.CLIPTextModelWithProjection, tf.CLIPTextModelWithProjection, tf.T5EncoderModel),
+                   "flux": (tf.CLIPTextModel, tf.T5EncoderModel)}[family]
         toks, encs = [], []
         for sub, klass in zip(subs, classes):
             if sub == "_3" and not (root / "text_encoder_3").is_dir():
@@ -214,6 +221,12 @@ class TextEncoders:
         if self.family == "sd1":
             s, m, _ = self._clip(0, prompts, penultimate=False)
             return {"states": s.float().cpu(), "mask": m.bool().cpu(), "pooled": None}
+        if self.family == "flux":  # FluxPipeline._get_clip_prompt_embeds (pooler_output), _get_t5_prompt_embeds
+            ids, _ = self._ids(self.tokenizers[0], prompts)
+            pooled = self.encoders[0](ids).pooler_output
+            ids, mask = self._ids(self.tokenizers[1], prompts, FLUX_T5_LENGTH)
+            states = self.encoders[1](ids)[0]
+            return {"states": states.float().cpu(), "mask": mask.bool().cpu(), "pooled": pooled.float().cpu()}
         (s1, m1, p1), (s2, _, p2) = self._clip(0, prompts, True), self._clip(1, prompts, True)
         clip = torch.cat([s1, s2], -1)
         if self.family == "sdxl":

@@ -58,8 +58,10 @@ def test_shifted_flow_schedule_is_diffusers_flow_match_grid():
 def test_pipeline_scheduler_gives_the_shift_and_a_contradiction_is_one_line(sd3, tmp_path):
     cfg_file = json.loads((sd3["pipe"] / "scheduler" / "scheduler_config.json").read_text())
     assert from_diffusers(cfg_file, "x")["diffusion.flow_shift"] == 3.0
-    with pytest.raises(InvalidInput, match="use_dynamic_shifting"):
-        from_diffusers({**cfg_file, "use_dynamic_shifting": True}, "x")
+    dynamic = from_diffusers({**cfg_file, "use_dynamic_shifting": True}, "x")  # Flux's: trained unshifted
+    assert dynamic["diffusion.flow_shift"] == 1.0 and dynamic["diffusion.dynamic_shift.enabled"] is True
+    with pytest.raises(ConfigError, match="'diffusion.dynamic_shift.enabled': True"):  # implemented for Flux only
+        load_config("default", _args(sd3, tmp_path / "r", "diffusion.dynamic_shift.enabled=true"))
     cfg = load_config("default", _args(sd3, tmp_path / "r"))
     assert (cfg.diffusion.schedule, cfg.diffusion.prediction, cfg.diffusion.flow_shift) == ("flow", "flow", 3.0)
     with pytest.raises(ConfigError, match=r"bad value for 'diffusion.flow_shift': 1.0 .*has 3.0"):
