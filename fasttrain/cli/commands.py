@@ -369,9 +369,8 @@ def _data(args) -> int:
     print(f"{res['num_files']} readable files, {len(res['classes'])} classes, sizes {res['sizes']}")
     for rel, reason in res["bad"]:
         print(f"skipped {rel}: {reason}")
-    if res["bad"] and res.get("kind") == "latents":
-        print(f"training refuses this folder until the {len(res['bad'])} skipped file(s) are removed or re-encoded "
-              f"(or data.skip_bad_latents=true trains on the {res['num_files']} usable ones)")
+    if res.get("refused_note"):
+        print(res["refused_note"])
     if captioned_shards:
         from ..data.latent_shards import prepare_shards
 

@@ -230,6 +230,10 @@ def prepare(root: str | Path, out: str | Path | None = None, encoder: str | None
     path.write_text(json.dumps(m, indent=1))
     result = {"manifest": str(path), "kind": m["kind"], "num_files": m["num_files"], "bad": m["bad"],
               "classes": m["classes"], "sizes": m["sizes"], "layout": m["layout"], "summary": summary(m)}
+    if m["kind"] == "latents" and m["bad"] and m["num_files"]:  # streamed.refuse_bad_latents at train start
+        result["refused_note"] = (f"training refuses this folder until the {len(m['bad'])} skipped file(s) are removed "
+                                  f"or re-encoded (or data.skip_bad_latents=true trains on the {m['num_files']} "
+                                  f"usable ones)")
     if encoder:
         if not latents_out:
             raise DataError("--latents-out is needed with --encoder")
