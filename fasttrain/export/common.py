@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import shutil
 from pathlib import Path
+
+import torch
 
 from .. import optional
 from ..errors import InvalidInput, UserError, WriteError
@@ -60,3 +63,32 @@ def scheduler_for(bundle):
                 f"(it steps to t - T//n): the scheduler has {config['timestep_spacing']} spacing, the pipeline equals "
                 f"`fasttrain sample --spacing {config['timestep_spacing']}`")
     return getattr(diffusers, name).from_config(config), note
+
+
+@torch.no_grad()
+def transformer_probe(b, backbone, transformer, name: str):
+    """What the text-transformer exports check their stock transformer on, in float64 (sd3.py, flux.py):
+    (the stock copy, x [3, C, H, W], t at the first, middle and last step, the backbone's output, the
+    prompt rows {states, pooled} of "a" / "" / "a"), and `close(out)`: max |Δ|, raised on as an export
+    bug above 1e-6 of the output's scale."""
+    from ..conditioning import using
+
+    net = copy.deepcopy(backbone).double().eval()
+    hf = copy.deepcopy(transformer).double().eval()
+    table = b.prompts.table(["a", ""], "").to("cpu")
+    g = torch.Generator().manual_seed(0)
+    T = b.schedule.T
+    x = torch.randn((3,) + tuple(b.spec.shape), generator=g, dtype=torch.float64)
+    t = torch.tensor([0, T // 2, T - 1])
+    y = torch.tensor([0, 1, 0])
+    with using(net, table):
+        a = net(x, t, y)
+        rows = table.gather(y, 3, torch.float64)
+
+    def close(out) -> float:  # the stock output's first channels (SD3's may carry more than the backbone's)
+        err = float((a - out[:, :a.shape[1]]).abs().max())
+        if not err <= 1e-6 * max(1.0, float(a.abs().max())):
+            raise RuntimeError(f"the {name} transformer differs from fasttrain's backbone by {err:.3g} (an export bug)")
+        return err
+
+    return net, hf, x, t, rows, close

@@ -73,19 +73,9 @@ def verify(b, backbone, transformer) -> float:
     """Max |Δ| between the backbone and the stock transformer fed as FluxPipeline feeds it, float64."""
     from diffusers import FluxPipeline
 
-    from ..conditioning import using
+    from .common import transformer_probe
 
-    net = copy.deepcopy(backbone).double().eval()
-    hf = copy.deepcopy(transformer).double().eval()
-    table = b.prompts.table(["a", ""], "").to("cpu")
-    g = torch.Generator().manual_seed(0)
-    T = b.schedule.T
-    x = torch.randn((3,) + tuple(b.spec.shape), generator=g, dtype=torch.float64)
-    t = torch.tensor([0, T // 2, T - 1])
-    y = torch.tensor([0, 1, 0])
-    with using(net, table):
-        a = net(x, t, y)
-        rows = table.gather(y, 3, torch.float64)
+    net, hf, x, t, rows, close = transformer_probe(b, backbone, transformer, "Flux")
     c, h, w = x.shape[1:]
     guidance = None if net.guidance is None else torch.full((3,), float(net.guidance), dtype=torch.float64)
     out = hf(hidden_states=FluxPipeline._pack_latents(x, 3, c, h, w), timestep=b.schedule.sigma.double()[t],
@@ -93,11 +83,7 @@ def verify(b, backbone, transformer) -> float:
              txt_ids=torch.zeros(rows["states"].shape[1], 3, dtype=torch.float64),
              img_ids=FluxPipeline._prepare_latent_image_ids(3, h // 2, w // 2, "cpu", torch.float64)).sample
     vae_scale = 2 ** (len(b.decoder.codec.vae.config.block_out_channels) - 1)
-    out = FluxPipeline._unpack_latents(out, h * vae_scale, w * vae_scale, vae_scale)
-    err = float((a - out).abs().max())
-    if not err <= 1e-6 * max(1.0, float(a.abs().max())):
-        raise RuntimeError(f"the Flux transformer differs from fasttrain's backbone by {err:.3g} (an export bug)")
-    return err
+    return close(FluxPipeline._unpack_latents(out, h * vae_scale, w * vae_scale, vae_scale))
 
 
 def embedded_guidance(b) -> float | None:
