@@ -63,6 +63,21 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _names_of(package: str, module: str):
+    """`package`'s __getattr__ for a package that was one module before 0.3 (cli, export, generation, optim,
+    parallel): a name it does not define is looked up in `module`, the file that took the old module's code."""
+    def getattr_(name: str):
+        import importlib
+
+        if not name.startswith("__"):
+            found = importlib.import_module(f"{package}.{module}")
+            if hasattr(found, name):
+                return getattr(found, name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return getattr_
+
+
 import sys as _sys  # noqa: E402
 
 _sys.meta_path.append(_MovedFinder)

@@ -2,6 +2,7 @@
 `report`, `export`, `data prepare`), `generate.py` (`sample` and `eval`, split across ranks), `common.py`
 (what they share: one-line errors, output paths, the checkpoint's bundle and the folders it reads).
 `python -m fasttrain.cli` runs it too (`__main__.py`; torchrun's `-m fasttrain.cli`)."""
+from .. import _names_of
 from ..parallel.cpu import prepare_openmp
 
 prepare_openmp()  # before anything imports torch (parallel/cpu.py): idle OpenMP threads yield on a busy machine
@@ -14,12 +15,5 @@ def main(argv: list[str] | None = None) -> int:
     return run(argv)
 
 
-def __getattr__(name: str):
-    # `fasttrain.cli` was one module before 0.3 (commands.py now): its names stay reachable here
-    import importlib
-
-    if not name.startswith("__"):
-        module = importlib.import_module(f"{__name__}.commands")
-        if hasattr(module, name):
-            return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# `fasttrain.cli` was one module before 0.3 (commands.py now): its names stay reachable here
+__getattr__ = _names_of(__name__, "commands")

@@ -6,12 +6,7 @@ run's scheduler); `stable_diffusion.py` (stock SD / SDXL pipelines, LoRA weights
 shipped where no stock pipeline fits), `model_card.py` (the export's README)."""
 
 
-def __getattr__(name: str):
-    # `fasttrain.export` was one module before 0.3 (dispatch.py now): its names stay reachable here
-    import importlib
+from .. import _names_of
 
-    if not name.startswith("__"):
-        module = importlib.import_module(f"{__name__}.dispatch")
-        if hasattr(module, name):
-            return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# `fasttrain.export` was one module before 0.3 (dispatch.py now): its names stay reachable here
+__getattr__ = _names_of(__name__, "dispatch")

@@ -5,12 +5,7 @@ resumable chunks, ADM's .npz), `evaluate.py` (FID / KID / precision-recall / bit
 statistics), `report.py` (the HTML report)."""
 
 
-def __getattr__(name: str):
-    # `fasttrain.generation` was one module before 0.3 (ranks.py now): its names stay reachable here
-    import importlib
+from .. import _names_of
 
-    if not name.startswith("__"):
-        module = importlib.import_module(f"{__name__}.ranks")
-        if hasattr(module, name):
-            return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# `fasttrain.generation` was one module before 0.3 (ranks.py now): its names stay reachable here
+__getattr__ = _names_of(__name__, "ranks")

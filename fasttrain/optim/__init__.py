@@ -2,12 +2,7 @@
 `ema.py` (the EMA of the weights)."""
 
 
-def __getattr__(name: str):
-    # `fasttrain.optim` was one module before 0.3 (adamw.py now): its names stay reachable here
-    import importlib
+from .. import _names_of
 
-    if not name.startswith("__"):
-        module = importlib.import_module(f"{__name__}.adamw")
-        if hasattr(module, name):
-            return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# `fasttrain.optim` was one module before 0.3 (adamw.py now): its names stay reachable here
+__getattr__ = _names_of(__name__, "adamw")

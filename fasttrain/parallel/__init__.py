@@ -3,12 +3,7 @@
 `cpu.py` (CPU threads)."""
 
 
-def __getattr__(name: str):
-    # `fasttrain.parallel` was one module before 0.3 (wrap.py now): its names stay reachable here
-    import importlib
+from .. import _names_of
 
-    if not name.startswith("__"):
-        module = importlib.import_module(f"{__name__}.wrap")
-        if hasattr(module, name):
-            return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# `fasttrain.parallel` was one module before 0.3 (wrap.py now): its names stay reachable here
+__getattr__ = _names_of(__name__, "wrap")
