@@ -383,18 +383,26 @@ def _text_network(cfg: dict, pre: bool, user: dict, class_name: str, pretrained:
     return DiffusersBackbone(model.train(), 0, None, sliced, text=text)
 
 
+def check_flow_text(what: str, encoders: str, text: dict | None, num_classes: int,
+                    flow_sigma: torch.Tensor | None) -> None:
+    """What a text transformer on the flow schedule needs of the run (SD3, Flux): no class labels, the
+    schedule's σ as its time input, and a pooled text vector (`encoders`: the encoders that give one)."""
+    if num_classes:
+        raise InvalidInput("a text-conditioned run has no class labels (model.class_conditional=false)")
+    if flow_sigma is None:
+        raise InvalidInput(f"{what} takes the flow schedule's noise level as its time input (built by the trainer "
+                           f"with diffusion.schedule=flow)")
+    if not (text or {}).get("pooled"):
+        raise InvalidInput(f"{what} needs the pooled text vector, and the data have none (prepare them with "
+                           f"{encoders})")
+
+
 def _sd3_network(cfg: dict, pre: bool, user: dict, pretrained: str, subfolder: str, sliced, text: dict,
                  num_classes: int, flow_sigma: torch.Tensor | None) -> DiffusersBackbone:
     """An SD3Transformer2DModel: its joint attention takes the text states (joint_attention_dim: T5's width,
     the CLIP pair zero-padded to it) and its time embedding the pooled CLIP pair (pooled_projection_dim)."""
-    if num_classes:
-        raise InvalidInput("a text-conditioned run has no class labels (model.class_conditional=false)")
-    if flow_sigma is None:
-        raise InvalidInput("an SD3Transformer2DModel takes the flow schedule's noise level as its time input "
-                           "(built by the trainer with diffusion.schedule=flow)")
-    if not text.get("pooled"):
-        raise InvalidInput("an SD3Transformer2DModel needs the pooled text vector, and the data have none (prepare "
-                           "them with SD3's text encoders: CLIP-L, CLIP-G and T5)")
+    check_flow_text("an SD3Transformer2DModel", "SD3's text encoders: CLIP-L, CLIP-G and T5", text, num_classes,
+                    flow_sigma)
     _fit(cfg, "joint_attention_dim", text["width"], pre or "joint_attention_dim" in user, "the text encoders' width")
     _fit(cfg, "pooled_projection_dim", text["pooled"], pre or "pooled_projection_dim" in user,
          "the pooled text vector's width")

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidInput
-from .diffusers_backbone import DiffusersBackbone, Kind, _construct_loaded, _fit, register_kind
+from .diffusers_backbone import DiffusersBackbone, Kind, _construct_loaded, _fit, check_flow_text, register_kind
 
 CLASS = "FluxTransformer2DModel"
 TRAINING_GUIDANCE = 3.5  # train_dreambooth_lora_flux.py --guidance_scale default
@@ -115,14 +115,8 @@ def network(*, in_channels: int, image_size: int, out_channels: int | None, conf
     """A FluxTransformer2DModel for latents of `in_channels` (module docstring): in/out channels 4·C, the text
     widths the data's, the guidance embedding fed `guidance` (default 3.5) where the model has one."""
     cfg, pre = dict(config), bool(pretrained)
-    if num_classes:
-        raise InvalidInput("a text-conditioned run has no class labels (model.class_conditional=false)")
-    if flow_sigma is None:
-        raise InvalidInput("a FluxTransformer2DModel takes the flow schedule's noise level as its time input "
-                           "(built by the trainer with diffusion.schedule=flow)")
-    if not text.get("pooled"):
-        raise InvalidInput("a FluxTransformer2DModel needs the pooled text vector, and the data have none (prepare "
-                           "them with a Flux pipeline's text encoders: CLIP-L and T5)")
+    check_flow_text("a FluxTransformer2DModel", "a Flux pipeline's text encoders: CLIP-L and T5", text, num_classes,
+                    flow_sigma)
     if (out_channels or in_channels) != in_channels:
         raise InvalidInput(f"a FluxTransformer2DModel predicts as many channels as it takes ({in_channels}), the "
                            f"prediction needs {out_channels}")
