@@ -92,3 +92,19 @@ def transformer_probe(b, backbone, transformer, name: str):
         return err
 
     return net, hf, x, t, rows, close
+
+
+def stock_transformer(run: str, b, ema: bool, refusal, verify):
+    """(the run's transformer as a float32 copy, max |Δ| to the backbone) for a stock text-transformer
+    pipeline (sd3.py, flux.py): refused in one line where `refusal(b)` says why, the raw or EMA weights,
+    a LoRA run's adapter folded into the base, checked by `verify(b, backbone, transformer)`."""
+    from ..pretrained import lora
+
+    why = refusal(b)
+    if why:
+        raise InvalidInput(f"{run} cannot be exported to diffusers: {why}")
+    with b.averaged(ema) as net:
+        transformer = copy.deepcopy(net.net.model).float().eval()
+        if lora.identity(b.net):  # a LoRA run's full pipeline: the adapter folded into the base weights
+            transformer = lora.merged(transformer)
+        return transformer, verify(b, net.net, transformer)

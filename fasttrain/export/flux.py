@@ -24,7 +24,6 @@ _prepare_latent_image_ids, equals the backbone (float64).
 """
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
@@ -32,9 +31,8 @@ import torch
 
 from .. import optional
 from ..config import plain
-from ..errors import InvalidInput
-from ..pretrained import lora
 from ..pretrained.scheduler_config import to_diffusers
+from .common import stock_transformer, transformer_probe, written_whole
 
 CLASS = "FluxTransformer2DModel"
 PIPELINE = "FluxPipeline"
@@ -72,8 +70,6 @@ def scheduler(b):
 def verify(b, backbone, transformer) -> float:
     """Max |Δ| between the backbone and the stock transformer fed as FluxPipeline feeds it, float64."""
     from diffusers import FluxPipeline
-
-    from .common import transformer_probe
 
     net, hf, x, t, rows, close = transformer_probe(b, backbone, transformer, "Flux")
     c, h, w = x.shape[1:]
@@ -129,17 +125,8 @@ default linspace(1, 1/n, n) when n divides T; the scheduler shifts them).
 def export_flux(run: str, out: Path, b, ema: bool) -> dict:
     """Write the FluxPipeline folder `out` (empty or absent) for the Flux run `b`, whole or not at all
     (common.written_whole)."""
-    from .common import written_whole
-
     diffusers = optional.diffusers("export --to diffusers")
-    why = refusal(b)
-    if why:
-        raise InvalidInput(f"{run} cannot be exported to diffusers: {why}")
-    with b.averaged(ema) as net:
-        transformer = copy.deepcopy(net.net.model).float().eval()
-        if lora.identity(b.net):  # a LoRA run's full pipeline: the adapter folded into the base weights
-            transformer = lora.merged(transformer)
-        err = verify(b, net.net, transformer)
+    transformer, err = stock_transformer(run, b, ema, refusal, verify)
     sched = scheduler(b)
     enc = b.prompts.encoders
     pipe = diffusers.FluxPipeline(transformer=transformer, scheduler=sched, vae=b.decoder.codec.vae,

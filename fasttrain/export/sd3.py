@@ -21,7 +21,6 @@ transformer fed as the pipeline feeds it equals the backbone.
 """
 from __future__ import annotations
 
-import copy
 import json
 import sys
 from pathlib import Path
@@ -29,9 +28,8 @@ from pathlib import Path
 import torch
 
 from .. import optional
-from ..errors import InvalidInput
-from ..pretrained import lora
 from ..pretrained.scheduler_config import to_diffusers
+from .common import stock_transformer, transformer_probe, written_whole
 
 CLASS = "SD3Transformer2DModel"
 
@@ -62,8 +60,6 @@ def refusal(b) -> str | None:
 def verify(b, backbone, transformer) -> float:
     """Max |Δ| between the backbone and the stock transformer given σ·T and the prompt encodings as
     StableDiffusion3Pipeline passes them, in float64, at early and late timesteps."""
-    from .common import transformer_probe
-
     net, hf, x, t, rows, close = transformer_probe(b, backbone, transformer, "SD3")
     sigma = b.schedule.sigma.to(torch.float64)[t] * b.schedule.T  # FlowMatchEulerDiscreteScheduler.timesteps: σ·T
     out = hf(x, encoder_hidden_states=rows["states"], pooled_projections=rows["pooled"], timestep=sigma).sample
@@ -104,14 +100,7 @@ the scheduler shifts them by {float(b.cfg.diffusion.flow_shift)}).
 def export_sd3(run: str, out: Path, b, ema: bool) -> dict:
     """Write the StableDiffusion3Pipeline folder `out` (empty or absent) for the SD3 run `b`."""
     diffusers = optional.diffusers("export --to diffusers")
-    why = refusal(b)
-    if why:
-        raise InvalidInput(f"{run} cannot be exported to diffusers: {why}")
-    with b.averaged(ema) as net:
-        transformer = copy.deepcopy(net.net.model).float().eval()
-        if lora.identity(b.net):  # a LoRA run's full pipeline: the adapter folded into the base weights
-            transformer = lora.merged(transformer)
-        err = verify(b, net.net, transformer)
+    transformer, err = stock_transformer(run, b, ema, refusal, verify)
     df = b.cfg.diffusion
     name, config = to_diffusers(df.schedule, df.T, False, df.prediction, False, shift=df.flow_shift)
     sched = getattr(diffusers, name).from_config(config)
@@ -120,8 +109,6 @@ def export_sd3(run: str, out: Path, b, ema: bool) -> dict:
     pipe = diffusers.StableDiffusion3Pipeline(
         transformer=transformer, scheduler=sched, vae=b.decoder.codec.vae, text_encoder=encs[0], tokenizer=toks[0],
         text_encoder_2=encs[1], tokenizer_2=toks[1], text_encoder_3=encs[2], tokenizer_3=toks[2])
-    from .common import written_whole
-
     with written_whole(out) as folder:
         pipe.save_pretrained(folder)
         index = json.loads((folder / "model_index.json").read_text())
