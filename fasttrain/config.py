@@ -72,9 +72,9 @@ class DataConfig:
     shuffle_caption: bool = _f(False, "shuffle comma-separated caption tags per read (sd-scripts; needs live text "
                                "encoding, which fasttrain does not run: refused with cached encodings)")
     keep_tokens: int = _f(0, "with shuffle_caption: the leading tags kept in place (sd-scripts --keep_tokens)", min=0)
-    mask: str = _f("off", "loss mask per image (sd-scripts --masked_loss): alpha (the image's alpha channel, "
-                   "--alpha_mask) | file (a grayscale NAME.mask.png beside it, white = train) | off; image folders, "
-                   "and latents prepared with `data prepare --vae --mask`", choices=("off", "alpha", "file"))
+    mask: str = _f("none", "loss mask per image (sd-scripts --masked_loss): alpha (the image's alpha channel, "
+                   "--alpha_mask) | file (a grayscale NAME.mask.png beside it, white = train) | none; image folders, "
+                   "and latents prepared with `data prepare --vae --mask`", choices=("none", "alpha", "file"))
 
 
 @dataclass

@@ -121,7 +121,7 @@ class BucketImages(Dataset):
     """One image scaled and cropped into its bucket: item (row, mirror, crop_x, crop_y), crop in [0, 1]; with a
     loss mask (`mask`: data.mask, masks.py) also its mask [1, bh, bw], scaled, cropped and mirrored alike."""
 
-    def __init__(self, root: str, files: list, table: dict, channels: int, mask: str = "off"):
+    def __init__(self, root: str, files: list, table: dict, channels: int, mask: str = "none"):
         self.root, self.files, self.table, self.channels = Path(root), files, table, channels
         self.mask = mask
         self.to_tensor = transforms.Compose([transforms.ToTensor(), transforms.Normalize([0.5], [0.5])])
@@ -146,7 +146,7 @@ class BucketImages(Dataset):
             im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         x = self.to_tensor(im)
         x = x.expand(self.channels, -1, -1).contiguous() if x.shape[0] != self.channels else x
-        if self.mask == "off":
+        if self.mask == "none":
             return x, torch.tensor(label)
         m = masks.open_mask(self.root / path, self.mask)[0].resize((w, h), Image.Resampling.BILINEAR).crop(box)
         if mirror:

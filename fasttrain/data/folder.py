@@ -33,7 +33,7 @@ def _files(root, manifest, extensions):
 
 class ImageFolderDataset(Dataset):
     def __init__(self, root: str, image_size: int, channels: int = 3, files: list[tuple[str, int]] | None = None,
-                 manifest: dict | None = None, mask: str = "off"):
+                 manifest: dict | None = None, mask: str = "none"):
         self.root, self.mask = Path(root), mask
         if files is not None:
             self.files, self.classes = files, sorted({label for _, label in files})
@@ -67,7 +67,7 @@ class ImageFolderDataset(Dataset):
             im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         x = self.to_tensor(im)  # [-1, 1]; a 16-bit grey image (one float band) fills every channel
         x = x.expand(self.channels, -1, -1).contiguous() if x.shape[0] != self.channels else x
-        if self.mask == "off":
+        if self.mask == "none":
             return x, torch.tensor(label)
         m = self.resize(masks.open_mask(self.root / path, self.mask)[0]).crop(box)  # the image's own operations
         if mirror:

@@ -27,7 +27,7 @@ class ImageFolder(DataKind):
         check_folder_args(d, self.name)
         m = folder_manifest(d, at)
         files = [tuple(f) for f in m["files"]]
-        if d.mask != "off":  # every mask read once: a bad one is an error now, not in a loader worker
+        if d.mask != "none":  # every mask read once: a bad one is an error now, not in a loader worker
             report = masks.scan(d.root, files, d.mask, progress=at.rank == 0)
             if at.rank == 0:
                 masks.say_counts(report, d.mask, lambda line: print(line, file=sys.stderr))

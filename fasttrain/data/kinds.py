@@ -91,7 +91,7 @@ class DataKind:
         if getattr(d, "buckets", False) and not self.buckets:
             raise InvalidInput(f"bad value for 'data.buckets': True (aspect-ratio buckets are for image folders, "
                                f"not data.name={self.name})")
-        if getattr(d, "mask", "off") != "off" and not self.masks:
+        if getattr(d, "mask", "none") != "none" and not self.masks:
             raise InvalidInput(f"bad value for 'data.mask': {d.mask!r} (loss masks are for image folders "
                                f"(data.name=folder) and latents prepared with `fasttrain data prepare --vae --mask` "
                                f"(latents, captioned_latents), not data.name={self.name})")

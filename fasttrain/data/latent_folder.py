@@ -44,9 +44,9 @@ class LatentFolder(DataKind):
         from ..pretrained.vae import latent_record
 
         files = [tuple(f) for f in m["files"]]
-        if d.mask != "off":
+        if d.mask != "none":
             self.check_masks(d, m)
-        ds = LatentFolderDataset(d.root, m, mask=d.mask != "off")
+        ds = LatentFolderDataset(d.root, m, mask=d.mask != "none")
         shape = ds.shape()
         if len(shape) != 3 or shape[1] != shape[2]:
             raise DataError(f"latents must be stored as [C, S, S] arrays, {ds.files[0][0]} has shape {shape}")

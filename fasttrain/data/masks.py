@@ -37,7 +37,7 @@ from PIL import Image, ImageOps
 from ..errors import DataError
 from .images import MASK_SUFFIX, SIXTEEN_BIT
 
-MODES = ("off", "alpha", "file")
+MODES = ("none", "alpha", "file")
 LATENT_SUFFIX = ".mask.npy"  # a latent's mask beside NAME.npy (encode.py)
 
 

@@ -63,7 +63,7 @@ def stream(what: str, ds, files: list, d, at, backend: str, augment):
     built `at` (kinds.Placement); `what`: DALI's reader, "images" or "latents"; `augment`: (flip, random
     crop) for the DataLoader, None for none. Loss masks (data.mask) come through the DataLoader: `auto`
     chooses it for them, data.backend=dali with a mask is refused."""
-    if backend == "dali" and d.mask != "off":
+    if backend == "dali" and d.mask != "none":
         if d.backend == "dali":
             raise InvalidInput(f"data.mask={d.mask} reads each image's mask with the torch DataLoader: use "
                                f"data.backend=torch (or auto)")
