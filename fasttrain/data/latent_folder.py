@@ -1,17 +1,17 @@
 """The `latents` data kind: a folder of `[C, S, S]` .npy arrays (folder.py), e.g. VAE latents from
 `data prepare --vae` (encode.py), whose posteriors are sampled and normalised on the device
-(latents.py); its size comes from the files; with `data.mask` each latent's loss mask NAME.mask.npy, which
-`data prepare --vae --mask` wrote beside it on the latent grid (masks.py). And `decoded`, the kind of the images a latent run's VAE
-decodes its samples into (not a `data.name`: it describes outputs)."""
+(latents.py); its size comes from the files; with `data.mask` each latent's loss mask NAME.mask.npy,
+which `data prepare --vae --mask` wrote beside it on the latent grid (masks.py). And `decoded`, the kind
+of the images a latent run's VAE decodes its samples into (not a `data.name`: it describes outputs)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from ..errors import DataError
 from .folder import LatentFolderDataset
-from .masks import latent_mask_file
 from .kinds import DataInfo, DataKind, Placement, Traits, register
 from .latents import LatentStream
+from .masks import latent_mask_file
 from .streamed import check_folder_args, folder_manifest, stream
 
 

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from folder_fixtures import write_images
 from PIL import Image
 
 from fasttrain import diffusion as fd
@@ -250,7 +249,8 @@ def test_masked_lora_run_resumes_exactly(tmp_path):
             Image.fromarray(v).save(mask_file(p))
     lat = tmp_path / "lat"
     assert main(["data", "prepare", str(imgs), "--vae", str(pipe), "--vae-subfolder", "vae", "--text-encoders",
-                 str(pipe), "--latents-out", str(lat), "--image-size", "16", "--batch-size", "4", "--mask", "file"]) == 0
+                 str(pipe), "--latents-out", str(lat), "--image-size", "16", "--batch-size", "4",
+                 "--mask", "file"]) == 0
     args = [f"data.root={lat}", f"model.args.pretrained={pipe}", "data.mask=file", "model.lora.rank=2",
             "optim.lr=1e-2", "sample.num=0"] + TRAIN
     assert main(["train", f"run_dir={tmp_path / 'a'}", "train.steps=4"] + args) == 0
