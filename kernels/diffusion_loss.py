@@ -31,7 +31,8 @@ def _loss_op(pred: torch.Tensor, x0: torch.Tensor, t: torch.Tensor, weight: torc
              coef: torch.Tensor, pivots: torch.Tensor, bins: torch.Tensor, eps: Optional[torch.Tensor], seed: int,
              offset: torch.Tensor, needs: int, spec_i: list[int], table: Optional[torch.Tensor],
              rows: Optional[torch.Tensor], mean: Optional[torch.Tensor], std: Optional[torch.Tensor], kind: int,
-             c_table: Optional[torch.Tensor], backend: str, block: int, mask: Optional[torch.Tensor]
+             c_table: Optional[torch.Tensor], backend: str, block: int,
+             mask: Optional[torch.Tensor] = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if backend == "native":
         return native.loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs, spec_i, table, rows,
@@ -53,7 +54,7 @@ def _loss_op(pred: torch.Tensor, x0: torch.Tensor, t: torch.Tensor, weight: torc
 
 @_loss_op.register_fake
 def _(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs, spec_i, table, rows, mean, std, kind,
-      c_table, backend, block, mask):
+      c_table, backend, block, mask=None):
     B = pred.shape[0]
     f = dict(dtype=torch.float32, device=pred.device)
     return torch.empty((), **f), torch.empty(B, **f), torch.empty(B, **f), torch.empty(B, **f), torch.empty_like(pred)

@@ -210,6 +210,28 @@ def test_masked_loss_is_independent_of_tiles_threads_and_history(backend):
         torch.testing.assert_close(tiled.raw, first.raw, rtol=1e-5, atol=0)
 
 
+@backends("torch", "triton", "native")
+def test_the_op_with_a_mask_passes_opcheck_and_runs_in_fullgraph_compile(backend):
+    """register_fake and the schema with the mask argument (opcheck), and the masked loss inside
+    torch.compile(fullgraph=True) equal to eager."""
+    from fasttrain.kernels import diffusion_loss as dl_module
+
+    dev = backend.device
+    _, _, w, coef = tables("cosine", "v", device=dev)
+    x0, eps, t, iw = inputs((3, 5, 7, 9), device=dev)
+    m = a_mask((3, 1, 7, 9), device=dev)
+    p = torch.randn(3, 5, 7, 9).to(dev)
+    empty = torch.empty((0, 0), dtype=torch.float64, device=dev)
+    off = torch.zeros((), dtype=torch.int64, device=dev)
+    torch.library.opcheck(dl_module._loss_op, (p, x0, t, w, iw, coef, empty, empty.clone(), eps, 0, off, 3, [], None,
+                                               None, None, None, 0, None, backend.name, 0, m))
+
+    def f(pred):
+        return diffusion_loss(pred, x0, t, w, iw, coef, eps=eps, backend=backend.name, mask=m).loss
+
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(p), f(p))
+
+
 @pytest.mark.parametrize("bad", [(3, 2, 7, 9), (2, 1, 7, 9), (3, 1, 9, 7), (3, 7, 9)])
 def test_a_mask_of_the_wrong_shape_is_refused(bad):
     _, _, w, coef = tables("linear", "eps", device="cpu")
