@@ -83,6 +83,9 @@ class DataConfig:
                                "encoding, which fasttrain does not run: refused with cached encodings)")
     keep_tokens: int = _f(0, "with shuffle_caption: the leading tags kept in place (sd-scripts --keep_tokens)", min=0,
                           max=1000)
+    mask: str = _f("none", "loss mask per image (sd-scripts --masked_loss): alpha (the image's alpha channel, "
+                   "--alpha_mask) | file (a grayscale NAME.mask.png beside it, white = train) | none; image folders, "
+                   "and latents prepared with `data prepare --vae --mask`", choices=("none", "alpha", "file"))
 
 
 @dataclass

@@ -222,6 +222,9 @@ def _validate(cfg: DictConfig) -> None:
         sched = schedule_of(d)
     with _Key("diffusion.prediction", cfg):
         objective_class(d.prediction).check_config(d, sched, args)
+    if cfg.data.mask != "none" and not objective_class(d.prediction).masked_loss:
+        raise ConfigError(f"bad value for 'data.mask': {cfg.data.mask!r} (diffusion.prediction={d.prediction} trains "
+                          f"with a loss op that takes no per-pixel weight; the masked loss needs eps, x0, v or flow)")
     with _Key("diffusion.weighting_args"):  # a single prediction's own space; other kinds weight x0-space errors
         loss_weight(d.weighting, sched, d.prediction if d.prediction in PREDICTIONS else "x0",
                     **plain(d.weighting_args))

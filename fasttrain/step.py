@@ -5,7 +5,8 @@ of the look-ahead components) and a CUDA graph's capture (parallel/graphs.py) al
     parts = StepParts(model, objective, optimizer, Generators(g), ema=ema, conditioning=..., hooks=...)
     loss, gnorm = train_step(parts, [(x0, y), ...], step=k, lr=lr)
 
-`update(parts, x0, y, x0, y, ...)` is the body: for each micro-batch the condition (with its dropout,
+`update(parts, x0, y, x0, y, ...)` is the body (with loss masks, `parts.masked`: x0, y, mask, ...; the mask
+goes to the objective's loss as the per-pixel weight): for each micro-batch the condition (with its dropout,
 conditioning.py) → the objective (timesteps, noise op, model, loss op, statistics) → backward of
 loss / accum; then (fp16) unscale, clip, the finite check (a device scalar), the look-ahead hooks that
 act before the update, the optimizer step (a non-finite step skipped on the device), zero_grad, the EMA
@@ -49,7 +50,8 @@ class StepParts:
     micro-batch are complete (a hand-written gradient all-reduce where no DDP/FSDP does it);
     `skip_nonfinite`: a non-finite update is skipped on the device (optim.skip_if_not_finite; a bare
     reference step leaves the optimizer alone); `counters` holds `skipped` and `skipped_run` device
-    tensors (train_state.TrainState)."""
+    tensors (train_state.TrainState); `masked`: each micro-batch carries a loss mask after its labels
+    (data.mask)."""
     model: torch.nn.Module
     objective: Any
     optimizer: torch.optim.Optimizer
@@ -65,6 +67,7 @@ class StepParts:
     skip_nonfinite: bool = True
     rank: int = 0
     world_size: int = 1
+    masked: bool = False
 
     def __post_init__(self):
         # the parameters the step clips, listed once: model.parameters() walks the whole module tree
@@ -81,18 +84,21 @@ class StepParts:
 
 def update(parts: StepParts, *tensors: torch.Tensor | None, before: Sequence[LookAhead] = (), step: int = 0,
            lr: float | None = None):
-    """The step's body on the micro-batches `tensors` = x0, y, x0, y, ... (module docstring). Returns
-    (mean loss, gradient norm, the first micro-batch's condition after dropout): device tensors."""
+    """The step's body on the micro-batches `tensors` = x0, y, x0, y, ... (x0, y, mask, ... with
+    `parts.masked`; module docstring). Returns (mean loss, gradient norm, the first micro-batch's
+    condition after dropout): device tensors."""
     model, opt = parts.model, parts.optimizer
-    accum = len(tensors) // 2
+    n = 3 if parts.masked else 2
+    accum = len(tensors) // n
     total = torch.zeros((), device=tensors[0].device)
     first = None
     for m in range(accum):
-        x0, y = tensors[2 * m], tensors[2 * m + 1]
+        x0, y = tensors[n * m], tensors[n * m + 1]
+        mask = {"mask": tensors[n * m + 2]} if parts.masked else {}
         cond = parts.conditioning(y) if parts.conditioning is not None else y
         first = cond if m == 0 else first
         with parts.autocast(cache=False):  # no autocast weight cache: a graph replays the casts
-            loss, _ = parts.objective(model, x0, cond, parts.generators.timesteps)
+            loss, _ = parts.objective(model, x0, cond, parts.generators.timesteps, **mask)
         scaled = loss / accum
         (parts.scaler.scale(scaled) if parts.scaler else scaled).backward()
         total += loss.detach() / accum
@@ -128,7 +134,8 @@ def update(parts: StepParts, *tensors: torch.Tensor | None, before: Sequence[Loo
 
 def train_step(parts: StepParts, batches: Sequence[tuple], *, step: int, lr: float | None = None,
                fixed: Callable | None = None):
-    """One optimizer step on the micro-batches `batches` [(x0, y), ...]: the look-ahead hooks due at
+    """One optimizer step on the micro-batches `batches` [(x0, y), ...] ((x0, y, mask) with
+    `parts.masked`): the look-ahead hooks due at
     `step` around `update`. `fixed`, when given, runs `update` for one micro-batch with no before-update
     hook (graphs.GraphedStep replays it); it is used where that is the step's structure. Returns
     (loss, gradient norm): device tensors, never read here."""

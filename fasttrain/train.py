@@ -128,7 +128,7 @@ class Trainer:
         cond = conditioning.for_data(self.spec, cfg.model.label_dropout, generators.labels, table, d.caption_dropout)
         self.parts = StepParts(self.model, self.objective, self.opt, generators, ema=self.ema, scaler=self.scaler,
                                conditioning=cond, precision=self.precision, grad_clip=o.grad_clip, counters=self.state,
-                               hooks=self.hooks, rank=rank, world_size=world)
+                               hooks=self.hooks, rank=rank, world_size=world, masked=d.mask != "none")
         # evaluations of the bundle (periodic/evaluation.py, the end of the run): every core of a one-process CPU run
         self._threads = partial(evaluation_threads, tc.threads, self.device.type == "cpu" and world == 1)
         self.evaluation = RunEvaluation(self.bundle, EvalSettings.from_config(cfg), cfg, self._threads)

@@ -61,9 +61,10 @@ def noise_std(x0, seed, offset, spec, table, rows, mean):
 
 
 def loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs, spec, table, rows, mean, std, kind,
-         c_table):
+         c_table, mask=None):
+    """`mask`: the loss's per-pixel weight (diffusion_loss.check_mask), or None."""
     return tuple(torch.ops.fasttrain_C.loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs,
-                                            spec, table, rows, mean, std, kind, c_table))
+                                            spec, table, rows, mean, std, kind, c_table, mask))
 
 
 def mixed_loss(out, x0, t, weight, iw, tab, gate, pivots, bins, eps, seed, offset, spec, table, rows, mean, std, kind,

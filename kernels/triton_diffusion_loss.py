@@ -14,8 +14,11 @@ and no call-order protocol: the forward math of a step is two launches (noise, l
 
 With noise options (SPEC != 0; noise_spec.py) eps is the options' ε (triton_noise_spec.spec_eps, the
 same the noise kernel drew); with a loss shape (LOSS != 0; loss_shape.py) d² becomes ρ(d) and the
-gradient's d becomes ψ(d), with the threshold c[t_b] read from a [T] table. LOSS = SPEC = 0 is the
-plain kernel, unchanged.
+gradient's d becomes ψ(d), with the threshold c[t_b] read from a [T] table; with a per-pixel weight
+(MASK != 0: sd-scripts' masked loss, torch_ref_diffusion_loss.py) ρ(d) and the gradient are multiplied by
+m, read per element (MASK = 1: m is [B, C, ...]) or per pixel, broadcast over the channels (MASK = 2:
+m is [B, 1, ...]; element i of a sample reads m[b, i mod MP], MP = the pixels of a channel). LOSS = SPEC =
+MASK = 0 is the plain kernel, unchanged.
 
 Byte floor: read pred and x0, write the gradient (eps costs nothing).
 """
@@ -39,9 +42,10 @@ from .triton_shared import block_size, div_of, rho_psi, scatter_value
 def loss_kernel(pred_ptr, x0_ptr, eps_ptr, t_ptr, w_ptr, iw_ptr, coef_ptr, pivot_ptr, bins_ptr,
                 grad_ptr, acc_ptr, cnt_ptr, raw_ptr, wl_ptr, ps_ptr, loss_ptr,
                 D, B, T, NCH, seed, offset_ptr, grad_scale,
-                rows_ptr, tab_ptr, mean_ptr, std_ptr, C, HW, H, W, L, K_XI, K_N, K_S, K_L, N, c_ptr,
+                rows_ptr, tab_ptr, mean_ptr, std_ptr, C, HW, H, W, L, K_XI, K_N, K_S, K_L, N, c_ptr, m_ptr, MP,
                 NEEDS_EPS: tl.constexpr, NEEDS_X0: tl.constexpr, HAS_EPS: tl.constexpr, BINS: tl.constexpr,
-                 SPEC: tl.constexpr, LOSS: tl.constexpr, BLOCK: tl.constexpr, DIV: tl.constexpr):
+                SPEC: tl.constexpr, LOSS: tl.constexpr, BLOCK: tl.constexpr, DIV: tl.constexpr,
+                MASK: tl.constexpr = 0, MDIV: tl.constexpr = 1):
     b = tl.program_id(0)
     c = tl.program_id(1)
     D = D // DIV * DIV  # == D: DIV-wide loads and stores (triton_shared.div_of)
@@ -72,6 +76,14 @@ def loss_kernel(pred_ptr, x0_ptr, eps_ptr, t_ptr, w_ptr, iw_ptr, coef_ptr, pivot
     else:
         cb = tl.load(c_ptr + tb)  # the threshold c(t_b) (a dummy table for l1)
         r, g = rho_psi(d, cb, LOSS)
+    if MASK != 0:  # the per-pixel weight m: ρ(d)·m and ψ(d)·m (torch_ref_diffusion_loss.masked)
+        if MASK == 1:
+            m = tl.load(m_ptr + gidx, mask=mask, other=0.0).to(tl.float32)
+        else:
+            MP = MP // MDIV * MDIV  # == MP: the pixel index below runs MDIV-wide (as D above)
+            m = tl.load(m_ptr + (b.to(tl.int64) * MP + idx % MP), mask=mask, other=0.0).to(tl.float32)
+        r = r * m
+        g = g * m
     # dL/dpred of L = mean_b ℓ_b, written now: the loss is the last op, backward only rescales it.
     tl.store(grad_ptr + gidx, (g * (grad_scale * wb * ib)).to(grad_ptr.dtype.element_ty), mask=mask)
     tl.atomic_add(acc_ptr + b, tl.sum(r, axis=0))
@@ -99,9 +111,12 @@ def loss_kernel(pred_ptr, x0_ptr, eps_ptr, t_ptr, w_ptr, iw_ptr, coef_ptr, pivot
 
 
 def loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs_eps, needs_x0, spec, kind, c_table,
-         interpret, block):
-    """(mean, per-sample ℓ, raw, weighted, dL/dpred): one launch of a grid (B, ⌈D/BLOCK⌉)."""
+         interpret, block, mask=None):
+    """(mean, per-sample ℓ, raw, weighted, dL/dpred): one launch of a grid (B, ⌈D/BLOCK⌉). `mask`: the
+    per-pixel weight, [B, C, ...] or [B, 1, ...] (diffusion_loss.check_mask), or None."""
     B, D, T = pred.shape[0], pred[0].numel(), weight.numel()
+    MP = mask[0].numel() if mask is not None else D
+    mode = 0 if mask is None else 1 if MP == D else 2
     x0c = x0.contiguous()
     args, flags = launch_args(spec if needs_eps else None, x0c)
     pyramid = bool(flags & PYRAMID)
@@ -114,13 +129,16 @@ def loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs_e
     loss_kernel[(B, nch)](pred.contiguous(), x0c, eps.contiguous() if eps is not None else x0c, t, weight, iw,
                           coef, pivots, bins, grad, acc, cnt, raw, wl, per, mean, D, B, T, nch, seed, offset,
                           2.0 / (B * D), *args, c_table if c_table is not None else weight,
+                          mask if mask is not None else weight, MP,
                           NEEDS_EPS=needs_eps, NEEDS_X0=needs_x0, HAS_EPS=eps is not None,
                           BINS=bins.numel() > 0, SPEC=flags, LOSS=kind, BLOCK=BLOCK, DIV=div_of(D),
+                          MASK=mode, MDIV=div_of(MP) if mode == 2 else 1,
                           **shared.kernel_options(BLOCK, bool(flags), pyramid))
     return mean, per, raw, wl, grad
 
 
 STREAMS = ("pred_ptr", "x0_ptr", "eps_ptr", "grad_ptr")  # rows of elements (aot_specs.Spec)
+MASKS = ("channels", "pixels")  # a per-pixel weight [B, C, ...] (MASK = 1), or [B, 1, ...] (MASK = 2)
 
 
 def specializations(aot):
@@ -129,27 +147,30 @@ def specializations(aot):
     both: the prediction types) × with and without bins, at a 3×32×32 row; each tile size and
     alignment class (aot.row_sizes) in each dtype with an int32 and an int64 seed, the other
     options rotating, some with an unaligned prediction; each loss shape (loss_shape.py) and each group
-    of noise options (aot.NOISE_OPTIONS) in each dtype pair. A new launcher option extends
-    this list."""
+    of noise options (aot.NOISE_OPTIONS) in each dtype pair; the per-pixel weight (MASKS: per element or
+    broadcast over the channels) in each dtype pair and each dtype of its own, with loss shapes and
+    noise options rotating, its row a stream too. A new launcher option extends this list."""
     T = 1000
 
     def spec(x_dt, p_dt, D=3072, eps_dt=None, needs=(True, True), bins=True, seed=aot.SEEDS[0], aligned=True,
-             kind=0, options=None):
+             kind=0, options=None, mask=None, m_dt=torch.float32):
         def launch():
-            shape = aot.IMAGE if options else (2, D)
+            shape = aot.IMAGE if options or mask else (2, D)
             pred = torch.empty(shape, dtype=p_dt) if aligned else aot.unaligned(shape, p_dt)
             x0 = torch.zeros(shape, dtype=x_dt)
             f64 = dict(dtype=torch.float64)
             piv, data = (torch.zeros(2, T, **f64), torch.zeros(5, T, **f64)) if bins else (
                 torch.zeros(0, 0, **f64), torch.zeros(0, 0, **f64))
             eps = None if eps_dt is None else torch.empty(2, D, dtype=eps_dt)
+            m = None if mask is None else torch.ones((2, 3 if mask == "channels" else 1, *aot.IMAGE[2:]), dtype=m_dt)
             return loss(pred, x0, torch.zeros(2, dtype=torch.int64), torch.zeros(T), torch.ones(2),
                         torch.zeros(2, T), piv, data, eps, seed, torch.zeros((), dtype=torch.int64), needs[0],
-                        needs[1], aot.noise_spec(x0, options), kind, aot.loss_table(kind, T), False, 0)
+                        needs[1], aot.noise_spec(x0, options), kind, aot.loss_table(kind, T), False, 0, m)
         axes = dict(x0=aot.name(x_dt), pred=aot.name(p_dt), eps=aot.name(eps_dt),
                     target="+".join(n for n, u in zip(("eps", "x0"), needs) if u), bins=bins, D=D,
-                    seed=aot.name(seed), aligned=aligned, loss=LOSSES[kind], noise=options or "plain")
-        return aot.Spec(axes, launch, min(div_of(D), block_size(D, False)), STREAMS)
+                    seed=aot.name(seed), aligned=aligned, loss=LOSSES[kind], noise=options or "plain",
+                    mask=f"{mask}:{aot.name(m_dt)}" if mask else "none")
+        return aot.Spec(axes, launch, min(div_of(D), block_size(D, False)), STREAMS + (("m_ptr",) if mask else ()))
 
     targets = ((True, True), (True, False), (False, True))  # v and flow, eps, x0 prediction
     for x_dt, p_dt in aot.DTYPE_PAIRS:
@@ -171,3 +192,10 @@ def specializations(aot):
         for j, (x_dt, p_dt) in enumerate(aot.DTYPE_PAIRS):
             yield spec(x_dt, p_dt, options=options, kind=(i + j) % len(LOSSES), needs=targets[(i + j) % 2],
                        bins=j % 2 == 0)
+    noise = (None, *aot.NOISE_OPTIONS)
+    for i, mask in enumerate(MASKS):
+        for j, (x_dt, p_dt) in enumerate(aot.DTYPE_PAIRS):
+            yield spec(x_dt, p_dt, mask=mask, kind=(i + j) % len(LOSSES), needs=targets[(i + j) % 3],
+                       bins=j % 2 == 0, options=noise[(i + j) % len(noise)])
+        for m_dt in aot.SAME_DTYPES[1:]:
+            yield spec(torch.float32, m_dt, mask=mask, m_dt=m_dt, needs=targets[i])

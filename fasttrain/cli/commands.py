@@ -191,6 +191,9 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--clip-skip", type=int, default=None,
                     help="with --text-encoders: CLIP layers skipped from the end")
     pr.add_argument("--caption-column", default="text", help="metadata.jsonl's caption column (default text)")
+    pr.add_argument("--mask", choices=("alpha", "file"), default=None, help="with --vae: also write each image's "
+                    "loss mask on the latent grid (alpha: its alpha channel; file: NAME.mask.png beside it), for "
+                    "data.mask (sd-scripts --masked_loss)")
     pr.add_argument("--allow-empty-captions", action="store_true", help="encode images without a caption as the "
                     "empty prompt (default: refused, with their count)")
     return p
@@ -335,12 +338,18 @@ def _data(args) -> int:
         raise InvalidInput("--vae and --encoder exclude each other")
     if args.buckets and not args.vae:
         raise InvalidInput("--buckets encodes VAE latents per aspect-ratio bucket: give --vae")
+    if args.mask and (not args.vae or args.buckets):
+        raise InvalidInput("--mask writes loss masks beside VAE latents: give --vae (without --buckets; for masks "
+                           "with buckets train the image folder with data.buckets=true data.mask=...)")
     if args.text_encoders and not args.vae:
         raise InvalidInput("--text-encoders needs --vae: captions are cached beside VAE latents")
     captioned_shards = bool(args.shards and args.vae and args.text_encoders)  # data/latent_shards.py
     if captioned_shards and (args.latents_out or args.pack or args.buckets):
         raise InvalidInput("--shards with --vae and --text-encoders writes the latents and captions into the shards: "
                            "drop --latents-out, --pack and --buckets")
+    if captioned_shards and args.mask:
+        raise InvalidInput("--mask is not stored in captioned shards (data.name=captioned_shards takes no loss mask): "
+                           "write them beside latents instead (--vae --text-encoders --latents-out OUT --mask ...)")
     if args.text_encoders:
         from ..pretrained.text_encoders import family_of, transformers
 
@@ -433,7 +442,8 @@ def _encode_with_vae(args, manifest_path) -> dict:
     from ..data.encode import encode_with_vae
 
     m = json.loads(Path(manifest_path).read_text())
-    lm = encode_with_vae(m, args.latents_out, args.vae, args.vae_subfolder, args.image_size, args.batch_size)
+    lm = encode_with_vae(m, args.latents_out, args.vae, args.vae_subfolder, args.image_size, args.batch_size,
+                         mask=args.mask or "none")
     info = lm["latents"]
     print(f"encoded {lm['num_files']} images to {lm['sizes']} latents (posterior mean and std); VAE scaling_factor "
           f"{info['vae']['scaling_factor']}, shift_factor {info['vae']['shift_factor']}")

@@ -14,10 +14,11 @@ The kinds, one module per kind or family:
 What they share: `streamed.py` (a folder's manifest and its stream), `dali.py` (NVIDIA DALI) and
 `loader.py` (a torch DataLoader), `order.py` (the epoch order and augmentation draws every backend reads),
 `folder.py` (folder data sets), `images.py` (decoding one image), `layout.py` (a folder's files and labels),
-`manifest.py` (`data prepare`: the checked file list), `captions.py` (a folder's captions), `latents.py`
-(posterior draws and normalisation on the device), `shard_index.py` (a shard set's index, its checks and
-its global order), `shard_reader.py` (each rank's samples read by seeking), `reference.py` (the real data
-evaluations compare with), `spec.py` (`DataSpec`: what a run's data are, recorded in its checkpoint).
+`manifest.py` (`data prepare`: the checked file list), `captions.py` (a folder's captions), `masks.py` (loss
+masks per image: alpha or NAME.mask.png, data.mask), `latents.py` (posterior draws and normalisation on the
+device), `shard_index.py` (a shard set's index, its checks and its global order), `shard_reader.py` (each
+rank's samples read by seeking), `reference.py` (the real data evaluations compare with), `spec.py`
+(`DataSpec`: what a run's data are, recorded in its checkpoint).
 A new data kind is one module here that registers itself (kinds.py).
 """
 from __future__ import annotations

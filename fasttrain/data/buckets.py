@@ -38,6 +38,7 @@ from torchvision import transforms
 
 from .. import seeds
 from ..errors import DataError, InvalidInput
+from . import masks
 from .images import describe, open_image
 from .order import Position
 
@@ -127,10 +128,12 @@ def epoch_batches(table: dict, batch_size: int, seed: int, epoch: int) -> list[l
 
 
 class BucketImages(Dataset):
-    """One image scaled and cropped into its bucket: item (row, mirror, crop_x, crop_y), crop in [0, 1]."""
+    """One image scaled and cropped into its bucket: item (row, mirror, crop_x, crop_y), crop in [0, 1]; with a
+    loss mask (`mask`: data.mask, masks.py) also its mask [1, bh, bw], scaled, cropped and mirrored alike."""
 
-    def __init__(self, root: str, files: list, table: dict, channels: int):
+    def __init__(self, root: str, files: list, table: dict, channels: int, mask: str = "none"):
         self.root, self.files, self.table, self.channels = Path(root), files, table, channels
+        self.mask = mask
         self.to_tensor = transforms.Compose([transforms.ToTensor(), transforms.Normalize([0.5], [0.5])])
 
     def __len__(self):
@@ -147,11 +150,18 @@ class BucketImages(Dataset):
             raise DataError(f"cannot decode {self.root / path} ({type(e).__name__}); it changed after "
                             f"`fasttrain data prepare` was run: run it again") from None
         left, top = round(cx * (w - bw)), round(cy * (h - bh))  # the recorded box: (0.5, 0.5) is the centre
-        im = im.crop((left, top, left + bw, top + bh))
+        box = (left, top, left + bw, top + bh)
+        im = im.crop(box)
         if mirror:
             im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         x = self.to_tensor(im)
-        return (x.expand(self.channels, -1, -1).contiguous() if x.shape[0] != self.channels else x), torch.tensor(label)
+        x = x.expand(self.channels, -1, -1).contiguous() if x.shape[0] != self.channels else x
+        if self.mask == "none":
+            return x, torch.tensor(label)
+        m = masks.open_mask(self.root / path, self.mask)[0].resize((w, h), Image.Resampling.BILINEAR).crop(box)
+        if mirror:
+            m = m.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return x, torch.tensor(label), masks.to_tensor(m)
 
 
 class _BatchOrder(Sampler):
@@ -202,11 +212,11 @@ class BucketStream(Position):
         if self._it is None:
             self._it = iter(DataLoader(self.dataset, batch_sampler=_BatchOrder(self), num_workers=self.num_workers,
                                        pin_memory=self.device.type == "cuda"))
-        x, y = next(self._it)
+        batch = next(self._it)  # (x, y), or (x, y, mask) with a loss mask
         self.pos += 1  # batches per epoch are the same every epoch: Σ_b ⌊n_b / B⌋
         while self.pos >= self.per_rank:
             self.epoch, self.pos = self.epoch + 1, self.pos - self.per_rank
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return tuple(b.to(self.device, non_blocking=True) for b in batch)
 
     def _restart(self):
         self._it = None
@@ -250,5 +260,5 @@ def build(d, at, files: list) -> BucketStream:
         raise DataError(f"data.root {d.root}: every image is smaller than every bucket (data.min_bucket_reso "
                         f"{settings['min']}): lower data.min_bucket_reso, or train without data.buckets")
     say(f"fasttrain: buckets: {_counts(table)}")
-    return BucketStream(BucketImages(d.root, files, table, d.channels), table, d.batch_size, at.seed, at.device,
+    return BucketStream(BucketImages(d.root, files, table, d.channels, d.mask), table, d.batch_size, at.seed, at.device,
                         d.num_workers, at.rank, at.world_size, d.flip, d.crop == "random", where=d.root)

@@ -11,6 +11,12 @@ with the images' labels and classes, and its section "latents" records the sourc
 size, the VAE's identity (folder, config and weights hashes, scaling and shift factors: vae.identity)
 and the per-channel mean and std of the sampled latents, which `data.latent_norm` reads.
 
+With `mask` (`data prepare --vae --mask alpha|file`, masks.py) each image's loss mask goes through the
+image's resize and crop, then to the latent grid as sd-scripts resizes it (F.interpolate, mode="area"), and
+is written as NAME.mask.npy (float32 [1, h, w]) before NAME.npy; the manifest's "latents" section records
+the mode ("mask") with the counts of images without alpha and with all-zero masks. Without it nothing
+changes: a folder prepared before masks existed trains as it did.
+
 Resumable: each file is written under a temporary name and renamed, so a file that exists is whole;
 a rerun of the same command skips those. The settings are written first (fasttrain-encoding.json,
 removed when the manifest is written) and checked on a rerun, so that one folder never mixes two
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +35,7 @@ from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
 from ..errors import DataError
+from . import masks
 from .folder import ImageFolderDataset
 from .manifest import MANIFEST
 
@@ -47,7 +55,8 @@ def _settings_of(out: Path) -> dict | None:
     if (out / MANIFEST).is_file():
         info = json.loads((out / MANIFEST).read_text()).get("latents") or {}
         if info.get("vae"):
-            return {k: info.get(k) for k in ("source", "image_size", "vae")}
+            return {**{k: info.get(k) for k in ("source", "image_size", "vae")},
+                    "mask": (info.get("mask") or {}).get("mode")}
     return None
 
 
@@ -62,6 +71,9 @@ def _claim(out: Path, settings: dict) -> None:
             if old.get(key) != settings[key]:
                 raise DataError(f"--latents-out {out} holds latents of another {key.replace('_', ' ')} "
                                 f"({old.get(key)!r}): choose another folder or delete it")
+        if settings.get("mask") and old.get("mask") and old["mask"] != settings["mask"]:
+            raise DataError(f"--latents-out {out} holds the masks of --mask {old['mask']}: choose another folder or "
+                            f"delete it")
         for key in ("config_sha256", "weights_sha256"):
             if (old.get("vae") or {}).get(key) != settings["vae"][key]:
                 raise DataError(f"--latents-out {out} holds latents of another VAE ({key.split('_')[0]} differs): "
@@ -93,9 +105,9 @@ def channel_stats(paths: list[Path], channels: int) -> tuple[list[float], list[f
 
 def encode_with_vae(image_manifest: dict, out: str | Path, vae_folder: str, subfolder: str | None = None,
                     image_size: int = 256, batch_size: int = 64, device=None, num_workers: int | None = None,
-                    progress: bool = True) -> dict:
+                    progress: bool = True, mask: str = "none") -> dict:
     """Encode the manifest's readable images into `out` (resuming where an earlier pass stopped) and
-    write and return the latents' manifest."""
+    write and return the latents' manifest; `mask` (masks.MODES): each image's loss mask too."""
     from ..pretrained.vae import encode, identity, load_vae
 
     root, out = Path(image_manifest["root"]), Path(out)
@@ -109,20 +121,29 @@ def encode_with_vae(image_manifest: dict, out: str | Path, vae_folder: str, subf
         if t in seen:
             raise DataError(f"{seen[t]} and {rel} would both be encoded to {t.name}: rename one of them")
         seen[t] = rel
+    report = masks.scan(root, files, mask, progress) if mask != "none" else None  # bad masks: before any encoding
+    if report:
+        masks.say_counts(report, mask, lambda line: print(line, file=sys.stderr))
     vae = load_vae(vae_folder, subfolder, device)
     settings = {"source": str(root.resolve()), "image_size": image_size, "vae": identity(vae, vae_folder, subfolder)}
+    if mask != "none":
+        settings["mask"] = mask
     _claim(out, settings)
-    todo = [i for i, t in enumerate(targets) if not t.is_file()]
+    todo = [i for i, t in enumerate(targets)
+            if not t.is_file() or (mask != "none" and not masks.latent_mask_file(t).is_file())]
     if num_workers is None:  # image decoding in worker processes feeds a GPU; on CPU the VAE is the cost
         num_workers = min(8, os.cpu_count() or 1) if device.type == "cuda" else 0
-    ds = ImageFolderDataset(str(root), image_size, vae.config.in_channels, files=files)
+    ds = ImageFolderDataset(str(root), image_size, vae.config.in_channels, files=files, mask=mask)
     loader = DataLoader(Subset(ds, todo), batch_size=batch_size, num_workers=num_workers,
                         pin_memory=device.type == "cuda")
     bar = tqdm(total=len(files), initial=len(files) - len(todo), desc="encoding", unit="image", disable=not progress)
     k = 0
-    for x, _ in loader:
+    for x, _, *m in loader:
         mean, std = encode(vae, x.to(device, non_blocking=True))
-        for arr in torch.cat([mean, std], 1).cpu().numpy():
+        grid = masks.to_grid(m[0], mean.shape[-2:]).numpy() if m else None  # sd-scripts' area resize
+        for j, arr in enumerate(torch.cat([mean, std], 1).cpu().numpy()):
+            if grid is not None:  # the mask first: a latent that exists has its mask
+                _save(masks.latent_mask_file(targets[todo[k]]), grid[j])
             _save(targets[todo[k]], arr)
             k += 1
         bar.update(len(x))
@@ -133,6 +154,9 @@ def encode_with_vae(image_manifest: dict, out: str | Path, vae_folder: str, subf
     counts: dict[str, int] = {}
     for _, label in files:
         counts[str(label)] = counts.get(str(label), 0) + 1
+    if report is not None:
+        settings["mask"] = {"mode": mask, "resize": "area", "no_alpha": len(report["no_alpha"]),
+                            "all_zero": len(report["all_zero"])}
     manifest = {"root": str(out.resolve()), "kind": "latents", "classes": image_manifest["classes"],
                 "num_files": len(files), "counts": counts, "sizes": {str(shape): len(files)},
                 "files": [[str(t.relative_to(out)), label] for t, (_, label) in zip(targets, files)], "bad": [],

@@ -1,8 +1,12 @@
 """The `folder` data kind: a folder of images (class subfolders give labels, a flat folder label 0),
-decoded, resized and cropped to `data.image_size` (folder.py), streamed from the files."""
+decoded, resized and cropped to `data.image_size` (folder.py), streamed from the files; with `data.mask`
+each image's loss mask beside it (masks.py), checked once here."""
 from __future__ import annotations
 
+import sys
+
 from ..errors import InvalidInput
+from . import masks
 from .folder import ImageFolderDataset
 from .kinds import DataInfo, DataKind, Placement, Traits, register
 from .streamed import check_folder_args, folder_manifest, stream
@@ -12,6 +16,7 @@ from .streamed import check_folder_args, folder_manifest, stream
 class ImageFolder(DataKind):
     traits = Traits(images=True, pixels=True, resident=False, needs_root=True)
     buckets = True
+    masks = True
 
     def check(self, d) -> None:
         super().check(d)
@@ -22,7 +27,11 @@ class ImageFolder(DataKind):
         check_folder_args(d, self.name)
         m = folder_manifest(d, at)
         files = [tuple(f) for f in m["files"]]
-        ds = ImageFolderDataset(d.root, d.image_size, d.channels, manifest=m)
+        if d.mask != "none":  # every mask read once: a bad one is an error now, not in a loader worker
+            report = masks.scan(d.root, files, d.mask, progress=at.rank == 0)
+            if at.rank == 0:
+                masks.say_counts(report, d.mask, lambda line: print(line, file=sys.stderr))
+        ds = ImageFolderDataset(d.root, d.image_size, d.channels, manifest=m, mask=d.mask)
         info = DataInfo(d.channels, d.image_size, len(m["classes"]), len(files), class_names=list(m["classes"]))
         if d.buckets:  # one bucket per batch, any aspect ratio (buckets.py); the DataLoader reads them
             from .buckets import build

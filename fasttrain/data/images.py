@@ -24,6 +24,12 @@ from PIL import Image, ImageOps
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 SIXTEEN_BIT = ("I", "I;16", "I;16L", "I;16B", "I;16N")
+MASK_SUFFIX = ".mask.png"  # NAME.mask.png: the loss mask of NAME.EXT (data.mask=file, masks.py), not an image
+
+
+def is_mask(path: str | Path) -> bool:
+    """NAME.mask.EXT: a loss mask (an image's NAME.mask.png, a latent's NAME.mask.npy; masks.py), never data."""
+    return Path(path).stem.lower().endswith(".mask")
 
 
 def decode(im: Image.Image, channels: int) -> Image.Image:

@@ -84,6 +84,7 @@ class DataKind:
     traits: Traits
     trainable: bool = True
     buckets: bool = False  # takes aspect-ratio buckets (data.buckets, buckets.py)
+    masks: bool = False  # takes per-image loss masks (data.mask, masks.py)
 
     def check(self, d) -> None:
         """What this kind needs of the `data` config group beyond the field types: InvalidInput naming
@@ -93,6 +94,10 @@ class DataKind:
         if getattr(d, "buckets", False) and not self.buckets:
             raise InvalidInput(f"bad value for 'data.buckets': True (aspect-ratio buckets are for image folders, "
                                f"not data.name={self.name})")
+        if getattr(d, "mask", "none") != "none" and not self.masks:
+            raise InvalidInput(f"bad value for 'data.mask': {d.mask!r} (loss masks are for image folders "
+                               f"(data.name=folder) and latents prepared with `fasttrain data prepare --vae --mask` "
+                               f"(latents, captioned_latents), not data.name={self.name})")
 
     def channels(self, d) -> int:
         """The channels of a sample, as far as the config tells (memory estimates)."""

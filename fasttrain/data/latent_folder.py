@@ -1,30 +1,52 @@
 """The `latents` data kind: a folder of `[C, S, S]` .npy arrays (folder.py), e.g. VAE latents from
 `data prepare --vae` (encode.py), whose posteriors are sampled and normalised on the device
-(latents.py); its size comes from the files. And `decoded`, the kind of the images a latent run's VAE
-decodes its samples into (not a `data.name`: it describes outputs)."""
+(latents.py); its size comes from the files; with `data.mask` each latent's loss mask NAME.mask.npy,
+which `data prepare --vae --mask` wrote beside it on the latent grid (masks.py). And `decoded`, the kind
+of the images a latent run's VAE decodes its samples into (not a `data.name`: it describes outputs)."""
 from __future__ import annotations
+
+from pathlib import Path
 
 from ..errors import DataError
 from .folder import LatentFolderDataset
 from .kinds import DataInfo, DataKind, Placement, Traits, register
 from .latents import LatentStream
+from .masks import latent_mask_file
 from .streamed import check_folder_args, folder_manifest, stream
 
 
 @register("latents")
 class LatentFolder(DataKind):
     traits = Traits(images=True, pixels=False, resident=False, needs_root=True, latents=True, sized_by_config=False)
+    masks = True
 
     def build(self, d, at: Placement, backend: str):
         check_folder_args(d, self.name)
         return self.build_from(d, at, backend, folder_manifest(d, at))
+
+    @staticmethod
+    def check_masks(d, m: dict) -> None:
+        """data.mask on latents: the folder was prepared with this mask mode and holds every mask file."""
+        rec = (m.get("latents") or {}).get("mask")
+        how = f"`fasttrain data prepare IMAGES --vae VAE --mask {d.mask} --latents-out {d.root}`"
+        if not rec:
+            raise DataError(f"data.mask={d.mask}: {d.root} holds latents prepared without loss masks: run {how}")
+        if rec["mode"] != d.mask:
+            raise DataError(f"data.mask={d.mask}: {d.root} holds the masks of data.mask={rec['mode']}: set that, or "
+                            f"prepare another folder with {how}")
+        for rel, _ in m["files"]:
+            f = latent_mask_file(Path(d.root) / rel)
+            if not f.is_file():
+                raise DataError(f"data.mask={d.mask}: {f} is missing (the mask of {rel}): run {how} again")
 
     def build_from(self, d, at: Placement, backend: str, m: dict):
         """The stream and info of the folder whose (checked) manifest is `m`."""
         from ..pretrained.vae import latent_record
 
         files = [tuple(f) for f in m["files"]]
-        ds = LatentFolderDataset(d.root, m)
+        if d.mask != "none":
+            self.check_masks(d, m)
+        ds = LatentFolderDataset(d.root, m, mask=d.mask != "none")
         shape = ds.shape()
         if len(shape) != 3 or shape[1] != shape[2]:
             raise DataError(f"latents must be stored as [C, S, S] arrays, {ds.files[0][0]} has shape {shape}")

@@ -38,11 +38,11 @@ class LatentStream:
 
     def __next__(self):
         where = (self.inner.epoch, self.inner.pos)  # before the batch: the same on a resumed run
-        x, y = next(self.inner)
+        x, y, *mask = next(self.inner)  # a loss mask rides along as it is (folder.py)
         g = None
         if self.record["posterior"]:
             g = torch.Generator(x.device).manual_seed(seeds.derive(self.seed, "posterior", self.rank, *where))
-        return prepare_batch(x, self.record, g), y
+        return prepare_batch(x, self.record, g), y, *mask
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()

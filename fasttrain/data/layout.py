@@ -12,6 +12,8 @@ cannot decide (one line naming the path), and say what they decided (`Layout.des
 5. Symbolic links: a link to a file inside the folder is read; a link that leaves the folder (to a
    file or a folder), or a linked folder inside it (it loops back to a folder above it, or repeats
    files the walk reads anyway), is refused.
+6. Files named NAME.mask.EXT are loss masks (data.mask, masks.py: an image's NAME.mask.png, a latent's
+   NAME.mask.npy), never data.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import DataError
-from .images import IMAGE_EXTENSIONS
+from .images import IMAGE_EXTENSIONS, is_mask
 
 LATENT_EXTENSIONS = (".npy",)
 
@@ -91,7 +93,8 @@ def decide(root: str | Path, extensions=IMAGE_EXTENSIONS) -> Layout:
     """The files with `extensions` under `root` and their labels, by the rules above."""
     root = Path(root)
     kind = "/".join(extensions)
-    found = {k: sorted(f for f in v if f.suffix.lower() in extensions) for k, v in walk(root).items()}
+    found = {k: sorted(f for f in v if f.suffix.lower() in extensions and not is_mask(f))
+             for k, v in walk(root).items()}
     top, subdirs = found.pop(""), found
     with_files = [d for d, fs in subdirs.items() if fs]
     if top and with_files:
@@ -121,7 +124,7 @@ def scan(root: str | Path, extensions=IMAGE_EXTENSIONS) -> tuple[list[tuple[str,
 def folder_kind(root: Path) -> str:
     """"images" or "latents", by what the folder holds; a folder with both is refused (one line): its
     kind would otherwise be a guess that silently drops the other files."""
-    files = [f for fs in walk(root).values() for f in fs]
+    files = [f for fs in walk(root).values() for f in fs if not is_mask(f)]
     images = [f for f in files if f.suffix.lower() in IMAGE_EXTENSIONS]
     arrays = [f for f in files if f.suffix.lower() in LATENT_EXTENSIONS]
     if images and arrays:

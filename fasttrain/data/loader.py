@@ -79,16 +79,16 @@ class LoaderStream(Position):
     def _fetch(self):
         """The next batch, its copy to the device issued now: on CUDA on a side stream (an event marks
         its end), so it overlaps the step that is running."""
-        x, y = next(self._it)
+        batch = tuple(next(self._it))  # (x, y), or (x, y, mask) with a loss mask (folder.py)
         if self.device.type != "cuda":
-            return x, y, None
+            return batch, None
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(self._stream):
-            x, y = x.to(self.device, non_blocking=True), _to(y, self.device)
+            batch = tuple(_to(b, self.device) for b in batch)
             done = torch.cuda.Event()
             done.record(self._stream)
-        return x, y, done
+        return batch, done
 
     def __iter__(self):
         return self
@@ -96,16 +96,16 @@ class LoaderStream(Position):
     def __next__(self):
         if self._it is None:
             self._start()
-        (x, y, done), self._next = self._next, self._fetch()
+        (batch, done), self._next = self._next, self._fetch()
         if done is not None:  # the consumer waits for this batch's copy only, and owns its memory
             current = torch.cuda.current_stream(self.device)
             current.wait_event(done)
-            for t in (x, *_tensors(y)):
+            for t in (t for b in batch for t in _tensors(b)):
                 t.record_stream(current)
         self.pos += self.batch_size
         while self.pos >= self.per_rank:
             self.epoch, self.pos = self.epoch + 1, self.pos - self.per_rank
-        return x, y
+        return batch
 
     def _restart(self):
         self._it, self._next = None, None

@@ -76,7 +76,13 @@ def _quiet(line: str) -> None:
 def stream(what: str, ds, files: list, d, at, backend: str, augment):
     """Batches of `ds` (DataLoader) or of `files` (DALI, `backend` = "dali") for the `data` section `d`,
     built `at` (kinds.Placement); `what`: DALI's reader, "images" or "latents"; `augment`: (flip, random
-    crop) for the DataLoader, None for none."""
+    crop) for the DataLoader, None for none. Loss masks (data.mask) come through the DataLoader: `auto`
+    chooses it for them, data.backend=dali with a mask is refused."""
+    if backend == "dali" and d.mask != "none":
+        if d.backend == "dali":
+            raise InvalidInput(f"data.mask={d.mask} reads each image's mask with the torch DataLoader: use "
+                               f"data.backend=torch (or auto)")
+        backend = "torch"
     if backend == "dali":
         return dali.DaliStream(what, d.root, files, d.batch_size, image_size=d.image_size, channels=d.channels,
                                seed=at.seed, rank=at.rank, world_size=at.world_size, device=at.device,

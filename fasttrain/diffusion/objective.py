@@ -87,8 +87,11 @@ class Objective(nn.Module):
     """The shared part: tables, sampler, statistics, noise counter, persistence and the trainer's hooks.
     Everything its callers use is declared here (docs/architecture.md, "Objective"): subclasses implement
     `from_config`, `forward`, `probe_loss`, `effective_weight` and the class-level network contract
-    (`output_head` at least); `prediction` names the kind (a prediction type, or a registered kind)."""
+    (`output_head` at least); `prediction` names the kind (a prediction type, or a registered kind);
+    `masked_loss`: whether `forward` takes a per-pixel loss weight (data.mask; configure.py refuses it
+    where not)."""
     prediction: str
+    masked_loss: bool = False
 
     def __init__(self, schedule: NoiseSchedule, weight: torch.Tensor, sampler, *, sampler_args: dict | None,
                  stats: TimestepStats | bool, stat_kinds: tuple[str, ...], learned_weighting: bool, backend: str,
@@ -180,10 +183,11 @@ class Objective(nn.Module):
 
     # -- one step --------------------------------------------------------------------------------
     def forward(self, model, x0: torch.Tensor, cond=None, generator: torch.Generator | None = None,
-                t: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                t: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """(the batch's loss, info: t, iw, per-sample raw/weighted losses, ...) for the network `model` on
         data x0 with condition `cond`: the timesteps from the sampler (or `t`, iw = 1), the noise and
-        loss ops, the statistics recorded; the step (step.py) calls it and backpropagates the loss."""
+        loss ops, the statistics recorded; the step (step.py) calls it and backpropagates the loss.
+        `mask`: the batch's per-pixel loss weight [B, 1, ...] (data.mask; objectives with `masked_loss`)."""
         raise NotImplementedError
 
     def probe_loss(self, model, x0: torch.Tensor, t: torch.Tensor, eps: torch.Tensor, cond=None) -> torch.Tensor:
@@ -352,14 +356,18 @@ class DiffusionObjective(Objective):
             return model(x_t, t, return_logvar=True, **kw)
         return model(x_t, t, **kw), None
 
+    masked_loss = True  # the loss op's per-pixel weight (kernels/diffusion_loss.py `mask`)
+
     def forward(self, model, x0: torch.Tensor, cond=None, generator: torch.Generator | None = None,
-                t: torch.Tensor | None = None):
+                t: torch.Tensor | None = None, mask: torch.Tensor | None = None):
         t, iw, backend, offset, x_t, spec = self.draw(x0, generator, t)
         pred, logvar = self._call(model, x_t, t, cond)
         st = self.stats
+        # with a mask the raw and weighted losses the statistics record are the masked ones
         loss, per_sample, raw, weighted = diffusion_loss(pred, x0, t, self.weight, iw, self.coef, uses=self.output.uses,
                                                          seed=self.seed, offset=offset, spec=spec, backend=backend,
-                                                         bins=st.window if st is not None else None, **self.loss_args)
+                                                         bins=st.window if st is not None else None, mask=mask,
+                                                         **self.loss_args)
         if st is not None:
             st.record(t, weighted)
         loss, per_sample = self._with_uncertainty(loss, per_sample, logvar)

@@ -82,6 +82,12 @@ struct LossArgs {
   NoiseSpecArgs spec;
   int32_t loss_kind;     // LossKind (kL2: d^2)
   const float* huber_c;  // [T] threshold c(t) of the Huber family, or nullptr
+  // The per-pixel weight m (kernels/torch_ref_diffusion_loss.py: rho(d)*m and psi(d)*m, sd-scripts' masked
+  // loss), or nullptr: element i of sample b reads mask[b*mask_period + i % mask_period] (mask_period = D:
+  // one weight per element; D/C: one per pixel, broadcast over the channels).
+  const void* mask = nullptr;
+  DType mask_type = DType::kFloat32;
+  int64_t mask_period = 0;
 };
 
 // The mixed-prediction loss (kernels/torch_ref_mixed_loss.py; CPU only, cpu/mixed.cpp): H heads of C

@@ -150,6 +150,24 @@ inline NoiseSpecArgs spec_args(at::IntArrayRef spec, const std::optional<at::Ten
   return s;
 }
 
+// The per-pixel weight of the loss (kernels/diffusion_loss.py: check_mask): [B, 1 or C, ...] on pred's
+// device, any of the three float dtypes; its elements per sample divide pred's.
+inline void mask_args(const std::optional<at::Tensor>& mask, const at::Tensor& pred, LossArgs& args,
+                      at::Tensor& keep) {
+  if (!mask.has_value()) return;
+  TORCH_CHECK(mask->device() == pred.device(), "fasttrain native ops: mask is on ", mask->device(), ", expected ",
+              pred.device());
+  TORCH_CHECK(mask->dim() == pred.dim() && pred.dim() >= 2 && mask->size(0) == pred.size(0),
+              "fasttrain native ops: mask must be [B, 1 or C, ...] of pred's ", pred.sizes(), ", got ", mask->sizes());
+  keep = mask->contiguous();
+  const int64_t per = per_sample(keep);
+  TORCH_CHECK(per > 0 && args.D % per == 0, "fasttrain native ops: mask's ", per, " elements per sample do not "
+              "divide pred's ", args.D);
+  args.mask = keep.const_data_ptr();
+  args.mask_type = dtype_of(keep.scalar_type(), "mask");
+  args.mask_period = per;
+}
+
 // The loss shape's kind and threshold table ([T] float32, for the Huber family).
 inline const float* huber_table(int64_t kind, const std::optional<at::Tensor>& c, int64_t T, const at::Tensor& like,
                                 at::Tensor& keep) {

@@ -21,7 +21,8 @@
       const at::Tensor& pred, const at::Tensor& x0, const at::Tensor& t, const at::Tensor& weight,                 \
       const at::Tensor& iw, const at::Tensor& coef, const at::Tensor& pivots, at::Tensor& bins, const OptT& eps,   \
       int64_t seed, const at::Tensor& offset, int64_t needs, at::IntArrayRef spec, const OptT& table,              \
-      const OptT& rows, const OptT& spec_mean, const OptT& spec_std, int64_t loss_kind, const OptT& huber_c);
+      const OptT& rows, const OptT& spec_mean, const OptT& spec_std, int64_t loss_kind, const OptT& huber_c,     \
+      const OptT& mask);
 
 namespace fasttrain {
 using OptT = std::optional<at::Tensor>;

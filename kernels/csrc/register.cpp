@@ -19,7 +19,8 @@
 
 TORCH_LIBRARY(fasttrain_C, m) {
   // Noise options: (spec, table, rows, mean, std), kernels/noise_spec.py (an empty spec: the plain stream);
-  // loss shapes: (loss, huber_c), kernels/loss_shape.py; their defaults are the plain kernels.
+  // loss shapes: (loss, huber_c), kernels/loss_shape.py; the loss's per-pixel weight: mask
+  // (kernels/diffusion_loss.py); their defaults are the plain kernels.
   m.def(
       "noise(Tensor x0, Tensor t, Tensor alpha, Tensor sigma, Tensor? eps, int seed, Tensor offset, "
       "ScalarType out_dtype, bool write_eps, int[] spec=[], Tensor? table=None, Tensor? rows=None, Tensor? mean=None, "
@@ -31,7 +32,7 @@ TORCH_LIBRARY(fasttrain_C, m) {
   m.def(
       "loss(Tensor pred, Tensor x0, Tensor t, Tensor weight, Tensor iw, Tensor coef, Tensor pivots, "
       "Tensor(a!) bins, Tensor? eps, int seed, Tensor offset, int needs, int[] spec=[], Tensor? table=None, "
-      "Tensor? rows=None, Tensor? mean=None, Tensor? std=None, int loss=0, Tensor? huber_c=None) "
+      "Tensor? rows=None, Tensor? mean=None, Tensor? std=None, int loss=0, Tensor? huber_c=None, Tensor? mask=None) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // (mean, per-sample, raw, weighted, x0_error [B, H], grad of out, grad of gate [B, H] or empty):
   // kernels/torch_ref_mixed_loss.loss_and_grad, with bins of 2 + H values.

@@ -114,12 +114,27 @@ void moments_tiles(const NoiseArgs& a, double* partial, int64_t begin, int64_t e
   }
 }
 
+// The per-pixel weight of elements [s, s + n) of sample b as float32 (args.h: LossArgs::mask).
+// Runs of consecutive pixels: the range wraps around the period (a channel's pixels) where it crosses one.
+void mask_chunk(const LossArgs& a, int64_t b, int64_t s, int n, float* __restrict out) {
+  const int64_t P = a.mask_period;
+  int64_t j = s % P;
+  for (int i = 0; i < n;) {
+    const int len = static_cast<int>(std::min<int64_t>(n - i, P - j));
+    const float* m = load(a.mask, a.mask_type, b * P + j, len, out + i);
+    if (m != out + i) std::memcpy(out + i, m, sizeof(float) * len);
+    i += len;
+    j = 0;
+  }
+}
+
 void loss_tiles(const LossArgs& a, double* partial, int64_t begin, int64_t end, int64_t tile) {
   alignas(64) float pbuf[kChunk];
   alignas(64) float ebuf[kChunk];
   alignas(64) float xbuf[kChunk];
   alignas(64) float p[kChunk];  // d = pred - target, then the gradient
   alignas(64) float rbuf[kChunk];  // rho(d) of a loss shape
+  alignas(64) float mbuf[kChunk];  // the per-pixel weight
   const bool with_spec = a.eps == nullptr && (a.spec.flags != 0 || a.spec.rows != nullptr);
   SpecNoise spec(with_spec ? a.spec : NoiseSpecArgs{}, a.seed, a.offset, a.D);
   for (int64_t k = begin; k < end; ++k) {
@@ -157,7 +172,17 @@ void loss_tiles(const LossArgs& a, double* partial, int64_t begin, int64_t end, 
       } else {
         std::memcpy(p, pv, sizeof(float) * n);
       }
-      if (a.loss_kind == kL2) {
+      if (a.mask != nullptr) {  // rho(d)*m and psi(d)*m, in the reference's order (torch_ref_diffusion_loss.masked)
+        mask_chunk(a, r.b, s, n, mbuf);
+        if (a.loss_kind == kL2) {
+          for (int i = 0; i < n; ++i) rbuf[i] = (p[i] * p[i]) * mbuf[i];
+        } else {
+          rho_psi(a.loss_kind, c, p, rbuf, n);
+          for (int i = 0; i < n; ++i) rbuf[i] = rbuf[i] * mbuf[i];
+        }
+        for (int i = 0; i < n; ++i) p[i] = p[i] * mbuf[i];
+        total += sum_plain(rbuf, n);
+      } else if (a.loss_kind == kL2) {
         total += sum_squares(p, n);
       } else {
         rho_psi(a.loss_kind, c, p, rbuf, n);  // rbuf = rho(d), p = psi(d)

@@ -96,7 +96,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> loss(
     const at::Tensor& iw_in, const at::Tensor& coef_in, const at::Tensor& pivots_in, at::Tensor& bins,
     const std::optional<at::Tensor>& eps_in, int64_t seed, const at::Tensor& offset, int64_t needs,
     at::IntArrayRef spec, const OptT& table, const OptT& rows, const OptT& spec_mean, const OptT& spec_std, int64_t loss_kind,
-    const OptT& huber_c) {
+    const OptT& huber_c, const OptT& mask) {
   const at::Tensor pred = pred_in.contiguous(), x0 = x0_in.contiguous();
   check_batch(pred, t, x0, "x0");
   const at::Tensor w = f32(weight), iw = f32(iw_in), coef = f32(coef_in);
@@ -125,6 +125,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> loss(
   at::Tensor keep_c;
   args.loss_kind = static_cast<int32_t>(loss_kind);
   args.huber_c = huber_table(loss_kind, huber_c, T, pred, keep_c);
+  at::Tensor keep_m;
+  mask_args(mask, pred, args, keep_m);
 
   const int64_t tile = tile_for(D);
   const int64_t per_b = D > 0 ? (D + tile - 1) / tile : 0;

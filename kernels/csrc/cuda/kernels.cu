@@ -220,7 +220,18 @@ __global__ void __launch_bounds__(kThreads) loss_kernel(LossArgs a, float* parti
         }
         const float d = __fsub_rn(to_f32(pred[g]), target);
         if constexpr (EXT) {
-          if (a.loss_kind == kL2) {
+          if (a.mask != nullptr) {  // rho(d)*m and psi(d)*m (kernels/torch_ref_diffusion_loss.py: masked)
+            const int64_t P = a.mask_period;
+            const float m = load_any(a.mask, a.mask_type, b * P + (P == a.D ? i : i % P));
+            float psi = d, r;
+            if (a.loss_kind == kL2) {
+              r = __fmul_rn(d, d);
+            } else {
+              r = rho_psi(a.loss_kind, a.huber_c != nullptr ? a.huber_c[tb] : 0.0f, d, psi);
+            }
+            acc += __fmul_rn(r, m);
+            grad[g] = from_f32<TP>(__fmul_rn(__fmul_rn(psi, m), scale));
+          } else if (a.loss_kind == kL2) {
             grad[g] = from_f32<TP>(__fmul_rn(d, scale));
             acc = fmaf(d, d, acc);
           } else {
@@ -341,7 +352,8 @@ void launch_noise_std(const NoiseArgs& a, double* sums, float* out, cudaStream_t
 void launch_loss(const LossArgs& a, const LossOutputs& out, cudaStream_t stream) {
   if (a.B == 0) return;
   if (a.D > 0) {
-    const bool ext = a.loss_kind != kL2 || (a.eps == nullptr && (a.spec.flags != 0 || a.spec.rows != nullptr));
+    const bool ext = a.loss_kind != kL2 || a.mask != nullptr ||
+                     (a.eps == nullptr && (a.spec.flags != 0 || a.spec.rows != nullptr));
     with_type(a.pred_type, [&](auto p) {
       if (ext) {
         loss_kernel<decltype(p), true><<<grid_for(a.B, a.D), kThreads, 0, stream>>>(a, out.partial);
