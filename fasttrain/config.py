@@ -207,6 +207,16 @@ class TrainConfig:
 
 
 @dataclass
+class PhemaConfig:
+    every: int = _f(0, "steps between post-hoc EMA snapshots (EDM2 §3: power-function EMA profiles in RUN/phema/, "
+                    "also written at the last step; `fasttrain ema RUN --sigma-rel S` rebuilds the EMA of any length "
+                    "from them; 0 = off). Disk: profiles × 4 bytes × parameters per snapshot (docs/training.md)",
+                    min=0, max=STEPS)
+    sigma_rels: List[float] = _f([0.05, 0.10], "σ_rel (the averaging profile's std / the training time) of the "
+                                 "profiles tracked (EDM2's two); distinct, each in (0, 0.2887)", above=0, below=0.2887)
+
+
+@dataclass
 class SampleConfig:
     num: int = _f(100, "images generated at the end of training", min=0, max=1_000_000)
     steps: int = _f(50, "sampling steps (at most diffusion.T)", min=1)
@@ -272,6 +282,7 @@ class Config:
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    phema: PhemaConfig = field(default_factory=PhemaConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -63,6 +63,7 @@ class StepParts:
     hooks: Sequence[LookAhead] = ()
     after_backward: Callable[[], None] | None = None
     skip_nonfinite: bool = True
+    averages: Sequence[Any] = ()  # further averages after the EMA (optim/phema.py: post-hoc EMA profiles)
     rank: int = 0
     world_size: int = 1
 
@@ -120,6 +121,8 @@ def update(parts: StepParts, *tensors: torch.Tensor | None, before: Sequence[Loo
     opt.zero_grad(set_to_none=True)
     if parts.ema is not None:
         parts.ema.update(model, applied=finite)
+    for avg in parts.averages:
+        avg.update(model, applied=finite)
     if parts.counters is not None:
         parts.counters.skipped += (~finite).long()
         parts.counters.skipped_run.copy_((parts.counters.skipped_run + 1) * (~finite).long())

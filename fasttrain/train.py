@@ -32,6 +32,7 @@ from .generation.evaluate import EvalSettings, reference_for, run_evaluation
 from .logger import MetricLogger
 from .models import MODELS, count_params, forward_flops, weights_from_checkpoint
 from .optim.adamw import apply_optimizer_config, make_optimizer
+from .optim.phema import PowerEMA
 from .parallel import distributed as dist_utils
 from .parallel import graphs
 from .parallel.cpu import evaluation_threads, set_threads
@@ -104,6 +105,9 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision.scaler else None
         self.bundle = ModelBundle.build(cfg, self.spec, self.device, net=self.model)
         self.ema = self.bundle.ema
+        self.images_per_step = d.batch_size * tc.grad_accum * world
+        # post-hoc EMA profiles (optim/phema.py), snapshots by the ema_snapshots action; None when phema.every=0
+        self.phema = PowerEMA(self.model, cfg.phema.sigma_rels, self.images_per_step) if cfg.phema.every else None
         dg = cfg.diagnostics
         self.interference = None
         if dg.interference_every:
@@ -125,19 +129,20 @@ class Trainer:
         cond = conditioning.for_data(self.spec, cfg.model.label_dropout, generators.labels, table, d.caption_dropout)
         self.parts = StepParts(self.model, self.objective, self.opt, generators, ema=self.ema, scaler=self.scaler,
                                conditioning=cond, precision=self.precision, grad_clip=o.grad_clip, counters=self.state,
-                               hooks=self.hooks, rank=rank, world_size=world)
+                               hooks=self.hooks, rank=rank, world_size=world,
+                               averages=(self.phema,) if self.phema is not None else ())
         self._eval_reference = None  # read once, at the first evaluation
         self.actions = periodic.build(cfg)  # logging, checkpoints, evaluation, ... (periodic/): declared, in order
         self.views = {a: periodic.view(self, a) for a in self.actions}
         self.clock: StepClock | None = None  # the log interval's training time, kept by fit
-        self.images_per_step = d.batch_size * tc.grad_accum * world
         self.checkpoints = ckpt.CheckpointManager(
             self.run_dir, self.dist, meta={"config": OmegaConf.to_container(cfg), "data_spec": asdict(self.spec),
                                  **({"lora": lora.identity(net)} if lora.identity(net) else {})},
             model=self.model, optimizer=self.opt, ema=self.ema,
             states={"train": self.state, "lr_sched": self.lr_sched, "objective": self.objective, "data": self.data,
                     "interference": self.interference, "scaler": self.scaler},
-            rank_states={"rng": RankRNG(generators, tc.seed, self.state), "objective": self.objective})
+            rank_states={"rng": RankRNG(generators, tc.seed, self.state), "objective": self.objective},
+            averages={"phema": self.phema})
         # the step's body for one micro-batch: eager, or replayed from one CUDA graph (graphs.py)
         graphed = tc.cuda_graph and not d.buckets  # a graph replays one shape; buckets change it batch by batch
         if tc.cuda_graph and d.buckets and self.dist.is_main:
