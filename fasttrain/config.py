@@ -264,6 +264,9 @@ class EvalConfig:
     steps: int = _f(50, "sampling steps for evaluation (at most diffusion.T)", min=1)
     extractor: str = _f("auto", "FID features: auto is fasttrain-digits for digits, inception-v3-compat for images")
     weights_path: Optional[str] = _f(None, "local Inception weights for machines that cannot download them")
+    extra_extractors: List[str] = _f([], "FID in these extractors' features too, on the same samples (metrics "
+                                     "fid_<name>): e.g. [fasttrain-digits-cnn], the second digits evaluator "
+                                     "(generation/digits_cnn.py)")
     bpd: bool = _f(True, "negative ELBO in bits/dim on held-out data")
     bpd_samples: int = _f(400, "held-out samples for bits/dim", min=1, max=1_000_000)
     bpd_timesteps: int = _f(50, "timesteps per sample in the bits/dim estimate (stratified; at most diffusion.T)",

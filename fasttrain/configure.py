@@ -203,6 +203,10 @@ def _validate(cfg: DictConfig) -> None:
 
     with _Key("phema.sigma_rels", cfg):
         check_phema(cfg.phema)
+    from .generation.evaluate import EvalSettings
+
+    with _Key("eval.extra_extractors", cfg):
+        EvalSettings.from_config(cfg)
     s = cfg.sample
     if s.eta is not None and "eta" not in SOLVERS.args(s.solver):
         raise ConfigError(f"bad value for 'sample.eta': {s.eta!r} (solver {s.solver} takes no eta)")
