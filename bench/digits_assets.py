@@ -134,7 +134,9 @@ def main(argv=None) -> None:
     cnn, cnn_loss = train_cnn(held[lo2:hi2], held_y[lo2:hi2])
     seconds = time.time() - t0
     with torch.no_grad():
-        pooled = lambda net: net(xtr).mean(1)  # noqa: E731 - pooled patch tokens
+        def pooled(net):  # pooled patch tokens of the training split
+            return net(xtr).mean(1)
+
         bank, bank_y = held[lo:hi], held_y[lo:hi]  # the encoder's own images, labelled only for this measurement
         knn = knn_accuracy(enc(bank).mean(1), bank_y, pooled(enc), ytr)
         knn_random = knn_accuracy(digits_encoder.random_encoder()(bank).mean(1), bank_y,
@@ -172,7 +174,8 @@ def main(argv=None) -> None:
           f"time: {info['seconds']} s for both", "",
           "| network | file | trained on | objective | measured on the 1397 training digits (never seen) |",
           "|---|---|---|---|---|",
-          f"| alignment encoder (DigitsEncoder: 3 convs, 16 tokens × 64) | {e['asset']} ({e['bytes']} B) | {e['split']} "
+          f"| alignment encoder (DigitsEncoder: 3 convs, 16 tokens × 64) | {e['asset']} ({e['bytes']} B) | "
+          f"{e['split']} "
           f"| {e['objective']} | 5-NN accuracy of pooled tokens {e['knn5_accuracy_on_train_split']:.3f} "
           f"(random weights: {e['knn5_accuracy_random_weights']:.3f}) |",
           f"| second evaluator (DigitsCNN) | {v['asset']} ({v['bytes']} B) | {v['split']} | {v['objective']} | "
