@@ -152,6 +152,30 @@ class LossConfig:
 
 
 @dataclass
+class AlignConfig:
+    encoder: Optional[str] = _f(None, "representation alignment (REPA, Yu et al. 2024): the frozen encoder an "
+                                "intermediate block is aligned to: a local transformers model folder (AutoModel: "
+                                "DINOv2 and alike) or module:function returning an nn.Module images [B,C,H,W] in "
+                                "[-1,1] → patch features [B,N,D] (digits: "
+                                "fasttrain.pretrained.digits_encoder:encoder); None = off (docs/strategies.md)")
+    depth: int = _f(8, "the block whose output is aligned: the d-th of the network's blocks, from 1 (DiT: its "
+                    "transformer blocks; UNet: its stages, down, mid, up; diffusers UNets: down, mid and up blocks); "
+                    "REPA: 8 of SiT-XL/2's 28", min=1, max=4096)
+    weight: float = _f(0.5, "λ: the alignment loss's weight, added to the diffusion loss (REPA --proj-coeff)", min=0,
+                       max=1e3, usual=(0, 2))
+    projector_dim: int = _f(2048, "hidden width of the MLP head block → encoder features (REPA --projector-dim)",
+                            min=1, max=2**20)
+    encoder_size: Optional[int] = _f(None, "model folders: the side images are resized to for the encoder (default: "
+                                     "its processor's crop size, else its config's image_size)", min=1)
+    encoder_dim: Optional[int] = _f(None, "the encoder's feature width: filled in from the encoder when a run is "
+                                    "configured (the head is built to it; a bundle rebuilds it without the encoder)",
+                                    min=1)
+    targets: str = _f("auto", "the encoder's targets: auto (computed once per image and kept on the device for "
+                      "resident data, which has no augmentation; else in the step) | step (always in the step)",
+                      choices=("auto", "step"))
+
+
+@dataclass
 class DiffusionConfig:
     schedule: str = _f("linear", "the noise schedule")
     T: int = _f(1000, "number of discrete timesteps", min=2, max=100_000)
@@ -171,6 +195,7 @@ class DiffusionConfig:
     mixed: MixedConfig = field(default_factory=MixedConfig)
     noise: NoiseConfig = field(default_factory=NoiseConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    align: AlignConfig = field(default_factory=AlignConfig)
 
 
 @dataclass

@@ -207,6 +207,10 @@ def _validate(cfg: DictConfig) -> None:
 
     with _Key("eval.extra_extractors", cfg):
         EvalSettings.from_config(cfg)
+    from .diffusion.align import check_config as check_align
+
+    with _Key("diffusion.align.encoder", cfg):
+        check_align(cfg)  # fills diffusion.align.encoder_dim from the encoder
     s = cfg.sample
     if s.eta is not None and "eta" not in SOLVERS.args(s.solver):
         raise ConfigError(f"bad value for 'sample.eta': {s.eta!r} (solver {s.solver} takes no eta)")

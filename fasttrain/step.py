@@ -64,6 +64,7 @@ class StepParts:
     after_backward: Callable[[], None] | None = None
     skip_nonfinite: bool = True
     averages: Sequence[Any] = ()  # further averages after the EMA (optim/phema.py: post-hoc EMA profiles)
+    align: Any = None  # representation alignment (diffusion/align.py): `loss(x0)` after the objective's forward
     rank: int = 0
     world_size: int = 1
 
@@ -94,7 +95,8 @@ def update(parts: StepParts, *tensors: torch.Tensor | None, before: Sequence[Loo
         first = cond if m == 0 else first
         with parts.autocast(cache=False):  # no autocast weight cache: a graph replays the casts
             loss, _ = parts.objective(model, x0, cond, parts.generators.timesteps)
-        scaled = loss / accum
+            aux = parts.align.loss(x0) if parts.align is not None else None  # added to the loss, not to its stats
+        scaled = (loss if aux is None else loss + aux) / accum
         (parts.scaler.scale(scaled) if parts.scaler else scaled).backward()
         total += loss.detach() / accum
     if parts.after_backward is not None:

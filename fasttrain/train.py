@@ -25,6 +25,7 @@ from . import conditioning, periodic, plots, seeds
 from .bundle import DataSpec, ModelBundle, build_network, build_objective
 from .config import plain
 from .data import build_data
+from .diffusion.align import Alignment
 from .diffusion.interference import InterferenceDiagnostic
 from .diffusion.objective import kernel_backend
 from .errors import DeviceError, InvalidInput
@@ -87,6 +88,10 @@ class Trainer:
             torch.manual_seed(seeds.derive(tc.seed, "weights"))
             net = build_network(cfg, self.spec).to(self.device)
         lora.hold_base(net, lora.base_dtype(cfg, self.device))  # a LoRA run's frozen base: bf16 on CUDA (lora.py)
+        self.alignment = None  # REPA (diffusion/align.py): hooks on the network before it is parallelised
+        if cfg.diffusion.align.encoder is not None:
+            self.alignment = Alignment(cfg.diffusion.align, net, self.device)
+            self.data = self.alignment.cache(self.data)  # resident data: its targets once per image
         table = None
         if info.text_table is not None:  # captioned data: the network gathers their cached encodings
             table = info.text_table.to(self.device)
@@ -130,7 +135,7 @@ class Trainer:
         self.parts = StepParts(self.model, self.objective, self.opt, generators, ema=self.ema, scaler=self.scaler,
                                conditioning=cond, precision=self.precision, grad_clip=o.grad_clip, counters=self.state,
                                hooks=self.hooks, rank=rank, world_size=world,
-                               averages=(self.phema,) if self.phema is not None else ())
+                               averages=(self.phema,) if self.phema is not None else (), align=self.alignment)
         self._eval_reference = None  # read once, at the first evaluation
         self.actions = periodic.build(cfg)  # logging, checkpoints, evaluation, ... (periodic/): declared, in order
         self.views = {a: periodic.view(self, a) for a in self.actions}
@@ -148,6 +153,11 @@ class Trainer:
         if tc.cuda_graph and d.buckets and self.dist.is_main:
             print("fasttrain: train.cuda_graph: keeping the eager step (data.buckets: batch shapes change)",
                   file=sys.stderr)
+        if graphed and self.alignment is not None and self.alignment.cached:  # a new targets tensor per batch
+            graphed = False
+            if self.dist.is_main:
+                print("fasttrain: train.cuda_graph: keeping the eager step (diffusion.align's cached targets; "
+                      "diffusion.align.targets=step computes them inside the graph)", file=sys.stderr)
         self.step_fn = graphs.step_function(partial(update, self.parts), self.parts, graphed,
                                             device=self.device, grad_accum=tc.grad_accum, announce=self.dist.is_main)
         peak = dist_utils.device_peak_flops()
