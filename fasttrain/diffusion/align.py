@@ -94,6 +94,9 @@ def block_width(name: str, depth: int, x_shape: tuple, build_kwargs: dict) -> tu
     with torch.device("meta"), weights_from_checkpoint():
         m = build_model(name, **build_kwargs)
         blocks = feature_blocks(m)
+        if not blocks:
+            raise InvalidInput(f"bad value for '{KEY}.encoder': model {name} with these model.args declares no blocks "
+                               f"to align (SD3's joint blocks mix text and image tokens)")
         if not 1 <= depth <= len(blocks):
             raise InvalidInput(f"bad value for '{KEY}.depth': {depth} (model {name} has {len(blocks)} blocks to "
                                f"align: 1 to {len(blocks)})")
