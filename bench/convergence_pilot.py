@@ -130,9 +130,13 @@ def startup_cost(domain: str, batch: int, tmp: Path, reps: int) -> float:
 
 def plan_units(plan: dict, costs: dict, evals: dict, start: dict, n_evals: int, eval_n: dict, step0: bool = True,
                null: bool = True, heldout: bool = True, parallel: int = 2) -> dict:
-    """Units of an invocation: its runs (start-up, steps, evaluations), its timing and noise measurements,
-    and the wall at `parallel` workers."""
-    runs = units = 0.0
+    """Units of an invocation: its runs (start-up, steps, evaluations), the post-hoc EMA arms' evaluations
+    (convergence_phema.py: every σ_rel at the end of each main seed, then the chosen one's curve on the main
+    and null seeds; no training of their own), its timing and noise measurements, and the wall at `parallel`
+    workers."""
+    from convergence_phema import SIGMAS
+
+    runs = units = posthoc = 0.0
     timing = noise = 0.0
     tables = []
     for domain, (batches, seeds, arms) in plan.items():
@@ -140,7 +144,10 @@ def plan_units(plan: dict, costs: dict, evals: dict, start: dict, n_evals: int, 
         for i, (b, n) in enumerate(batches.items()):
             c = costs[(domain, b)]
             per_run = start[domain] + (n_evals + step0) * ev  # besides its steps
-            names = list(arms[b])
+            names = [a for a in arms[b] if not (arms[b][a] and arms[b][a].runs)]  # arms that train runs of their own
+            for a in arms[b]:
+                if arms[b][a] and arms[b][a].posthoc:  # sweep + curve on the main seeds, curve on the null seeds
+                    posthoc += len(seeds) * ((len(SIGMAS) + n_evals - 1) + (n_evals if null else 0)) * ev
             confirm = heldout and i == 0 and DOMAINS[domain]["confirm"]  # held-out: the costliest arm, to be safe
             if "combination" in names:  # the combination costs about its costlier half
                 names.remove("combination")
@@ -149,13 +156,13 @@ def plan_units(plan: dict, costs: dict, evals: dict, start: dict, n_evals: int, 
                 names.append(max(names, key=lambda a: c.get(a, 1.0)))  # stage 2 will add a combination
             extra = (["baseline"] if null else []) + ([max(names, key=lambda a: c.get(a, 1.0))] if confirm else [])
             runs += len(seeds) * (len(names) + len(extra))
-            tables.append(f"{domain} b{b}: {', '.join(names[:len(arms[b])])}" + (", null" if null else "") +
+            tables.append(f"{domain} b{b}: {', '.join(list(arms[b]))}" + (", null" if null else "") +
                           (", held-out" if confirm else "") + f" × {len(seeds)} seeds, {n} steps")
             units += len(seeds) * sum(per_run + n * c.get(a, max(c.values())) for a in names + extra)
             timing += sum(66 * c.get(a, 1.0) for a in arms[b])
         noise += NOISE_EVALS * ev
-    return {"tables": tables, "runs": int(runs), "run_units": units, "timing_units": timing, "noise_units": noise,
-            "wall_units": units / parallel + timing + noise}
+    return {"tables": tables, "runs": int(runs), "run_units": units, "posthoc_units": posthoc,
+            "timing_units": timing, "noise_units": noise, "wall_units": (units + posthoc) / parallel + timing + noise}
 
 
 def previous_study(saved: dict, usable: dict) -> dict | None:
