@@ -4,6 +4,8 @@ bench/results/convergence-pilot.{json,md}.
 
     python bench/convergence_pilot.py            # about 25 minutes on a shared 2-core machine
     python bench/convergence_pilot.py --quick    # tiny horizons and few evaluations (tests)
+    python bench/convergence_pilot.py --project --measure phema,align,align_random   # new arms' step times
+                                                 # measured beside the baseline, then the projection
 
 All in this process with one thread; every cost is a ratio to a baseline step measured beside it, so
 that other processes on the machine slow both alike (units: one step of the digits batch-16 baseline):
@@ -187,13 +189,25 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=str(RESULTS), help="results folder")
     ap.add_argument("--project", action="store_true", help="measure nothing: project the current design from the "
                     "measurements in OUT/convergence-pilot.json")
+    ap.add_argument("--measure", type=_env.names(ARMS, "arm"), default=None, help="with --project: measure these "
+                    "arms' step times on the digits batch-16 table beside its baseline first (arms the saved "
+                    "measurements lack), and keep them in OUT/convergence-pilot.json")
     args = ap.parse_args(argv)
+    if args.measure and not args.project:
+        ap.error("--measure adds step times to a saved pilot: give --project too")
     t0 = time.time()
     usable = available(ARMS, study.has_key)
     full = study.select(study.parse(["--full"]), usable)
     default = study.select(study.parse([]), usable)
     if args.project:
         out = json.loads((Path(args.out) / "convergence-pilot.json").read_text())
+        if args.measure:  # units of a digits b16 baseline step: the arms' ratios to it, measured side by side
+            d = DOMAINS["digits"]
+            c = step_costs("digits", 16, {a: usable[a] for a in ["baseline"] + args.measure}, d["batches"][16], 8,
+                           timed=60)
+            out["step_units"]["digits/16"].update({a: v / c["baseline"] for a, v in c.items() if a != "baseline"})
+            out["measured_later"] = {**out.get("measured_later", {}), **{a: time.strftime("%Y-%m-%d %H:%M:%S")
+                                                                          for a in args.measure}}
         costs = {tuple(k.split("/")[:1]) + (int(k.split("/")[1]),): v for k, v in out["step_units"].items()}
         evals = {dm: {int(n): v for n, v in ev.items()} for dm, ev in out["evaluation"].items()}
         out["projection"], out["unit_seconds_free"] = project(default, full, costs, evals, out["startup_units"],
@@ -287,12 +301,14 @@ def write(out: dict, folder: Path) -> None:
             lines.append(f"| {dm} | {n} | {v['units']:.0f} | {v['mean']:.4g} | "
                          f"{_sd(v['sd'])} |")
     lines += ["", "Start-up of a run (units): " + ", ".join(f"{d} {v:.0f}" for d, v in out["startup_units"].items()),
-              "", "## Projected wall time", "", "| invocation | runs | run units | timing + noise units | wall "
-              "(2 workers), here | wall, free machine |", "|---|---|---|---|---|---|"]
+              *([f"Step times measured later, beside the baseline (`--measure`): " + ", ".join(
+                  f"{a} ({w})" for a, w in out["measured_later"].items())] if out.get("measured_later") else []),
+              "", "## Projected wall time", "", "| invocation | runs | run units | post-hoc EMA evaluations (units) | "
+              "timing + noise units | wall (2 workers), here | wall, free machine |", "|---|---|---|---|---|---|---|"]
     for k, p in out["projection"].items():
         free = "—" if p["minutes_free"] is None else f"{p['minutes_free']:.0f} min"
-        lines.append(f"| {k} | {p['runs']} | {p['run_units']:.0f} | {p['timing_units'] + p['noise_units']:.0f} | "
-                     f"{p['minutes_here']:.0f} min | {free} |")
+        lines.append(f"| {k} | {p['runs']} | {p['run_units']:.0f} | {p.get('posthoc_units', 0):.0f} | "
+                     f"{p['timing_units'] + p['noise_units']:.0f} | {p['minutes_here']:.0f} min | {free} |")
     lines += ["", "Tables:"] + [f"- {k}: " + "; ".join(p["tables"]) for k, p in out["projection"].items()]
     if "previous" in out["projection"]:
         lines += ["", f"previous: the committed results' design, measured at "
