@@ -301,7 +301,7 @@ def write(out: dict, folder: Path) -> None:
             lines.append(f"| {dm} | {n} | {v['units']:.0f} | {v['mean']:.4g} | "
                          f"{_sd(v['sd'])} |")
     lines += ["", "Start-up of a run (units): " + ", ".join(f"{d} {v:.0f}" for d, v in out["startup_units"].items()),
-              *([f"Step times measured later, beside the baseline (`--measure`): " + ", ".join(
+              *(["Step times measured later, beside the baseline (`--measure`): " + ", ".join(
                   f"{a} ({w})" for a, w in out["measured_later"].items())] if out.get("measured_later") else []),
               "", "## Projected wall time", "", "| invocation | runs | run units | post-hoc EMA evaluations (units) | "
               "timing + noise units | wall (2 workers), here | wall, free machine |", "|---|---|---|---|---|---|---|"]
