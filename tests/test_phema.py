@@ -1,6 +1,7 @@
 """Post-hoc EMA (EDM2 §3): the profile math against oracles that are not the code under test (numerical
 quadrature of the profiles' definition, an explicit EMA recursion), the reconstruction of an EMA that was
 tracked directly, and training runs: snapshots, exact resume, the `ema` command and the eval sweep."""
+import importlib.util
 import json
 import math
 
@@ -172,6 +173,9 @@ def test_snapshots_resume_exactly_and_rebuild_a_bundle(tmp_path, capsys):
         torch.testing.assert_close(rec["ema"]["shadow"][name], v, rtol=0, atol=2e-6)
     assert rec["train"]["step"] == 10 and rec["phema"]["snapshots"] == [3, 6, 9, 10]
     assert main(["sample", "--ckpt", str(out), "--n", "4", "--steps", "2", "--out", str(tmp_path / "s")]) == 0
+    if importlib.util.find_spec("diffusers") is not None:  # the export reads the reconstruction as a run
+        assert main(["export", str(out), "--to", "diffusers", str(tmp_path / "pipe")]) == 0
+        assert "weights of step 10" in capsys.readouterr().out
     # reconstructing at an earlier snapshot uses the snapshots up to it
     assert main(["ema", str(tmp_path / "a"), "--sigma-rel", "0.08", "--step", "6", "--out", str(tmp_path / "e")]) == 0
     assert torch.load(tmp_path / "e" / "phema-000000006-0.0800.pt", weights_only=True)["phema"]["snapshots"] == [3, 6]
