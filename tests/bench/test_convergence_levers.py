@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 BENCH = Path(__file__).parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
@@ -132,3 +133,31 @@ def test_post_hoc_curves_of_a_tiny_run(tmp_path):
     assert c["value"][-1] == choice["median_at_end"][str(choice["chosen"])]  # the sweep's end value, reused
     second = cp.curve(run, choice["chosen"], "fid_fasttrain_digits_cnn")
     assert len(second["value"]) == 3 and all(v > 0 for v in second["value"])
+
+
+def test_the_projection_calibrates_on_a_short_invocation_of_this_design():
+    """convergence_pilot.calibration: a finished invocation's wall over its plan's units, the table's own
+    measured step times in place of the pilot's; an invocation of another design calibrates nothing."""
+    import convergence
+    from convergence_arms import ARMS, available
+    from convergence_design import NOISE_EVALS
+    from convergence_phema import SIGMAS
+    from convergence_pilot import calibration
+
+    usable = available(ARMS, convergence.has_key)
+    table = {"timing": {"ms_per_step": {"baseline": 10.0, "align": 20.0, "phema": 10.0}}}
+    saved = {"meta": {"walls": [5000.0], "commands": ["c"], "domains": {"digits": {
+        "design": convergence.DESIGN, "seeds": [0, 1], "evals": 4, "eval_n": 512, "batches": {"16": 240},
+        "arms": {"16": ["baseline", "phema", "align"]}, "tables": {"16": table}}}}}
+    costs = {("digits", 16): {"baseline": 1.0, "align": 1.0, "phema": 1.0}}  # the pilot's: align's own is 2×
+    ev, start = 100.0, 300.0
+    cal = calibration(saved, usable, costs, {"digits": {512: {"units": ev}}}, {"digits": start})
+    per_run = start + 5 * ev  # start-up and the step-0 evaluation + 4
+    # baseline, align, the null baseline, the held-out arm (the costliest: align); phema trains nothing
+    units = 2 * (4 * per_run + 240 * (1 + 2 + 1 + 2))
+    posthoc = 2 * (len(SIGMAS) + 3 + 4) * ev  # every σ_rel at the end, then the curve on the main and null seeds
+    wall = (units + posthoc) / 2 + 66 * (1 + 1 + 2) + NOISE_EVALS * ev
+    assert cal["runs"] == 8 and cal["run_units"] == pytest.approx(units) and cal["posthoc_units"] == posthoc
+    assert cal["seconds_per_unit"] == pytest.approx(5000.0 / wall)
+    saved["meta"]["domains"]["digits"]["design"] = convergence.DESIGN - 1
+    assert calibration(saved, usable, costs, {"digits": {512: {"units": ev}}}, {"digits": start}) is None
