@@ -1,7 +1,7 @@
 """The digits-adaptive recipe in a hand-written loop outside the trainer (the sampler's own record):
 unet_tiny on sklearn's digits, ε-prediction, Min-SNR-5, the adaptive sampler with fasttrain's
 defaults (or --official), the default preset's optimizer (AdamW 1e-3, 200 warm-up steps, clip 1.0,
-EMA 0.999), in the trainer's call order (`lookahead.reference_step`). At the end: 100 DDIM-50
+EMA 0.999), in the trainer's call order (`step.reference_step`). At the end: 100 DDIM-50
 samples from the EMA weights, judged by the project's digit classifier, and the learned p(t).
 
     python bench/adaptive_digits.py [--steps 4000] [--official]
@@ -22,12 +22,12 @@ import torch
 from fasttrain import diffusion as fd
 from fasttrain.data.builtin import digits
 from fasttrain.diffusion.denoiser import Denoiser, PredictionOutput
-from fasttrain.diffusion.lookahead import reference_step
 from fasttrain.diffusion.solvers import generate
 from fasttrain.generation.features import judge
 from fasttrain.models import build_model
 from fasttrain.optim.ema import EMA
 from fasttrain.plots import plot_adaptive
+from fasttrain.step import reference_step
 
 
 def main() -> None:

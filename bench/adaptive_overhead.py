@@ -5,7 +5,7 @@ reward-variance reduction of common random numbers.
 
 Each case is a model and a batch (the CPU tiny models on 16×1×8×8 digits, and 16×3×32×32); each
 variant is the same training step (objective → backward → look-ahead hooks → AdamW, the trainer's
-order, `lookahead.reference_step`) with a different sampler:
+order, `step.reference_step`) with a different sampler:
   uniform                       the baseline
   adaptive, fasttrain defaults  fd.timestep_sampler("adaptive", s)
   adaptive, official setting    tau_grid=0, every=40: all T = 1000 timesteps per look-ahead, every 40 steps
@@ -39,9 +39,10 @@ import torch
 
 from fasttrain import diffusion as fd
 from fasttrain.diffusion.denoiser import Denoiser, PredictionOutput
-from fasttrain.diffusion.lookahead import Probe, reference_step, x0_mse
+from fasttrain.diffusion.lookahead import Probe, x0_mse
 from fasttrain.diffusion.vlb import vlb_tables
 from fasttrain.models import build_model
+from fasttrain.step import reference_step
 
 DEFAULT_EVERY = fd.SAMPLERS.args("adaptive")["every"]
 CASES = {"unet8": ("unet_tiny", 1, 8), "dit8": ("dit_tiny", 1, 8), "unet32": ("unet_tiny", 3, 32),

@@ -24,6 +24,7 @@ from cases import impls, machine
 from interleaved import interleave, rows_of, write
 
 from fasttrain.kernels import noise_spec
+from fasttrain.kernels.noise_prepare import prepare as prepare_noise
 from fasttrain.kernels.noise_std import noise_std
 
 SHAPES = {"latent-dit": (256, 4, 32, 32), "latent-sd": (16, 4, 64, 64)}
@@ -35,7 +36,7 @@ class Case:
         self.device = torch.device(device)
         g = torch.Generator(device).manual_seed(seed)
         self.x0 = torch.rand(shape, generator=g, device=device) * 2 - 1
-        self.spec, _ = noise_spec.prepare(noise_spec.NoiseOptions(pyramid_iterations=LEVELS, pyramid_discount=DISCOUNT),
+        self.spec, _ = prepare_noise(noise_spec.NoiseOptions(pyramid_iterations=LEVELS, pyramid_discount=DISCOUNT),
                                           self.x0, seed=1, offset=0, backend="torch")
         self.offset = torch.zeros((), dtype=torch.int64, device=device)
         self.compiled = None

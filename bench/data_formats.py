@@ -25,6 +25,7 @@ import torch
 from data_throughput import make_jpegs
 from PIL import Image
 
+from fasttrain.config import DataConfig
 from fasttrain.data import build_data
 
 
@@ -117,7 +118,7 @@ def main() -> None:
     rates: dict[str, list[float]] = {k: [] for k in variants}
     for r in range(args.rounds + 1):  # round 0 warms the page cache and is not kept
         for name, (kw, n) in variants.items():
-            s, _ = build_data(batch_size=32, backend="torch", num_workers=0, seed=r, **kw)
+            s, _ = build_data(DataConfig(batch_size=32, backend="torch", num_workers=0, **kw), seed=r)
             v = rate(s, n)
             if r:
                 rates[name].append(v)

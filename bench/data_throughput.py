@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from fasttrain.config import DataConfig
 from fasttrain.data import build_data, dali
 
 
@@ -67,8 +68,8 @@ def main() -> None:
     for w in args.workers:
         r = {"workers": w}
         for backend in ("dali", "torch"):
-            s, _ = build_data("folder", batch_size=32, root=str(root), image_size=256, backend=backend,
-                              num_workers=w, device=device, seed=0)
+            s, _ = build_data(DataConfig(name="folder", batch_size=32, root=str(root), image_size=256,
+                                         backend=backend, num_workers=w), device=device, seed=0)
             r[backend] = rate(s, args.epochs * args.n)
             del s
         r["ratio"] = r["dali"] / r["torch"]

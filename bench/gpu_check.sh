@@ -30,8 +30,8 @@ export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.inductor-cache}
 rc=0
 # tests/kernels/test_aot.py compiles for sm_80/sm_90 without a GPU (CI runs it); test_gpu.py checks the
 # driver's spill count of what the ops compiled here.
-timeout 240 $PY -m pytest -q -p no:cacheprovider tests/kernels tests/diffusion tests/test_graphs.py \
-  "tests/test_lora.py::test_on_cuda_the_base_is_held_in_bf16_by_default_and_the_run_trains_and_samples" -m "not slow" \
+timeout 240 $PY -m pytest -q -p no:cacheprovider tests/kernels tests/diffusion tests/parallel/test_graphs.py \
+  "tests/pretrained/test_lora.py::test_on_cuda_the_base_is_held_in_bf16_by_default_and_the_run_trains_and_samples" -m "not slow" \
   --ignore=tests/kernels/test_aot.py \
   2>&1 | tee bench/results/gpu-tests.txt || rc=1
 timeout 150 $PY -m pytest -q -p no:cacheprovider bench/bench_diffusion_loss.py --benchmark-only \

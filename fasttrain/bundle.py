@@ -13,7 +13,6 @@ data (`ModelBundle.build`) and adds data, objective, optimizer and the step loop
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -21,56 +20,24 @@ from omegaconf import DictConfig, OmegaConf
 from . import checkpoint as ckpt
 from . import seeds
 from .config import plain
-from .diffusion import schedule as make_schedule
+from .data.spec import DataSpec
 from .diffusion.denoiser import Denoiser
 from .diffusion.objective import Objective, objective_class
 from .diffusion.samplers import SAMPLERS
-from .diffusion.solvers import generate as run_solver
-from .errors import CheckpointError, InvalidInput
+from .diffusion.schedule import from_config as schedule_of
+from .generation import sampling
+from .generation.prompts import RunPrompts
 from .models import MODELS, build_model, weights_from_checkpoint
 from .optim.ema import EMA
 from .pretrained import lora
-
-
-@dataclass(frozen=True)
-class DataSpec:
-    """What the network was trained on: enough to generate and to judge samples without the data."""
-    name: str                  # the data kind (data/kinds.py): what it is, its `traits`
-    channels: int
-    image_size: int | None     # None for 2-D toy data
-    num_classes: int           # 0 = unconditional
-    label_dropout: float       # > 0: the null label (num_classes) gives the unconditional model
-    latents: dict | None = None  # latent data: VAE identity, normalisation, statistics (vae.latent_record)
-    class_names: list | None = None  # by label, where the data name them (an export's id2label)
-    text: dict | None = None   # captioned data: the text encoders' identity and shapes (data/captioned.py)
-
-    @property
-    def decodes(self) -> bool:
-        """Latents whose VAE is known: samples are judged as the images it decodes them into."""
-        return bool(self.latents and self.latents.get("vae"))
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.channels,) + ((self.image_size,) * 2 if self.image_size else ())
-
-    @property
-    def traits(self):
-        """The data kind's declared traits (data/kinds.py)."""
-        from .data import traits
-
-        return traits(self.name)
-
-    @property
-    def is_images(self) -> bool:
-        """Image pixels in [-1, 1] (clipped when generated, discrete bits/dim, judged as images)."""
-        return self.image_size is not None and self.traits.pixels
+from .pretrained.vae import LatentDecoder
 
 
 def build_network(cfg: DictConfig, spec: DataSpec) -> Denoiser:
     """The backbone (as wide as the prediction kind's output) in its Denoiser wrapper, with the
     prediction kind's output → x̂0 conversion."""
     df = cfg.diffusion
-    sched = make_schedule(df.schedule, df.T, df.zero_terminal_snr, df.flow_shift)
+    sched = schedule_of(df)
     kind = objective_class(df.prediction)
     args = plain(cfg.model.args)
     width = kind.out_channels(df, spec.channels)
@@ -104,7 +71,7 @@ def build_objective(cfg: DictConfig, net: Denoiser | None = None, rank: int = 0,
     output head receives what the objective learns for generation, e.g. mixed argmin's choice);
     `backend` the concrete kernel backend decided at set-up (default: the config's choice)."""
     df = cfg.diffusion
-    sched = make_schedule(df.schedule, df.T, df.zero_terminal_snr, df.flow_shift)
+    sched = schedule_of(df)
     sampler_args = plain(df.sampler_args)
     if SAMPLERS.get(df.sampler).seeded and "seed" not in sampler_args:  # a learned sampler's own weights
         sampler_args["seed"] = seeds.derive(cfg.train.seed, "policy")
@@ -116,16 +83,18 @@ def build_objective(cfg: DictConfig, net: Denoiser | None = None, rank: int = 0,
 
 
 class ModelBundle:
+    """A trained model's network and EMA weights with its schedule and data spec (module docstring); its
+    other jobs are parts of their own: `decoder` (pretrained/vae.LatentDecoder: latents → images), `prompts`
+    (generation/prompts.RunPrompts: a text run's encoders and prompt tables; None for other runs) and
+    generation (generation/sampling.py, which `generate` and `solver_fn` call)."""
+
     def __init__(self, cfg: DictConfig, spec: DataSpec, net: Denoiser, ema: EMA, device: torch.device,
                  step: int = 0, images: int = 0, vae: str | None = None):
         self.cfg, self.spec, self.net, self.ema, self.device = cfg, spec, net, ema, torch.device(device)
         self.step, self.images = step, images
-        self.vae_folder, self._codec = vae, None  # latent runs: another VAE folder than the recorded one
-        self.text_folder, self._encoders = None, None  # text runs: another encoder folder than the recorded one
-        self._rows = 0  # text runs: rows of the prompt table being sampled from (its last: the negative prompt)
-        df = cfg.diffusion
-        self.schedule = make_schedule(df.schedule, df.T, df.zero_terminal_snr, df.flow_shift).to(self.device)
-        self._alpha, self._sigma = self.schedule.alpha.float(), self.schedule.sigma.float()
+        self.schedule = schedule_of(cfg.diffusion).to(self.device)
+        self.decoder = LatentDecoder(spec.latents, vae, self.device)  # vae: another folder than the recorded one
+        self.prompts = RunPrompts(spec, self.device) if spec.text is not None else None
 
     # -- construction --------------------------------------------------------------------------------
     @classmethod
@@ -164,8 +133,7 @@ class ModelBundle:
             state, model_sd, ema_sd = ckpt.read_bundle_state(path, lambda st: build_network(cfg_of(st), spec_of(st)))
             cfg, spec = cfg_of(state), spec_of(state)
             net = build_network(cfg, spec)
-        lora.check(state.get("lora"), net, path)
-        ckpt.load_weights(net, lora.completed(net, model_sd), path)
+        ckpt.load_weights(net, lora.loadable(state.get("lora"), net, model_sd, path), path)
         net = net.to(device)
         ema = EMA(net, cfg.optim.ema_decay, cfg.optim.ema_warmup)
         ema.load_state_dict(ema_sd)
@@ -176,77 +144,23 @@ class ModelBundle:
         train = ckpt.train_state(state)
         return cls(cfg, spec, net, ema, device, train["step"], train["images"], vae=vae)
 
-    # -- latent runs: decoding with the VAE ------------------------------------------------------------
-    @property
-    def codec(self):
-        """The latent run's VAE and normalisation (vae.LatentCodec), loaded on first use."""
-        if self._codec is None:
-            from .pretrained.vae import LatentCodec
-
-            if not self.spec.latents:
-                raise InvalidInput("this model was not trained on latents: there is nothing to decode")
-            self._codec = LatentCodec.load(self.spec.latents, self.vae_folder, device=self.device)
-        return self._codec
-
+    # -- what other parts answer ---------------------------------------------------------------------
     @property
     def decodes(self) -> bool:
         """Samples are VAE latents that this bundle turns into images (the recorded VAE or --vae)."""
-        return self.spec.decodes or bool(self.spec.latents and self.vae_folder)
+        return self.decoder.decodes
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """Generated latents → images in [-1, 1] (the normalisation undone, then the VAE's decoder)."""
-        return self.codec.decode(x)
+        """Generated latents → images in [-1, 1] (pretrained/vae.LatentDecoder)."""
+        return self.decoder.decode(x)
 
-    def image_spec(self, images: torch.Tensor) -> DataSpec:
-        """The data spec of decoded samples (the data kind `decoded`: images; for grids and image metrics)."""
-        s = self.spec
-        return DataSpec("decoded", images.shape[1], images.shape[-1], s.num_classes, s.label_dropout)
-
-    def save_decoded(self, path, x: torch.Tensor) -> torch.Tensor:
-        """Decode generated latents and save their grid at `path`; returns the images."""
-        from . import plots
-
-        images = self.decode(x)
-        plots.save_samples(path, images, self.image_spec(images))
-        return images
-
-    # -- text runs: prompts ------------------------------------------------------------------------------
-    @property
-    def encoders(self):
-        """The run's text encoders (text_encoders.TextEncoders), loaded on first use from the recorded folder
-        (or `text_folder`), checked against the recorded identity."""
-        if self._encoders is None:
-            from .data import data_kind
-            from .pretrained.text_encoders import TextEncoders
-
-            rec = self.spec.text["encoders"]
-            folder = self.text_folder or data_kind(self.spec.name).text_encoders(rec)
-            enc = TextEncoders.load(folder, rec.get("clip_skip"), self.device)
-            enc.check(rec, "this run")
-            self._encoders = enc
-        return self._encoders
-
-    def prompt_args(self) -> dict:
-        """generate()'s prompt arguments from the run's `sample` settings (text runs; {} otherwise)."""
-        if self.spec.text is None:
-            return {}
-        return {"prompts": list(self.cfg.sample.prompts) or None, "negative_prompt": self.cfg.sample.negative_prompt}
+    # shortcuts to the parts, as callers before the split read them (the exporters)
+    codec = property(lambda self: self.decoder.codec, doc="the latent run's VAE (decoder.codec)")
+    encoders = property(lambda self: self.prompts.encoders, doc="a text run's encoders (prompts.encoders)")
 
     def prompt_table(self, prompts: list[str], negative: str = ""):
-        """The encodings of `prompts` and, last, of `negative` (guidance's unconditional side) as a
-        TextTable whose rows are the prompts (time_ids: SDXL's micro-conditions of an uncropped image of
-        the training size)."""
-        from .data.captioned import table_of
-
-        if not prompts:
-            raise InvalidInput("a text-conditioned model samples from prompts: give at least one (--prompt)")
-        e = self.encoders.encode(list(prompts) + [negative])
-        time_ids = None
-        if self.spec.text.get("micro"):
-            lat = self.spec.latents or {}  # the images' side the latents were encoded at (data prepare --image-size)
-            side = lat.get("image_size") or self.spec.image_size * int((lat.get("vae") or {}).get("downsample", 8))
-            time_ids = torch.tensor([[side, side, 0, 0, side, side]], dtype=torch.float32).repeat(len(prompts), 1)
-        return table_of(e, [1] * len(prompts), time_ids).to(self.device)
+        """A text run's prompt table (prompts.table)."""
+        return self.prompts.table(prompts, negative)
 
     # -- the network as an estimator ---------------------------------------------------------------
     def x0_hat(self, x_t: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -255,28 +169,8 @@ class ModelBundle:
         return self.net.x0_hat(x_t, t, labels)
 
     def solver_fn(self, labels: torch.Tensor | None = None, guidance: float = 1.0, clip: float | None = None):
-        """`denoise(x_t, t) -> (x̂0, ε̂)` for the solvers: classifier-free guidance (Ho & Salimans
-        2022, Eq. 6, on x̂0) and clipping of x̂0 to the data range (ε̂ kept consistent with it)."""
-        if guidance != guidance or guidance in (float("inf"), float("-inf")):
-            raise InvalidInput(f"guidance must be a finite number, got {guidance}")
-        null = self.spec.num_classes if self.spec.text is None else None
-
-        def denoise(x_t, t: int):
-            tt = torch.full((x_t.shape[0],), t, device=x_t.device, dtype=torch.long)
-            if labels is None or guidance == 1.0:
-                x0 = self.x0_hat(x_t, tt, labels)
-            else:
-                # text: the prompt table's last row is the negative prompt (its code `rows + row`, conditioning.py)
-                uncond = torch.full_like(labels, null) if null is not None else labels + self._rows
-                both = self.x0_hat(torch.cat([x_t, x_t]), torch.cat([tt, tt]), torch.cat([labels, uncond]))
-                cond, uncond = both.chunk(2)
-                x0 = uncond + guidance * (cond - uncond)
-            a, s = self._alpha[t].to(x_t.device), self._sigma[t].to(x_t.device)
-            if clip is not None:
-                x0 = x0.clamp(-clip, clip)
-            return x0, (x_t - a * x0) / s
-
-        return denoise
+        """`denoise(x_t, t) -> (x̂0, ε̂)` for the solvers, with guidance and clipping (generation/sampling.py)."""
+        return sampling.solver_fn(self, labels, guidance, clip)
 
     @contextlib.contextmanager
     def averaged(self, ema: bool = True):
@@ -289,7 +183,6 @@ class ModelBundle:
         finally:
             self.net.train()
 
-    @torch.no_grad()
     def generate(self, n: int, labels: torch.Tensor | None = None, *, seed: int = 0, steps: int = 50,
                  solver: str = "ddim", guidance: float = 1.0, ema: bool = True, progress: bool = False,
                  eta: float | None = None, chunk: int = 1024, spacing: str | None = None,
@@ -300,47 +193,11 @@ class ModelBundle:
         pipeline given that generator does (solvers.randn), chunk i > 0 from seeds.derive(seed, "eval", i):
         the results do not depend on n or on the device. With `first_image` = j, sample k is image j + k
         of a larger set and draws all its noise from its own generator, torch.Generator().manual_seed(seed +
-        j + k), as EDM2's generate_images.py seeds image i with seed i (generation.py: a set split across
+        j + k), as EDM2's generate_images.py seeds image i with seed i (generation/ranks.py: a set split across
         ranks by image index; a diffusers pipeline given the list of those generators makes the same images).
         Text runs: sample i is of prompts[labels[i]] (labels default to i mod the number of prompts), with
         guidance against `negative_prompt`.
         Under FSDP every rank must call this in lockstep (forwards gather weights)."""
-        if self.spec.text is not None:
-            from .conditioning import using
-
-            table = self.prompt_table(list(prompts or self.spec.text.get("prompts") or []), negative_prompt)
-            if labels is None:
-                labels = (torch.arange(n, device=self.device) + (first_image or 0)) % (table.rows - 1)
-            self._rows = table.rows
-            with using(self.net, table):
-                return self._generate(n, labels, seed, steps, solver, guidance, ema, progress, eta, chunk, spacing,
-                              first_image)
-        return self._generate(n, labels, seed, steps, solver, guidance, ema, progress, eta, chunk, spacing,
-                              first_image)
-
-    def _generate(self, n, labels, seed, steps, solver, guidance, ema, progress, eta, chunk, spacing, first_image):
-        if n < 1:
-            raise InvalidInput(f"the number of samples must be >= 1, got {n}")
-        if steps < 1:
-            raise InvalidInput(f"sampling steps must be >= 1, got {steps}")
-        self.net.check_sampling()
-        opts = {} if eta is None else {"eta": float(eta)}
-        clip = 1.0 if self.spec.is_images else None
-        outs = []
-        with self.averaged(ema):
-            for i, lo in enumerate(range(0, n, chunk)):
-                m = min(chunk, n - lo)
-                lab = None if labels is None else labels[lo:lo + m].to(self.device)
-                if first_image is None:
-                    g = torch.Generator().manual_seed(seed if i == 0 else seeds.derive(seed, "eval", i))
-                else:
-                    g = [torch.Generator().manual_seed(seed + first_image + lo + k) for k in range(m)]
-                outs.append(run_solver(self.solver_fn(lab, guidance, clip), self.schedule, (m,) + self.spec.shape,
-                                       solver=solver, steps=min(steps, self.schedule.T), generator=g,
-                                       device=self.device, progress=progress,
-                                       spacing_kind=spacing or self.cfg.sample.spacing, **opts))
-        x = torch.cat(outs)
-        if not bool(torch.isfinite(x).all()):
-            raise CheckpointError(f"the samples are not finite: the weights of step {self.step} are broken "
-                             f"(resume from an earlier checkpoint)")
-        return x
+        return sampling.generate(self, n, labels, seed=seed, steps=steps, solver=solver, guidance=guidance, ema=ema,
+                                 progress=progress, eta=eta, chunk=chunk, spacing=spacing, first_image=first_image,
+                                 prompts=prompts, negative_prompt=negative_prompt)

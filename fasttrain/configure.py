@@ -132,8 +132,8 @@ def validate(cfg: DictConfig, from_checkpoint: bool = False) -> None:
 def _validate(cfg: DictConfig) -> None:
     from .data import data_kind
     from .diffusion import PREDICTIONS, SAMPLERS, WEIGHTINGS, loss_weight, timestep_sampler
-    from .diffusion import schedule as make_schedule
     from .diffusion.objective import objective_class
+    from .diffusion.schedule import from_config as schedule_of
     from .diffusion.solvers import SOLVERS, check_options
     from .models import MODELS, is_image_model
 
@@ -190,7 +190,7 @@ def _validate(cfg: DictConfig) -> None:
         raise ConfigError(f"bad value for 'diffusion.flow_shift': {d.flow_shift!r} (a time shift applies to the flow "
                           f"schedule only, not {d.schedule!r}: set diffusion.schedule=flow or drop it)")
     with _Key("diffusion.T", cfg):
-        sched = make_schedule(d.schedule, d.T, d.zero_terminal_snr, d.flow_shift)
+        sched = schedule_of(d)
     with _Key("diffusion.prediction", cfg):
         objective_class(d.prediction).check_config(d, sched, args)
     with _Key("diffusion.weighting_args"):  # a single prediction's own space; other kinds weight x0-space errors
@@ -220,12 +220,10 @@ def _validate(cfg: DictConfig) -> None:
         with _Key("data.image_size", cfg):
             MODELS.check(cfg.model.name, image_size=cfg.data.image_size, **args)
         if cfg.data.buckets:  # every bucket side must suit the network as well (data/buckets.py)
-            from .data.buckets import resolutions
+            from .data.buckets import sides
 
-            d = cfg.data
             with _Key("data.bucket_reso_steps", cfg):
-                for side in sorted({s for r in resolutions(d.image_size, d.min_bucket_reso, d.max_bucket_reso,
-                                                           d.bucket_reso_steps) for s in r}):
+                for side in sides(cfg.data):
                     MODELS.check(cfg.model.name, image_size=side, **args)
         check_memory(cfg)
 
@@ -246,11 +244,10 @@ def check_run_dir(cfg: DictConfig) -> None:
 def check_ranges(cfg: DictConfig) -> None:
     """The ranges that depend on another key (config.py checks each key's own): counts of timesteps at
     most diffusion.T where they are used, AdamW's decay factor (a data kind checks its own sizes)."""
-    dc, T = cfg.diffusion, cfg.diffusion.T
+    T = cfg.diffusion.T
     per_t = {"sample.steps": cfg.sample.num > 0, "eval.steps": cfg.eval.num_samples > 0,
              "eval.bpd_timesteps": cfg.eval.bpd, "diagnostics.buckets": cfg.diagnostics.interference_every > 0,
-             "diagnostics.loss_cv_buckets": True,
-             "diffusion.mixed.argmin_buckets": dc.prediction == "mixed" and dc.mixed.mode == "argmin"}
+             "diagnostics.loss_cv_buckets": True}  # a prediction kind's own counts: its check_config
     for key, used in per_t.items():
         value = OmegaConf.select(cfg, key)
         if used and value > T:

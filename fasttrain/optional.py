@@ -3,7 +3,7 @@
     diffusers = optional.diffusers()     # or a one-line MissingDependency naming the extra
 
 `import diffusers` costs seconds (it pulls in torch._dynamo and, for its models, scipy.stats), so the
-VAE (vae.py), the diffusers backbones (models/diffusers_backbone.py) and the export (export.py) import
+VAE (vae.py), the diffusers backbones (models/diffusers_backbone.py) and the export (export/dispatch.py) import
 it through here, on first use. Its logging is turned down to errors: loading a local folder without
 `accelerate` warns on every call, and fasttrain passes `low_cpu_mem_usage=False` anyway.
 """

@@ -11,7 +11,7 @@ purpose never shifts an old one.
     policy       learned samplers' own parameters (the same on every rank)
     eval         sampling for evaluation and generation (but the first chunk of samples, whose noise comes
                  from the seed itself, as a diffusers pipeline given torch.Generator().manual_seed(seed) draws it;
-                 `sample` and `eval` seed image i with seed + i instead, as EDM2 does: generation.py)
+                 `sample` and `eval` seed image i with seed + i instead, as EDM2 does: generation/ranks.py)
     probe        the adaptive sampler's look-ahead draws (τ-grid, x0* choice, probe noise per rank)
     posterior    draws from VAE posteriors stored with latents (per rank and data position)
     logvar       the learned log-variance layer's Fourier features and initial weight (the same on every rank)

@@ -1,6 +1,6 @@
 """One training step as a function of named parts: the only place the step's order is written
-(docs/architecture.md, "One training step"). The trainer, the look-ahead's `reference_step` (tests,
-benchmarks) and a CUDA graph's capture (graphs.py) all run these two functions:
+(docs/architecture.md, "One training step"). The trainer, `reference_step` below (tests and benchmarks
+of the look-ahead components) and a CUDA graph's capture (parallel/graphs.py) all run these two functions:
 
     parts = StepParts(model, objective, optimizer, Generators(g), ema=ema, conditioning=..., hooks=...)
     loss, gnorm = train_step(parts, [(x0, y), ...], step=k, lr=lr)
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .diffusion.lookahead import LookAhead, LookAheadContext
+from .diffusion.lookahead import LookAhead, LookAheadContext, lookaheads
 from .optim.adamw import skip_if_not_finite
 
 
@@ -149,3 +149,15 @@ def train_step(parts: StepParts, batches: Sequence[tuple], *, step: int, lr: flo
                 h.after_update(ctx)
         parts.optimizer.zero_grad(set_to_none=True)  # a hook may have run its own backward
     return loss, gnorm
+
+
+def reference_step(model, objective, optimizer, micro_batches, step: int, components=(), *, rank: int = 0,
+                   world_size: int = 1, generator: torch.Generator | None = None, before_step=None) -> None:
+    """One optimizer step of the trainer's own step function with only these parts, for tests and
+    benchmarks of the look-ahead components (diffusion/lookahead.py): every micro-batch's loss and
+    backward; `before_step()` (a hand-written gradient all-reduce, clipping); for each due LookAhead
+    `before_update(ctx)`; `optimizer.step()`; `after_update(ctx)`. `micro_batches` is a list of
+    (x0, labels), the labels used as they are; ctx carries the first."""
+    parts = StepParts(model, objective, optimizer, Generators(generator), hooks=lookaheads(*components),
+                      after_backward=before_step, skip_nonfinite=False, rank=rank, world_size=world_size)
+    train_step(parts, micro_batches, step=step)

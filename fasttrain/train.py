@@ -29,7 +29,8 @@ from .diffusion.align import Alignment
 from .diffusion.interference import InterferenceDiagnostic
 from .diffusion.objective import kernel_backend
 from .errors import DeviceError, InvalidInput
-from .generation.evaluate import EvalSettings, reference_for, run_evaluation
+from .generation.evaluate import EvalSettings, RunEvaluation
+from .generation.prompts import RunPrompts
 from .logger import MetricLogger
 from .models import MODELS, count_params, forward_flops, weights_from_checkpoint
 from .optim.adamw import apply_optimizer_config, make_optimizer
@@ -39,6 +40,7 @@ from .parallel import graphs
 from .parallel.cpu import evaluation_threads, set_threads
 from .parallel.precision import resolve as resolve_precision
 from .parallel.wrap import parallelize
+from .periodic.evaluation import log_metrics
 from .pretrained import lora
 from .step import Generators, StepParts, update
 from .step import train_step as run_step
@@ -73,13 +75,8 @@ class Trainer:
     def _set_up(self, cfg, rank: int, world: int, want_cuda: bool) -> None:
         tc = cfg.train
         d = cfg.data
-        self.data, info = build_data(d.name, batch_size=d.batch_size, seed=tc.seed, image_size=d.image_size,
-                                     root=d.root, channels=d.channels, holdout=d.holdout, device=self.device,
-                                     num_workers=d.num_workers, backend=d.backend, manifest=d.manifest,
-                                     crop=d.crop, flip=d.flip, rank=rank, world_size=world, latent_norm=d.latent_norm,
-                                     shuffle_buffer=d.shuffle_buffer, buckets=d.buckets,
-                                     min_bucket_reso=d.min_bucket_reso, max_bucket_reso=d.max_bucket_reso,
-                                     bucket_reso_steps=d.bucket_reso_steps)
+        # the data section whole: the data kind reads its own fields (data/kinds.py)
+        self.data, info = build_data(d, seed=tc.seed, device=self.device, rank=rank, world_size=world)
         conditional = cfg.model.class_conditional and info.num_classes > 0
         self.spec = DataSpec(d.name, info.channels, info.image_size, info.num_classes if conditional else 0,
                              cfg.model.label_dropout, info.latents, info.class_names if conditional else None,
@@ -110,9 +107,9 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision.scaler else None
         self.bundle = ModelBundle.build(cfg, self.spec, self.device, net=self.model)
         self.ema = self.bundle.ema
-        self.images_per_step = d.batch_size * tc.grad_accum * world
+        images_per_step = d.batch_size * tc.grad_accum * world  # all ranks'
         # post-hoc EMA profiles (optim/phema.py), snapshots by the ema_snapshots action; None when phema.every=0
-        self.phema = PowerEMA(self.model, cfg.phema.sigma_rels, self.images_per_step) if cfg.phema.every else None
+        self.phema = PowerEMA(self.model, cfg.phema.sigma_rels, images_per_step) if cfg.phema.every else None
         dg = cfg.diagnostics
         self.interference = None
         if dg.interference_every:
@@ -128,18 +125,16 @@ class Trainer:
         generators = Generators(torch.Generator(self.device).manual_seed(seeds.derive(tc.seed, "timesteps", rank)),
                                 torch.Generator(self.device).manual_seed(seeds.derive(tc.seed, "labels", rank)))
         self.state = TrainState(self.device)
-        if lora.enabled(cfg) and cfg.model.lora.dropout > 0:
-            # peft's dropout draws from the global stream: seeded per rank here, held by checkpoints (RankRNG)
-            torch.manual_seed(seeds.derive(tc.seed, "lora_dropout", rank))
+        lora.seed_dropout(cfg, seeds.derive(tc.seed, "lora_dropout", rank))  # a LoRA run's dropout, per rank
         cond = conditioning.for_data(self.spec, cfg.model.label_dropout, generators.labels, table, d.caption_dropout)
         self.parts = StepParts(self.model, self.objective, self.opt, generators, ema=self.ema, scaler=self.scaler,
                                conditioning=cond, precision=self.precision, grad_clip=o.grad_clip, counters=self.state,
                                hooks=self.hooks, rank=rank, world_size=world,
                                averages=(self.phema,) if self.phema is not None else (), align=self.alignment)
-        self._eval_reference = None  # read once, at the first evaluation
+        # evaluations of the bundle (periodic/evaluation.py, the end of the run): every core of a one-process CPU run
+        self._threads = partial(evaluation_threads, tc.threads, self.device.type == "cpu" and world == 1)
+        self.evaluation = RunEvaluation(self.bundle, EvalSettings.from_config(cfg), cfg, self._threads)
         self.actions = periodic.build(cfg)  # logging, checkpoints, evaluation, ... (periodic/): declared, in order
-        self.views = {a: periodic.view(self, a) for a in self.actions}
-        self.clock: StepClock | None = None  # the log interval's training time, kept by fit
         self.checkpoints = ckpt.CheckpointManager(
             self.run_dir, self.dist, meta={"config": OmegaConf.to_container(cfg), "data_spec": asdict(self.spec),
                                  **({"lora": lora.identity(net)} if lora.identity(net) else {})},
@@ -148,27 +143,27 @@ class Trainer:
                     "interference": self.interference, "scaler": self.scaler},
             rank_states={"rng": RankRNG(generators, tc.seed, self.state), "objective": self.objective},
             averages={"phema": self.phema})
-        # the step's body for one micro-batch: eager, or replayed from one CUDA graph (graphs.py)
-        graphed = tc.cuda_graph and not d.buckets  # a graph replays one shape; buckets change it batch by batch
-        if tc.cuda_graph and d.buckets and self.dist.is_main:
-            print("fasttrain: train.cuda_graph: keeping the eager step (data.buckets: batch shapes change)",
-                  file=sys.stderr)
-        if graphed and self.alignment is not None and self.alignment.cached:  # a new targets tensor per batch
-            graphed = False
-            if self.dist.is_main:
-                print("fasttrain: train.cuda_graph: keeping the eager step (diffusion.align's cached targets; "
-                      "diffusion.align.targets=step computes them inside the graph)", file=sys.stderr)
-        self.step_fn = graphs.step_function(partial(update, self.parts), self.parts, graphed,
-                                            device=self.device, grad_accum=tc.grad_accum, announce=self.dist.is_main)
+        # the step's body for one micro-batch: eager, or replayed from one CUDA graph (parallel/graphs.py decides)
+        self.step_fn = graphs.step_function(partial(update, self.parts), self.parts, tc.cuda_graph,
+                                            device=self.device, grad_accum=tc.grad_accum, announce=self.dist.is_main,
+                                            fixed_shape=info.fixed_shape)
         peak = dist_utils.device_peak_flops()
         text = {"text": self.spec.text} if self.spec.text is not None else {}  # the text network's shapes
         flow = MODELS.get(cfg.model.name).flow
         if flow is not None and flow(plain(cfg.model.args)):  # SD3: its time input is the flow σ table
             text["flow_sigma"] = self.bundle.schedule.sigma.cpu()
-        self.flops_per_image = 3 * forward_flops(cfg.model.name, in_channels=self.spec.channels,
-                                                 image_size=self.spec.image_size, num_classes=self.spec.num_classes,
-                                                 **plain(cfg.model.args), **text) if peak else None
-        self.peak_flops = peak * world if peak else None
+        flops_per_image = 3 * forward_flops(cfg.model.name, in_channels=self.spec.channels,
+                                            image_size=self.spec.image_size, num_classes=self.spec.num_classes,
+                                            **plain(cfg.model.args), **text) if peak else None
+        self.throughput = periodic.Throughput(images_per_step, flops_per_image,
+                                              peak * world if peak else None)
+        # what the periodic actions read, by name (periodic.RunParts; log, bar and clock: when the loop starts)
+        self.run_parts = periodic.RunParts(
+            state=self.state, model=self.model, ema=self.ema, objective=self.objective, spec=self.spec,
+            device=self.device, dist=self.dist, run_dir=self.run_dir, checkpoints=self.checkpoints,
+            lr_sched=self.lr_sched, hooks=self.hooks, interference=self.interference, evaluate=self.evaluation,
+            throughput=self.throughput, phema=self.phema, alignment=self.alignment)
+        self.views = {a: periodic.view(self.run_parts, a) for a in self.actions}  # each its declared parts
 
     @property
     def step(self) -> int:
@@ -177,6 +172,11 @@ class Trainer:
     @property
     def images(self) -> int:
         return self.state.images
+
+    # the run loop's parts the actions read, made when the loop starts (fit; a benchmark may set its own)
+    log = property(lambda self: self.run_parts.log, lambda self, v: setattr(self.run_parts, "log", v))
+    bar = property(lambda self: self.run_parts.bar, lambda self, v: setattr(self.run_parts, "bar", v))
+    clock = property(lambda self: self.run_parts.clock, lambda self, v: setattr(self.run_parts, "clock", v))
 
     # -- checkpoints (checkpoint/: formats, run directory, the manager of the components above) ------
     def save(self, name: str = "last.pt") -> Path | None:
@@ -199,7 +199,7 @@ class Trainer:
                                fixed=self.step_fn)
         self.lr_sched.step()
         self.state.step += 1
-        self.state.images += self.images_per_step
+        self.state.images += self.throughput.images_per_step
         self._act(in_step=True)  # the step's bookkeeping actions: the statistics sync
         return loss, gnorm
 
@@ -272,21 +272,16 @@ class Trainer:
     # -- the end of a run: samples, evaluation, plots -------------------------------------------------
     def eval_reference(self):
         """The real data evaluations compare with: read (and for folders decoded) once per run."""
-        if self._eval_reference is None:
-            self._eval_reference = reference_for(self.cfg, self.spec)
-        return self._eval_reference
+        return self.evaluation.reference()
 
     def eval_threads(self):
         """Evaluation and the end's samples on every core of a one-process CPU run (cpu.evaluation_threads;
         under torchrun the ranks share the cores)."""
-        return evaluation_threads(self.cfg.train.threads, self.device.type == "cpu" and self.dist.world_size == 1)
+        return self._threads()
 
     def evaluate(self, log) -> dict:
-        with self.eval_threads():
-            metrics = run_evaluation(self.bundle, EvalSettings.from_config(self.cfg),
-                                     self.eval_reference())  # on every rank (FSDP forwards are collective)
-        log.log(self.step, images=self.images, **{f"eval/{k}": v for k, v in metrics.items()})
-        return metrics
+        """Evaluate the bundle (on every rank: FSDP forwards are collective) and log its metrics as eval/*."""
+        return log_metrics(log, self.step, self.images, self.evaluation())
 
     def finish(self, log) -> dict:
         cfg, out = self.cfg, {"steps": self.step, "images": self.images, "skipped_steps": int(self.state.skipped)}
@@ -296,21 +291,25 @@ class Trainer:
             if self.spec.num_classes and self.spec.image_size:
                 labels = torch.arange(cfg.sample.num, device=self.device) % self.spec.num_classes
             n = cfg.sample.num if self.spec.image_size else max(cfg.sample.num, 2000)
+            text = RunPrompts.sample_args(cfg.sample) if self.spec.text is not None else {}
             with self.eval_threads():
                 x = self.bundle.generate(n, labels, steps=cfg.sample.steps, solver=cfg.sample.solver,
                                          guidance=cfg.sample.guidance, eta=cfg.sample.eta,
-                                         progress=cfg.train.progress, **self.bundle.prompt_args())
+                                         progress=cfg.train.progress, **text)
             if self.dist.is_main:
                 ref = self.eval_reference().train if not self.spec.image_size else None
                 nrow = None
                 if self.spec.text is not None:  # one column per prompt; the report lists them (report.py)
-                    prompts = self.bundle.prompt_args()["prompts"] or self.spec.text["prompts"]
+                    prompts = text["prompts"] or self.spec.text["prompts"]
                     nrow = min(len(prompts), n)
                     (self.run_dir / "sample-prompts.json").write_text(json.dumps({"columns": prompts[:nrow]}))
                 plots.save_samples(self.run_dir / "samples.png", x, self.spec, reference=ref, nrow=nrow)
                 if self.spec.decodes:  # latents: also as the images the run's VAE decodes them into
-                    _report_failure("no decoded samples", lambda: self.bundle.save_decoded(
-                        self.run_dir / "samples-decoded.png", x))
+                    def decoded():
+                        images = self.bundle.decode(x)
+                        plots.save_samples(self.run_dir / "samples-decoded.png", images, self.spec.decoded(images))
+
+                    _report_failure("no decoded samples", decoded)
                 if not self.spec.image_size:
                     out["sample_mean"], out["sample_std"] = x.mean(0).tolist(), x.std(0).tolist()
         if cfg.eval.num_samples or cfg.eval.bpd:

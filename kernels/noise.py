@@ -71,7 +71,7 @@ def noise(x0, t, alpha, sigma, *, seed: int = 0, offset: int = 0, eps=None, out_
           return_eps: bool = False, spec: NoiseSpec | None = None, backend: str = "auto", block: int = 0):
     """x_t (and the eps it used when `return_eps`: the target's ε, without the perturbation). Tables are
     float32 [T] on x0's device; `offset` an int or an int64 0-d tensor on that device (a device counter:
-    no host sync); `spec` the step's noise options (noise_spec.prepare); `eps` given overrides the stream
+    no host sync); `spec` the step's noise options (noise_prepare.prepare); `eps` given overrides the stream
     (tests, probes; not with a spec); `block` overrides the Triton tile (tests)."""
     backend = resolve_backend(backend, x0.device)
     if spec is not None and eps is not None:

@@ -1,7 +1,8 @@
 """The noise options of one step as the noise and loss kernels receive them (the "noise spec"): the
 options, their counter layout, the checks and the per-step preparation. Their PyTorch reference math
 (the oracle of every backend and the `torch` backend itself) is torch_ref_noise.py; the pyramid's std,
-an op of its own, is noise_std.py (reference: torch_ref_noise_std.py).
+an op of its own, is noise_std.py (reference: torch_ref_noise_std.py); a step's spec, with that std
+reduced on the device, is noise_prepare.py's `prepare` (above both, so neither imports the other back).
 
 Options (`NoiseOptions`, per run; research note: docs/architecture.md, "Noise and loss options"):
   offset          noise offset (diffusers --noise_offset, sd-scripts noise_offset): ε + s·n, n one normal
@@ -167,7 +168,7 @@ def check(spec: NoiseSpec | None, shape, device) -> None:
     if f & ADAPTIVE and (spec.mean is None or tuple(spec.mean.shape) != (B, C)):
         raise ValueError(f"an adaptive noise offset needs |mean(x0)| of shape [{B}, {C}]")
     if f & PYRAMID and spec.std is None:
-        raise ValueError("pyramid noise needs its std (noise_spec.prepare computes it)")
+        raise ValueError("pyramid noise needs its std (noise_prepare.prepare computes it)")
     for name in ("table", "rows", "mean", "std"):
         x = getattr(spec, name)
         if x is not None and x.device != torch.device(device):
@@ -188,24 +189,3 @@ def pixel_mean(x0: torch.Tensor) -> torch.Tensor:
     if x.ndim == 1:
         x = x[:, None]
     return (x.mean(tuple(range(2, x.ndim))) if x.ndim > 2 else x).abs().contiguous()
-
-
-def prepare(options: NoiseOptions | None, x0: torch.Tensor, *, seed: int, offset, table: torch.Tensor | None = None,
-            rows: torch.Tensor | None = None, n_rows: int | None = None, backend: str = "auto"
-            ) -> tuple[NoiseSpec | None, int]:
-    """(the step's spec, counters it draws): None for the plain stream. `table`: options.table() on the
-    data's device (cache it: it is per run); `rows`/`n_rows`: the immiscible row map and the number of
-    base-noise rows it indexes. The pyramid's std is reduced here, on the device."""
-    options = options or NoiseOptions()
-    lay = layout(options, x0.shape, n_rows)
-    if not options.active and rows is None:
-        return None, lay.counters
-    if table is None and options.active:
-        table = options.table(x0.device)
-    mean = pixel_mean(x0) if options.flags & ADAPTIVE else None
-    spec = NoiseSpec(lay.ints, table, rows, mean, None)
-    if options.flags & PYRAMID:
-        from .noise_std import noise_std  # the op builds on this module's spec
-
-        spec = spec._replace(std=noise_std(x0, spec, seed=seed, offset=offset, backend=backend))
-    return spec, lay.counters

@@ -1,6 +1,6 @@
 """The noise_std op: the pyramid noise's batch-global std (sd-scripts' pyramid_noise_like divides the
 summed levels by `noise.std()`), one reduction over the noise a step regenerates, before the noise op
-reads it (noise_spec.prepare calls it; on the device, no host sync).
+reads it (noise_prepare.prepare calls it; on the device, no host sync).
 
 `fasttrain::noise_std` is a `torch.library.custom_op` with `register_fake` (no autograd: the noise is a
 constant). Backends (backend.py): the Triton reduction (triton_noise_spec.moments), the native C++/CUDA

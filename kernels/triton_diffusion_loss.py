@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import aot
 from . import triton_shared as shared
 from .backend import workspace
 from .loss_shape import LOSSES
@@ -121,11 +120,11 @@ def loss(pred, x0, t, weight, iw, coef, pivots, bins, eps, seed, offset, needs_e
     return mean, per, raw, wl, grad
 
 
-STREAMS = ("pred_ptr", "x0_ptr", "eps_ptr", "grad_ptr")  # rows of elements (aot.Spec)
+STREAMS = ("pred_ptr", "x0_ptr", "eps_ptr", "grad_ptr")  # rows of elements (aot_specs.Spec)
 
 
-def specializations():
-    """Every compilation `loss` can launch on a GPU (aot.Spec): each (data, model) dtype pair
+def specializations(aot):
+    """Every compilation `loss` can launch on a GPU (aot_specs.Spec): each (data, model) dtype pair
     × eps drawn or given (fp32, as the probes pass it, or in x0's dtype) × the target's terms (eps, x0,
     both: the prediction types) × with and without bins, at a 3×32×32 row; each tile size and
     alignment class (aot.row_sizes) in each dtype with an int32 and an int64 seed, the other

@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import aot
 from . import triton_shared as shared
 from .backend import workspace
 from .loss_shape import LOSSES
@@ -219,11 +218,11 @@ def mixed_loss(out, x0, t, weight, iw, tab, gate, pivots, bins, eps, seed, offse
     return mean, per, raw, wl, x0e, grad, ggrad
 
 
-STREAMS = ("out_ptr", "x0_ptr", "eps_ptr", "grad_ptr")  # rows of elements (aot.Spec)
+STREAMS = ("out_ptr", "x0_ptr", "eps_ptr", "grad_ptr")  # rows of elements (aot_specs.Spec)
 
 
-def specializations():
-    """Every compilation `mixed_loss` can launch on a GPU (aot.Spec): each (data, model) dtype
+def specializations(aot):
+    """Every compilation `mixed_loss` can launch on a GPU (aot_specs.Spec): each (data, model) dtype
     pair × pixel or timestep gate × eps drawn or given (fp32, as the probes pass it, or in x0's dtype)
     × with and without bins × 2 or 3 heads (padded to 2 or 4), on 3×32×32 images; then every tile
     `tile` picks for 2-4 heads, 1, 3, 4 or 16 channels and 4×4 to 256×256 images (and 2-D points, P =

@@ -16,7 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import aot
 from . import triton_shared as shared
 from .noise_spec import PYRAMID
 from .triton_noise_spec import launch_args, spec_eps, spec_perturbation
@@ -71,11 +70,11 @@ def noise(x0, t, alpha, sigma, eps, seed, offset, out_dtype, write_eps, spec, in
     return xt, eps_out
 
 
-STREAMS = ("x0_ptr", "eps_ptr", "xt_ptr", "eps_out_ptr")  # rows of elements (aot.Spec)
+STREAMS = ("x0_ptr", "eps_ptr", "xt_ptr", "eps_out_ptr")  # rows of elements (aot_specs.Spec)
 
 
-def specializations():
-    """Every compilation `noise` can launch on a GPU (aot.Spec): each (data, model) dtype
+def specializations(aot):
+    """Every compilation `noise` can launch on a GPU (aot_specs.Spec): each (data, model) dtype
     pair with eps drawn, given (fp32, as the probes pass it, or in x0's dtype) and written out, at a
     3×32×32 row; each tile size and alignment class (aot.row_sizes) in each dtype with an
     int32 and an int64 seed, some with an unaligned x0; each group of noise options

@@ -17,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import aot
 from . import noise_spec as ns
 from . import triton_shared as shared
 from .triton_shared import block_size
@@ -141,8 +140,8 @@ def moments(x0, seed, offset, spec, interpret, block):
 STREAMS = ()  # reads no rows of elements: it regenerates the noise
 
 
-def specializations():
-    """Every compilation `moments` can launch on a GPU (aot.Spec): each group of noise options
+def specializations(aot):
+    """Every compilation `moments` can launch on a GPU (aot_specs.Spec): each group of noise options
     with pyramid noise (aot.NOISE_OPTIONS), with an int32 and an int64 seed."""
     def spec(options, seed):
         def launch():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fasttrain.cli import main
+from fasttrain.config import DataConfig
 from fasttrain.data import DATA_KINDS, Traits, build_data, data_kind
 from fasttrain.diffusion.lookahead import LookAhead
 from fasttrain.diffusion.objective import kernel_backend
@@ -64,7 +65,7 @@ def test_no_module_outside_data_compares_data_set_names():
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         if path.relative_to(PACKAGE).parts[0] == "data" or path.name == "remote_pipeline.py":
-            continue  # export_pipeline.py: the file shipped in exports (diffusers' callback tensor "latents")
+            continue  # export/remote_pipeline.py: the file shipped in exports (diffusers' callback tensor "latents")
         for node in ast.walk(ast.parse(path.read_text())):
             operands = [node.left, *node.comparators] if isinstance(node, ast.Compare) else []
             operands += [k for k in node.keys if k is not None] if isinstance(node, ast.Dict) else []
@@ -82,7 +83,7 @@ def test_every_data_kind_declares_its_traits_and_builds_what_they_say():
         assert kind.traits.conditioning in ("class", "none", "text")
         assert not (kind.traits.latents and kind.traits.pixels)
         if kind.traits.resident and kind.trainable:  # built-in: build one batch and check the declaration
-            stream, info = build_data(name, batch_size=4, image_size=8, channels=3)
+            stream, info = build_data(DataConfig(name=name, batch_size=4, image_size=8, channels=3))
             x0, y = next(stream)
             assert (x0.ndim == 4) == kind.traits.images and (info.image_size is not None) == kind.traits.images
             assert (info.num_classes > 0) == (kind.traits.conditioning == "class")
@@ -169,9 +170,10 @@ def test_the_step_function_runs_a_step_directly(tmp_path):
 def test_every_periodic_action_is_registered_and_declared(tmp_path):
     """The five actions the run loop had hard-wired are registered components with a unique order and
     declared reads and outputs; the trainer runs exactly the registered ones, decides none of their
-    periods, and every attribute an action declares it reads exists on a trainer that has run."""
+    periods, and every part an action declares it reads is a named part of the run (periodic.RunParts),
+    filled in on a trainer that has run; an action sees only those parts, never the trainer."""
     from fasttrain.configure import load_config
-    from fasttrain.periodic import PERIODIC, Periodic, RunView
+    from fasttrain.periodic import PARTS, PERIODIC, Periodic, RunParts, view
     from fasttrain.train import Trainer
 
     assert {"stats_sync", "log", "nonfinite", "checkpoint", "evaluation"} <= set(PERIODIC.names())
@@ -186,13 +188,37 @@ def test_every_periodic_action_is_registered_and_declared(tmp_path):
         for a in tr.actions:
             assert isinstance(a, Periodic) and isinstance(a.reads, tuple) and isinstance(a.saves, tuple)
             for name in a.reads:
-                getattr(tr, name)
+                assert name in PARTS
+                # the parts a run has only when their option is on (diagnostics, phema.every, diffusion.align)
+                optional = ("interference", "phema", "alignment")
+                assert getattr(tr.views[a], name) is not None or name in optional, (a.name, name)
         log = next(a for a in tr.actions if a.name == "log")
         with pytest.raises(AttributeError, match="reads 'model' but does not declare it"):
-            RunView(tr, log).model  # noqa: B018
+            tr.views[log].model  # noqa: B018
+        with pytest.raises(AttributeError, match="reads 'optimizer' but does not declare it"):
+            tr.views[log].optimizer  # noqa: B018  (a trainer attribute, no part of a run)
+        assert isinstance(view(tr.run_parts, log), type(tr.views[log])) and tr.run_parts.step == tr.step
+        assert not hasattr(RunParts, "opt") and "cfg" not in PARTS
     finally:
         tr.close()
     assert (tmp_path / "last.pt").is_file() and (tmp_path / "metrics.jsonl").is_file()
+
+
+def test_an_action_reading_what_no_run_has_is_refused_before_the_run(monkeypatch):
+    """A periodic action declaring a trainer attribute that is no part of a run (here the optimizer) is one
+    error naming it when the actions are built, not an AttributeError in the middle of a run."""
+    from fasttrain import periodic
+    from fasttrain.registry import Registry
+
+    reg = Registry("periodic action")
+    monkeypatch.setattr(periodic, "PERIODIC", reg)
+
+    @reg.register("peeks")
+    class Peeks(periodic.Periodic):
+        reads = ("state", "opt")
+
+    with pytest.raises(TypeError, match="'peeks' reads 'opt', which is no part of a run"):
+        periodic.build(None)
 
 
 # -- the objective declares what its callers use --------------------------------------------------------

@@ -132,12 +132,12 @@ DATA_AND_ACTION = {
             def resident_items(self, d):
                 return 64
 
-            def build(self, a, backend):
+            def build(self, d, at, backend):
                 y = torch.arange(64) % 2
-                rows = (torch.arange(a.image_size) % 2 == 0)[None, None, :, None] ^ (y == 1)[:, None, None, None]
-                x = torch.where(rows, 1.0, -1.0).expand(64, 1, a.image_size, a.image_size).contiguous()
-                stream = MemoryStream(x, y, a.batch_size, a.seed, a.device, a.rank, a.world_size)
-                return stream, DataInfo(1, a.image_size, 2, 64)
+                rows = (torch.arange(d.image_size) % 2 == 0)[None, None, :, None] ^ (y == 1)[:, None, None, None]
+                x = torch.where(rows, 1.0, -1.0).expand(64, 1, d.image_size, d.image_size).contiguous()
+                stream = MemoryStream(x, y, d.batch_size, at.seed, at.device, at.rank, at.world_size)
+                return stream, DataInfo(1, d.image_size, 2, 64)
 
             def reference(self, cfg, spec, ref_path, n):
                 return Reference(None, None, "none (stripes)")

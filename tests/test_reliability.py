@@ -286,6 +286,7 @@ def _image_modes(root):
 def test_images_are_read_at_their_true_bit_depth_mode_and_orientation(tmp_path):
     """16-bit grey keeps its levels, 16-bit RGB its scale, palette/CMYK/LA/RGBA map by fixed rules, EXIF
     orientation is applied; DALI's decoder gives the torch backend's values."""
+    from fasttrain.config import DataConfig
     from fasttrain.data import build_data, dali
     from fasttrain.data.folder import ImageFolderDataset
     from fasttrain.data.images import open_image
@@ -304,9 +305,11 @@ def test_images_are_read_at_their_true_bit_depth_mode_and_orientation(tmp_path):
     assert upright.shape == (6, 12, 3) and upright[:, :6].max() == 0 and upright[:, 6:].min() == 255
     if not dali.available():
         return
-    files = [f for f, _ in build_data("folder", batch_size=1, root=str(root), backend="torch")[0].dataset.files]
+    files = [f for f, _ in build_data(DataConfig(name="folder", batch_size=1, root=str(root),
+                                                 backend="torch"))[0].dataset.files]
     ds = ImageFolderDataset(str(root), 6, 3, files=[(f, 0) for f in files])
-    s, _ = build_data("folder", batch_size=len(files), root=str(root), image_size=6, backend="dali", flip=False)
+    s, _ = build_data(DataConfig(name="folder", batch_size=len(files), root=str(root), image_size=6, backend="dali",
+                                 flip=False))
     order = [f for f, _ in s.epoch_files(0)]
     for f, x in zip(order, next(s)[0]):
         ref = ds[files.index(f)][0]

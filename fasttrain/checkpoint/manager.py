@@ -123,8 +123,7 @@ class CheckpointManager:
             self._check_config(plain, path)
             model_sd, optim_sd, shadow, full = plain["model"], plain["optimizer"], plain["ema"]["shadow"], True
             self._check_averages(plain, path)
-        lora.check(plain.get("lora"), self.model, path)  # a LoRA run's base must be the recorded one
-        model_sd = lora.completed(self.model, model_sd) if full else model_sd
+        model_sd = lora.loadable(plain.get("lora"), self.model, model_sd, path, full)  # a LoRA run's recorded base
         world, rank = self.dist.world_size, self.dist.rank
         opts = StateDictOptions(full_state_dict=full and world > 1, strict=not (lora.identity(self.model) and not full))
         try:

@@ -1,6 +1,8 @@
-"""The command line (`fasttrain train|sample|eval|report|export|data`): `commands.py` holds the parser and
-the commands, `generate.py` the `sample` and `eval` commands. `python -m fasttrain.cli` runs it too
-(torchrun's `-m fasttrain.cli`)."""
+"""The command line (`fasttrain train|sample|eval|report|export|data`): `commands.py` (the parser, `train`,
+`report`, `export`, `data prepare`), `generate.py` (`sample` and `eval`, split across ranks), `common.py`
+(what they share: one-line errors, output paths, the checkpoint's bundle and the folders it reads), `ema.py`
+(`fasttrain ema`: post-hoc EMA reconstructions, and `eval --sigma-rel`'s sweep).
+`python -m fasttrain.cli` runs it too (`__main__.py`; torchrun's `-m fasttrain.cli`)."""
 from ..parallel.cpu import prepare_openmp
 
 prepare_openmp()  # before anything imports torch (parallel/cpu.py): idle OpenMP threads yield on a busy machine
@@ -11,3 +13,14 @@ def main(argv: list[str] | None = None) -> int:
     from .commands import main as run
 
     return run(argv)
+
+
+def __getattr__(name: str):
+    # `fasttrain.cli` was one module before 0.3 (commands.py now): its names stay reachable here
+    import importlib
+
+    if not name.startswith("__"):
+        module = importlib.import_module(f"{__name__}.commands")
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

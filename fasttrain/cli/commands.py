@@ -11,7 +11,7 @@
     fasttrain sample --ckpt RUN --prompt TEXT [--negative-prompt TEXT] --guidance 4 --out DIR   (text runs)
 
 `sample` and `eval` also run under torchrun (`--num-samples` for `--n` there): the images split across
-ranks by index, resumable (generation.py).
+ranks by index, resumable (generation/ranks.py).
 
 `sample`, `eval` and `report` read a model bundle from the checkpoint alone (bundle.py): they need
 neither the training data nor a process group. Every user error ends in one line on stderr.
@@ -31,11 +31,7 @@ prepare_openmp()  # before anything imports torch (cpu.py): idle OpenMP threads 
 from ..config import keys, presets  # noqa: E402
 from ..errors import ConfigError, InvalidInput, UserError  # noqa: E402
 from ..paths import check_output  # noqa: E402
-
-# What the user can fix is a UserError (errors.py), printed as one line; anything else keeps its
-# traceback (FASTTRAIN_DEBUG=1 keeps it for these too). Paths the user named that cannot be written
-# are theirs to fix as well.
-USER_ERRORS = (UserError, PermissionError, NotADirectoryError, IsADirectoryError, FileExistsError)
+from .common import USER_ERRORS, checkpoint_reads, first_line, out_dir, out_file  # noqa: E402
 
 
 def _help_epilog() -> str:
@@ -214,26 +210,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def out_dir(path: str, create: bool = True) -> Path:
-    """An output folder that can be created (and is, unless `create` is false): not a file, not under a file."""
-    p = Path(path)
-    for q in [p, *p.parents]:
-        if q.exists() and not q.is_dir():
-            raise InvalidInput(f"--out {path}: {q} is a file, not a folder")
-    if create:
-        p.mkdir(parents=True, exist_ok=True)
-    return p
-
-
-def out_file(path: str | Path, flag: str = "--out", create: bool = True) -> Path:
-    """An output file whose folder can be created (and is, unless `create` is false)."""
-    p = Path(path)
-    if p.is_dir():
-        raise InvalidInput(f"{flag} {path} is a folder; give a file name")
-    out_dir(str(p.parent), create) if str(p.parent) not in ("", ".") else None
-    return p
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
@@ -248,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         except USER_ERRORS as e:
             if os.environ.get("FASTTRAIN_DEBUG") == "1":
                 raise
-            print(f"fasttrain: error: {_first_line(e)}", file=sys.stderr)
+            print(f"fasttrain: error: {first_line(e)}", file=sys.stderr)
             return 1
     if args.command != "train":
         _parser().print_help()
@@ -264,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = load_config(preset, overrides, resume=args.resume)
     except UserError as e:  # a config key (2), or a folder or checkpoint the config names (1)
-        print(f"fasttrain: error: {_first_line(e)}", file=sys.stderr)
+        print(f"fasttrain: error: {first_line(e)}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
     if args.print_config:
         from omegaconf import OmegaConf
@@ -281,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         if os.environ.get("FASTTRAIN_DEBUG") == "1":
             raise
-        print(f"fasttrain: error: {_first_line(e)}", file=sys.stderr)
+        print(f"fasttrain: error: {first_line(e)}", file=sys.stderr)
         shutdown(1)
         return 1
     except KeyboardInterrupt:
@@ -306,11 +282,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
 def _print_eval(ev: dict) -> None:
     if "fid" in ev or "bpd" in ev:
         parts = [f"{k} {ev[k]:.3g}" for k in ("fid", "kid", "precision", "recall", "bpd") if k in ev]
@@ -328,32 +299,6 @@ def _sample(args) -> int:
     from .generate import sample
 
     return sample(args)
-
-
-def _reads(args, b) -> dict:
-    """The folders a command on a checkpoint reads or names as its own (paths.py: outputs stay out of them)."""
-    from ..checkpoint import resolve
-
-    lat = b.spec.latents or {}
-    return {"the checkpoint": str(resolve(args.ckpt if hasattr(args, "ckpt") else args.run)),
-            "the run's data folder": b.cfg.data.root, "the images its latents were encoded from": lat.get("source"),
-            "the VAE folder": getattr(args, "vae", None) or (lat.get("vae") or {}).get("path")}
-
-
-def _bundle(args):
-    """The checkpoint's model bundle; a latent run's VAE (the recorded one, or --vae) loaded now, so that
-    a missing one is a one-line error before any sampling."""
-    from ..bundle import ModelBundle
-
-    b = ModelBundle.load(args.ckpt, vae=args.vae)
-    b.text_folder = getattr(args, "text_encoders", None)
-    if b.spec.text is not None and b.text_folder:
-        b.encoders  # noqa: B018 - loads the text encoders and checks them against the recorded ones
-    if args.vae and not b.spec.latents:
-        raise InvalidInput(f"--vae: {args.ckpt} was not trained on VAE latents")
-    if b.decodes:
-        b.codec  # noqa: B018 - loads the VAE
-    return b
 
 
 def _eval(args) -> int:
@@ -374,15 +319,6 @@ def _ema(args) -> int:
     return ema(args)
 
 
-def _is_evaluation(path: Path) -> bool:
-    import json
-
-    try:
-        return "step" in json.loads(path.read_text())
-    except (ValueError, TypeError, UnicodeDecodeError):
-        return False
-
-
 def _report(args) -> int:
     from ..generation.report import write_report
 
@@ -394,7 +330,7 @@ def _export(args) -> int:
     from ..bundle import ModelBundle
     from ..export.dispatch import export_diffusers
 
-    check_output(args.out, "the export folder", _reads(args, ModelBundle.load(args.run, vae=args.vae)))
+    check_output(args.out, "the export folder", checkpoint_reads(args, ModelBundle.load(args.run, vae=args.vae)))
     res = export_diffusers(args.run, args.out, vae=args.vae, ema=not args.raw, to=args.to)
     if args.to == "lora":
         print(f"wrote {res['out']}/pytorch_lora_weights.safetensors ({res['tensors']} tensors, {res['weights']} "

@@ -1,14 +1,22 @@
-"""Data: one factory for the trainer. Batches are (x0 [B, ...] float32, labels Long[B]) on the device.
+"""Data: every `data.name` is a registered data kind with declared traits (`kinds.py`), built from the
+`data` config section whole (`build_data(cfg.data, seed=..., rank=...)`: the kind reads its own fields).
+Batches are (x0 [B, ...] float32, labels Long[B]) on the device.
 
-Every `data.name` is a registered data kind with declared traits (kinds.py): the built-in ones (digits,
-toys, synthetic: builtin.py) live on the training device (memory.py), so a resumed run sees exactly
-the batches it would have seen; image folders (`folder`, image_folder.py) and .npy latent folders
-(`latents`, latent_folder.py) go through NVIDIA DALI (`data.backend=dali`, dali.py) or a torch
-DataLoader (`torch`, loader.py); `auto` takes DALI where it is installed. Both read the file list of
-the folder's manifest (manifest.py), so corrupt files are skipped, not fatal. Every stream reads the
-same order (order.py). Latents encoded by a VAE (`data prepare --vae`, encode.py) are drawn from their
-posterior and normalised on the device (latents.py); their record (`DataInfo.latents`) goes into the
-checkpoint. A new data kind is one module here that registers itself (kinds.py).
+The kinds, one module per kind or family:
+  `builtin.py`         digits, the 2-D toys, synthetic: resident on the training device (`memory.py`)
+  `image_folder.py`    `folder`: images (class subfolders give labels), optional aspect-ratio buckets (`buckets.py`)
+  `latent_folder.py`   `latents`: .npy latents (`data prepare --vae`, `encode.py`), and `decoded` (outputs only)
+  `packed.py`          `packed`: a latent folder packed into one memory-mapped array (`data prepare --pack`)
+  `bucket_latents.py`  `bucket_latents`: VAE latents cached per aspect-ratio bucket
+  `shards.py`          `shards`: WebDataset tar shards, one global seeded order split by rank
+  `captioned.py`       `captioned_latents`, `captioned_digits`: latents with cached caption encodings
+What they share: `streamed.py` (a folder's manifest and its stream), `dali.py` (NVIDIA DALI) and
+`loader.py` (a torch DataLoader), `order.py` (the epoch order and augmentation draws every backend reads),
+`folder.py` (folder data sets), `images.py` (decoding one image), `layout.py` (a folder's files and labels),
+`manifest.py` (`data prepare`: the checked file list), `captions.py` (a folder's captions), `latents.py`
+(posterior draws and normalisation on the device), `reference.py` (the real data evaluations compare with),
+`spec.py` (`DataSpec`: what a run's data are, recorded in its checkpoint).
+A new data kind is one module here that registers itself (kinds.py).
 """
 from __future__ import annotations
 
@@ -16,7 +24,7 @@ from ..errors import InvalidInput
 from ..registry import discover as _discover
 from . import dali
 from .builtin import TOYS, digits, synthetic, toy
-from .kinds import DATA_KINDS, DataArgs, DataInfo, DataKind, Reference, Traits, data_kind, names, traits
+from .kinds import DATA_KINDS, DataInfo, DataKind, Placement, Reference, Traits, data_kind, names, traits
 
 _discover(__name__)  # the data kinds in their own modules (image_folder.py, ...) register themselves
 
@@ -39,21 +47,14 @@ def resolve_backend(backend: str, name: str) -> str:
     return backend
 
 
-def build_data(name: str, *, batch_size: int, seed: int = 0, image_size: int = 8, root: str | None = None,
-               channels: int = 3, holdout: int = 400, device="cpu", num_workers: int = 0, split: str = "train",
-               backend: str = "auto", manifest: str | None = None, crop: str = "center", flip: bool = True,
-               rank: int = 0, world_size: int = 1, latent_norm: str = "auto", shuffle_buffer: int = 1000,
-               buckets: bool = False, min_bucket_reso: int = 256, max_bucket_reso: int = 1024,
-               bucket_reso_steps: int = 64):
-    """Return (stream, DataInfo) for the data kind `name` (a built-in set, an image or a latent folder)."""
-    if name not in names():
-        raise InvalidInput(f"unknown data set {name!r}; choose from {', '.join(names())}")
-    reader = resolve_backend(backend, name)
-    args = DataArgs(batch_size, seed, image_size, root, channels, holdout, device, num_workers, split, manifest, crop,
-                    flip, rank, world_size, latent_norm, shuffle_buffer, buckets, min_bucket_reso, max_bucket_reso,
-                    bucket_reso_steps)
-    return data_kind(name).build(args, reader)
+def build_data(d, **placement):
+    """(stream, DataInfo) of the `data` section `d` (cfg.data, or a config.DataConfig): its kind's `build`
+    reads its own fields; `placement`: where and for whom (kinds.Placement: seed, device, rank, world_size,
+    split)."""
+    if d.name not in names():
+        raise InvalidInput(f"unknown data set {d.name!r}; choose from {', '.join(names())}")
+    return data_kind(d.name).build(d, Placement(**placement), resolve_backend(d.backend, d.name))
 
 
-__all__ = ["BACKENDS", "DATA_KINDS", "DataArgs", "DataInfo", "DataKind", "Reference", "TOYS", "Traits",
+__all__ = ["BACKENDS", "DATA_KINDS", "DataInfo", "DataKind", "Placement", "Reference", "TOYS", "Traits",
            "build_data", "data_kind", "digits", "names", "resolve_backend", "synthetic", "toy", "traits"]

@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 
 from ..errors import DataError, InvalidInput
 from .buckets import BucketImages, BucketStream, bucket_table
-from .kinds import DataArgs, DataInfo, DataKind, Reference, Traits, register
+from .kinds import DataInfo, DataKind, Placement, Reference, Traits, register
 
 INDEX = "fasttrain-bucket-latents.json"
 
@@ -134,24 +134,24 @@ def read_index(root) -> dict:
 class BucketLatents(DataKind):
     traits = Traits(images=True, pixels=False, resident=False, needs_root=True, latents=True, sized_by_config=False)
 
-    def build(self, a: DataArgs, backend: str):
+    def build(self, d, at: Placement, backend: str):
         from ..pretrained.vae import latent_record
         from .latents import LatentStream
 
-        index = read_index(a.root)
-        record = latent_record(index["latents"], a.latent_norm)
+        index = read_index(d.root)
+        record = latent_record(index["latents"], d.latent_norm)
         f = int(index["latents"]["vae"]["downsample"])
         # the table buckets.py orders: row k = (k, bucket, latent w, latent h); one "bucket" per array
         items = []
         for b, bucket in enumerate(index["buckets"]):
             items += [[len(items) + k, b, bucket["shape"][2], bucket["shape"][1]] for k in range(len(bucket["labels"]))]
         table = {"resolutions": [[b["shape"][2], b["shape"][1]] for b in index["buckets"]], "items": items}
-        s = BucketStream(PackedBuckets(a.root, index), table, a.batch_size, a.seed, a.device, a.num_workers, a.rank,
-                         a.world_size, flip=False, where=a.root)
+        s = BucketStream(PackedBuckets(d.root, index), table, d.batch_size, at.seed, at.device, d.num_workers, at.rank,
+                         at.world_size, flip=False, where=d.root)
         base = index["latents"]["image_size"] // f
         info = DataInfo(record["channels"], base, len(index["classes"]), index["count"], record,
-                        list(index["classes"]))
-        return LatentStream(s, record, a.seed, a.rank), info
+                        list(index["classes"]), fixed_shape=False)  # one shape per bucket
+        return LatentStream(s, record, at.seed, at.rank), info
 
     def reference(self, cfg, spec, ref_path, n):
         """FID: the source images (or --ref) at the square base size, decoded samples' size; no held-out

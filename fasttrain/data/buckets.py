@@ -210,16 +210,29 @@ def _counts(table: dict) -> str:
     return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
 
 
-def build(a, files: list, settings: dict) -> BucketStream:
-    """The bucketed stream of an image folder (image_folder.py with data.buckets=true)."""
-    say = (lambda line: print(line, file=sys.stderr)) if a.rank == 0 else (lambda line: None)
-    table = bucket_table(a.root, files, settings)
+def settings_of(d) -> dict:
+    """The bucket settings of the `data` section: its image_size is the base side (sd-scripts' resolution)."""
+    return {"base": d.image_size, "min": d.min_bucket_reso, "max": d.max_bucket_reso, "steps": d.bucket_reso_steps}
+
+
+def sides(d) -> list[int]:
+    """Every side a bucket of the `data` section's settings has (configure.py checks each suits the network)."""
+    st = settings_of(d)
+    return sorted({s for r in resolutions(st["base"], st["min"], st["max"], st["steps"]) for s in r})
+
+
+def build(d, at, files: list) -> BucketStream:
+    """The bucketed stream of an image folder (image_folder.py with data.buckets=true): the `data` section
+    `d` and where it is built (`at`: kinds.Placement)."""
+    say = (lambda line: print(line, file=sys.stderr)) if at.rank == 0 else (lambda line: None)
+    settings = settings_of(d)
+    table = bucket_table(d.root, files, settings)
     small = table["small"]
     if small:
         say(f"fasttrain: buckets: left out {len(small)} image(s) smaller than every bucket (both sides below "
             f"data.min_bucket_reso {settings['min']}): {', '.join(small[:3])}{' ...' if len(small) > 3 else ''}")
     if not table["items"]:
-        raise DataError(f"data.root {a.root}: every image is smaller than every bucket")
+        raise DataError(f"data.root {d.root}: every image is smaller than every bucket")
     say(f"fasttrain: buckets: {_counts(table)}")
-    return BucketStream(BucketImages(a.root, files, table, a.channels), table, a.batch_size, a.seed, a.device,
-                        a.num_workers, a.rank, a.world_size, a.flip, a.crop == "random", where=a.root)
+    return BucketStream(BucketImages(d.root, files, table, d.channels), table, d.batch_size, at.seed, at.device,
+                        d.num_workers, at.rank, at.world_size, d.flip, d.crop == "random", where=d.root)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InvalidInput
-from .kinds import DataArgs, DataInfo, DataKind, Reference, Traits, register
+from .kinds import DataInfo, DataKind, Placement, Reference, Traits, register
 from .memory import MemoryStream
 
 TOYS = ("moons", "8gaussians", "checkerboard")
@@ -92,10 +92,10 @@ class Digits(DataKind):
     def resident_items(self, d) -> int:
         return DIGITS_SIZE - d.holdout
 
-    def build(self, a: DataArgs, backend: str):
-        x, y = digits(a.image_size, split=a.split, holdout=a.holdout, seed=0)
-        return (MemoryStream(x, y, a.batch_size, a.seed, a.device, a.rank, a.world_size),
-                DataInfo(1, a.image_size, 10, len(x), class_names=[str(i) for i in range(10)]))
+    def build(self, d, at: Placement, backend: str):
+        x, y = digits(d.image_size, split=at.split, holdout=d.holdout, seed=0)
+        return (MemoryStream(x, y, d.batch_size, at.seed, at.device, at.rank, at.world_size),
+                DataInfo(1, d.image_size, 10, len(x), class_names=[str(i) for i in range(10)]))
 
     def reference(self, cfg, spec, ref_path, n):
         if ref_path is not None:
@@ -118,10 +118,10 @@ class Synthetic(DataKind):
     def resident_items(self, d) -> int:
         return 4096
 
-    def build(self, a: DataArgs, backend: str):
-        x, y = synthetic(a.channels, a.image_size, seed=_split_seed(a.split))
-        return (MemoryStream(x, y, a.batch_size, a.seed, a.device, a.rank, a.world_size),
-                DataInfo(a.channels, a.image_size, 10, len(x)))
+    def build(self, d, at: Placement, backend: str):
+        x, y = synthetic(d.channels, d.image_size, seed=_split_seed(at.split))
+        return (MemoryStream(x, y, d.batch_size, at.seed, at.device, at.rank, at.world_size),
+                DataInfo(d.channels, d.image_size, 10, len(x)))
 
     def reference(self, cfg, spec, ref_path, n):
         if ref_path is not None:
@@ -143,10 +143,10 @@ class Toy(DataKind):
     def channels(self, d) -> int:
         return 2
 
-    def build(self, a: DataArgs, backend: str):
-        x = toy(self.name, seed=_split_seed(a.split))
+    def build(self, d, at: Placement, backend: str):
+        x = toy(self.name, seed=_split_seed(at.split))
         y = torch.zeros(len(x), dtype=torch.long)
-        return (MemoryStream(x, y, a.batch_size, a.seed, a.device, a.rank, a.world_size),
+        return (MemoryStream(x, y, d.batch_size, at.seed, at.device, at.rank, at.world_size),
                 DataInfo(2, None, 0, len(x)))
 
     def reference(self, cfg, spec, ref_path, n):

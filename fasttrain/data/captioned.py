@@ -25,7 +25,7 @@ import torch
 from ..conditioning import TextTable
 from ..errors import DataError
 from .builtin import Digits, digits
-from .kinds import DataArgs, DataInfo, Traits, register
+from .kinds import DataInfo, Placement, Traits, register
 from .latent_folder import LatentFolder
 from .manifest import MANIFEST
 from .memory import MemoryStream
@@ -124,23 +124,23 @@ class CaptionedLatents(LatentFolder):
         super().check(d)
         _refuse_shuffle(d)
 
-    def build(self, a: DataArgs, backend: str):
+    def build(self, d, at: Placement, backend: str):
         from .streamed import check_folder_args, folder_manifest
 
-        check_folder_args(a, self.name)
-        m = folder_manifest(a)
-        section, file = m.get("text"), Path(a.root) / EMBEDDINGS
+        check_folder_args(d, self.name)
+        m = folder_manifest(d, at)
+        section, file = m.get("text"), Path(d.root) / EMBEDDINGS
         if not section or not file.is_file():
-            raise DataError(f"{a.root} holds no caption encodings: run `fasttrain data prepare IMAGES --vae PIPE "
-                            f"--text-encoders PIPE --latents-out {a.root}`")
+            raise DataError(f"{d.root} holds no caption encodings: run `fasttrain data prepare IMAGES --vae PIPE "
+                            f"--text-encoders PIPE --latents-out {d.root}`")
         saved = torch.load(file, weights_only=True)
         counts = saved["counts"]
         if len(counts) != len(m["files"]):
-            raise DataError(f"{file} encodes {len(counts)} images, {a.root} holds {len(m['files'])}: run "
+            raise DataError(f"{file} encodes {len(counts)} images, {d.root} holds {len(m['files'])}: run "
                             f"`fasttrain data prepare` again")
         # each image's label is its own index: its caption group (conditioning.TextCaptions)
         indexed = {**m, "files": [[rel, i] for i, (rel, _) in enumerate(m["files"])], "classes": []}
-        stream, info = super().build_from(a, backend, indexed)
+        stream, info = super().build_from(d, at, backend, indexed)
         enc = {"states": saved["states"], "mask": saved["mask"], "pooled": saved.get("pooled")}
         info.text_table = table_of(enc, counts.tolist(), saved.get("time_ids"))
         info.text = {k: section[k] for k in ("encoders", "family", "length", "width", "pooled", "micro", "prompts")}
@@ -192,14 +192,14 @@ class CaptionedDigits(Digits):
     def text_encoders(self, record: dict) -> str:
         return str(digits_encoder(Path(record["path"])))  # the demo's: built again where it was if it is gone
 
-    def build(self, a: DataArgs, backend: str):
+    def build(self, d, at: Placement, backend: str):
         from ..pretrained.text_encoders import TextEncoders
 
-        x, y = digits(a.image_size, split=a.split, holdout=a.holdout, seed=0)
+        x, y = digits(d.image_size, split=at.split, holdout=d.holdout, seed=0)
         caps = digit_captions()
-        enc = TextEncoders.load(digits_encoder(a.root and Path(a.root)))
+        enc = TextEncoders.load(digits_encoder(d.root and Path(d.root)))
         e = enc.encode([c for group in caps for c in group] + [""])
-        info = DataInfo(1, a.image_size, 0, len(x))
+        info = DataInfo(1, d.image_size, 0, len(x))
         info.text_table = table_of(e, [len(c) for c in caps])
         info.text = record_of(enc.identity(), e, False, [g[0] for g in caps])
-        return MemoryStream(x, y, a.batch_size, a.seed, a.device, a.rank, a.world_size), info
+        return MemoryStream(x, y, d.batch_size, at.seed, at.device, at.rank, at.world_size), info

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..errors import InvalidInput
 from .folder import ImageFolderDataset
-from .kinds import DataArgs, DataInfo, DataKind, Traits, register
+from .kinds import DataInfo, DataKind, Placement, Traits, register
 from .streamed import check_folder_args, folder_manifest, stream
 
 
@@ -18,16 +18,15 @@ class ImageFolder(DataKind):
         if d.channels not in (1, 3):
             raise InvalidInput(f"bad value for 'data.channels': {d.channels!r} (1 (grey) or 3 (RGB))")
 
-    def build(self, a: DataArgs, backend: str):
-        check_folder_args(a, self.name)
-        m = folder_manifest(a)
+    def build(self, d, at: Placement, backend: str):
+        check_folder_args(d, self.name)
+        m = folder_manifest(d, at)
         files = [tuple(f) for f in m["files"]]
-        ds = ImageFolderDataset(a.root, a.image_size, a.channels, manifest=m)
-        info = DataInfo(a.channels, a.image_size, len(m["classes"]), len(files), class_names=list(m["classes"]))
-        if a.buckets:  # one bucket per batch, any aspect ratio (buckets.py); the DataLoader reads them
+        ds = ImageFolderDataset(d.root, d.image_size, d.channels, manifest=m)
+        info = DataInfo(d.channels, d.image_size, len(m["classes"]), len(files), class_names=list(m["classes"]))
+        if d.buckets:  # one bucket per batch, any aspect ratio (buckets.py); the DataLoader reads them
             from .buckets import build
 
-            settings = {"base": a.image_size, "min": a.min_bucket_reso, "max": a.max_bucket_reso,
-                        "steps": a.bucket_reso_steps}
-            return build(a, files, settings), info
-        return stream("images", ds, files, a, backend, (a.flip, a.crop == "random")), info
+            info.fixed_shape = False  # the batch shape changes with the bucket
+            return build(d, at, files), info
+        return stream("images", ds, files, d, at, backend, (d.flip, d.crop == "random")), info

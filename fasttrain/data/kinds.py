@@ -3,7 +3,7 @@ Every module outside `fasttrain/data/` asks a kind's traits, never its name (tes
 
     kind = data_kind("digits")
     kind.traits.images, kind.traits.resident, kind.traits.conditioning     # what it is
-    stream, info = kind.build(DataArgs(...))                              # batches on the device
+    stream, info = kind.build(cfg.data, Placement(seed, device, rank), reader)  # batches on the device
     kind.reference(cfg, spec, ref_path, n)                                 # what evaluation compares with
     kind.reference_images(cfg, spec, ref_path, n).chunks(k)               # its images, k at a time
 
@@ -20,7 +20,8 @@ Traits (`Traits`):
                   "text" (caption groups into `DataInfo.text_table`: data/captioned.py), "none"
   extractor       the feature extractor `eval.extractor=auto` takes for it (None: by `pixels`)
 A new data kind (WebDataset shards, packed latents, text–image pairs) is one module in this package:
-a `DataKind` subclass with its traits, `build`, `reference` and `check`, registered with `@register`.
+a `DataKind` subclass with its traits, `build`, `reference` and `check`, registered with `@register`; its
+`build` reads the `data` section whole, so a new option is one field in config.py and the code reading it.
 `trainable = False` marks a kind that only describes outputs (decoded VAE samples), not a `data.name`.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 
 from ..errors import InvalidInput
 from ..registry import Registry
+from .reference import Reference, ReferenceImages, folder_images, folder_reference
 
 DATA_KINDS = Registry("data set")
 register = DATA_KINDS.register
@@ -48,29 +50,16 @@ class Traits:
     extractor: str | None = None
 
 
-@dataclass
-class DataArgs:
-    """What building a data stream takes (the `data` config group, the seed and the process layout)."""
-    batch_size: int
+@dataclass(frozen=True)
+class Placement:
+    """Where a stream is built and for whom, beside the `data` section that a kind reads whole: the run's
+    seed (train.seed: the data order and augmentation draws), the device its batches land on, this
+    process's rank among `world_size`, and the split (train; test: the held-out part where a kind has one)."""
     seed: int = 0
-    image_size: int = 8
-    root: str | None = None
-    channels: int = 3
-    holdout: int = 400
     device: torch.device | str = "cpu"
-    num_workers: int = 0
-    split: str = "train"
-    manifest: str | None = None
-    crop: str = "center"
-    flip: bool = True
     rank: int = 0
     world_size: int = 1
-    latent_norm: str = "auto"
-    shuffle_buffer: int = 1000
-    buckets: bool = False
-    min_bucket_reso: int = 256
-    max_bucket_reso: int = 1024
-    bucket_reso_steps: int = 64
+    split: str = "train"
 
 
 @dataclass
@@ -83,15 +72,7 @@ class DataInfo:
     class_names: list | None = None  # the classes' names (folders: the class subfolders), by label
     text: dict | None = None  # captioned kinds: the text encoders' identity and shapes (data/captioned.py)
     text_table: object = None  # captioned kinds: their cached encodings (conditioning.TextTable), not recorded
-
-
-@dataclass
-class Reference:
-    """Real data to compare with: `train` images for FID, `test` (held out where there is one) for bpd."""
-    train: torch.Tensor | None
-    test: torch.Tensor | None
-    source: str
-    test_labels: torch.Tensor | None = None
+    fixed_shape: bool = True  # every batch has one shape (not with aspect-ratio buckets: a CUDA graph replays one)
 
 
 class DataKind:
@@ -118,9 +99,11 @@ class DataKind:
         """How many samples live on the training device at once (0 for streamed kinds)."""
         return 0
 
-    def build(self, args: DataArgs, backend: str):
-        """(stream of (x0, labels) batches on the device, DataInfo); `backend`: "memory" for a resident
-        kind, else the file reader `data.backend` resolved to ("dali" or "torch")."""
+    def build(self, d, at: Placement, backend: str):
+        """(stream of (x0, labels) batches on the device, DataInfo) of the `data` section `d` (cfg.data, or
+        a config.DataConfig), whose fields the kind reads itself, built `at` (seed, device, rank, split);
+        `backend`: "memory" for a resident kind, else the file reader `data.backend` resolved to ("dali"
+        or "torch")."""
         raise NotImplementedError
 
     def text_encoders(self, record: dict) -> str:
@@ -130,16 +113,12 @@ class DataKind:
     def reference(self, cfg, spec, ref_path: str | None, n: int) -> Reference:
         """The real data evaluations compare with: `ref_path` when given (a folder of images), else the
         kind's own (folder kinds: data.root when it still exists)."""
-        from .reference import folder_reference
-
         return folder_reference(cfg, spec, ref_path or cfg.data.root, n)
 
     def reference_images(self, cfg, spec, ref_path: str | None, n: int):
         """`reference`'s FID images read as they go (data/reference.py `ReferenceImages`), for statistics
         of a reference too large to hold. The folder reference streams; a kind that overrides `reference`
         streams where it overrides this too, else its reference is loaded and handed out in chunks."""
-        from .reference import ReferenceImages, folder_images
-
         if type(self).reference is DataKind.reference:
             return folder_images(ref_path or cfg.data.root, spec, cfg.data, n)
         ref = self.reference(cfg, spec, ref_path, n)

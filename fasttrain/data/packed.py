@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..errors import DataError, InvalidInput
-from .kinds import DataArgs, DataInfo, DataKind, Reference, Traits, register
+from .kinds import DataInfo, DataKind, Placement, Reference, Traits, register
 from .latents import LatentStream
 from .loader import LoaderStream
 from .manifest import MANIFEST, load_manifest
@@ -124,29 +124,29 @@ class PackedDataset(Dataset):
 class Packed(DataKind):
     traits = Traits(images=True, pixels=False, resident=False, needs_root=True, latents=True, sized_by_config=False)
 
-    def build(self, a: DataArgs, backend: str):
+    def build(self, d, at: Placement, backend: str):
         from ..pretrained.vae import latent_record
 
-        if not a.root:
+        if not d.root:
             raise InvalidInput("data.root must name a folder when data.name=packed")
-        m = load_manifest(a.root, a.manifest)
+        m = load_manifest(d.root, d.manifest)
         if m is None:
-            raise DataError(f"data.root {a.root} holds no {MANIFEST}: run `fasttrain data prepare {a.root} --pack`")
-        index = read_index(a.root, m)
+            raise DataError(f"data.root {d.root} holds no {MANIFEST}: run `fasttrain data prepare {d.root} --pack`")
+        index = read_index(d.root, m)
         n = index["count"]
-        if n // a.world_size < a.batch_size:
-            raise DataError(f"data.batch_size {a.batch_size} is larger than one rank's share of {a.root}: {n} "
-                            f"packed latents over {a.world_size} rank(s)")
+        if n // at.world_size < d.batch_size:
+            raise DataError(f"data.batch_size {d.batch_size} is larger than one rank's share of {d.root}: {n} "
+                            f"packed latents over {at.world_size} rank(s)")
         shape = index["shape"]
-        record = latent_record(m.get("latents"), a.latent_norm)
+        record = latent_record(m.get("latents"), d.latent_norm)
         c = record["channels"] if record else shape[0]
         if len(shape) != 3 or shape[1] != shape[2]:
-            raise DataError(f"packed latents must be [C, S, S] arrays, {a.root}/{PACKED} holds rows of {shape}")
+            raise DataError(f"packed latents must be [C, S, S] arrays, {d.root}/{PACKED} holds rows of {shape}")
         # the DataLoader whatever data.backend says: DALI's readers open one file per sample
-        s = LoaderStream(PackedDataset(a.root, index), a.batch_size, a.seed, a.device, a.num_workers, a.rank,
-                         a.world_size)
+        s = LoaderStream(PackedDataset(d.root, index), d.batch_size, at.seed, at.device, d.num_workers, at.rank,
+                         at.world_size)
         info = DataInfo(c, shape[1], len(m["classes"]), n, record, list(m["classes"]))
-        return (LatentStream(s, record, a.seed, a.rank) if record else s), info
+        return (LatentStream(s, record, at.seed, at.rank) if record else s), info
 
     def reference(self, cfg, spec, ref_path, n):
         """FID: the images the latents came from (or --ref), as for a latent folder; bits/dim: the first

@@ -1,17 +1,27 @@
 """The real data evaluations compare with, read from folders: the first n items of an image (or latent)
 folder, resized like the training data, and a VAE-latent run's reference (its source images for FID,
-its latents' posterior means for bits/dim). Each data kind chooses (kinds.py, `DataKind.reference`)."""
+its latents' posterior means for bits/dim). Each data kind chooses (kinds.py, `DataKind.reference`);
+`Reference` is what they hand back."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..errors import InvalidInput
 from .folder import ImageFolderDataset, LatentFolderDataset
-from .kinds import Reference
 from .manifest import IMAGE_EXTENSIONS, load_manifest, scan
+
+
+@dataclass
+class Reference:
+    """Real data to compare with: `train` images for FID, `test` (held out where there is one) for bpd."""
+    train: torch.Tensor | None
+    test: torch.Tensor | None
+    source: str
+    test_labels: torch.Tensor | None = None
 
 
 def folder_reference(cfg, spec, root: str | None, n: int) -> Reference:

@@ -40,7 +40,7 @@ from torchvision import transforms
 from .. import seeds
 from ..errors import DataError, InvalidInput
 from .images import open_image
-from .kinds import DataArgs, DataInfo, DataKind, Reference, Traits, register
+from .kinds import DataInfo, DataKind, Placement, Reference, Traits, register
 from .order import Position, augment_table
 
 INDEX = "fasttrain-shards.json"
@@ -241,14 +241,14 @@ class ShardStream(Position):
 class Shards(DataKind):
     traits = Traits(images=True, pixels=True, resident=False, needs_root=True)
 
-    def build(self, a: DataArgs, backend: str):
+    def build(self, d, at: Placement, backend: str):
         _webdataset("data.name=shards")
-        if a.channels not in (1, 3):
-            raise InvalidInput(f"data.channels must be 1 (grey) or 3 (RGB) for shards, got {a.channels}")
-        s = ShardSet(a.root)
-        stream = ShardStream(s, a.batch_size, a.seed, a.image_size, a.channels, a.device, a.rank, a.world_size,
-                             a.shuffle_buffer, a.flip, a.crop == "random")
-        return stream, DataInfo(a.channels, a.image_size, len(s.classes), s.count, None, s.classes)
+        if d.channels not in (1, 3):
+            raise InvalidInput(f"data.channels must be 1 (grey) or 3 (RGB) for shards, got {d.channels}")
+        s = ShardSet(d.root)
+        stream = ShardStream(s, d.batch_size, at.seed, d.image_size, d.channels, at.device, at.rank, at.world_size,
+                             d.shuffle_buffer, d.flip, d.crop == "random")
+        return stream, DataInfo(d.channels, d.image_size, len(s.classes), s.count, None, s.classes)
 
     def reference(self, cfg, spec, ref_path, n):
         """--ref (a folder), else the first n samples of the shards in their written order, centre-cropped."""

@@ -109,7 +109,7 @@ class Denoiser(nn.Module):
         self.gate = TimestepGate(schedule.T, gate_heads) if gate_heads else None
 
     def repeated_blocks(self) -> list[nn.Module]:
-        """The backbone's repeated units (parallel.py checkpoints, compiles and shards them)."""
+        """The backbone's repeated units (parallel/wrap.py checkpoints, compiles and shards them)."""
         return self.net.repeated_blocks()
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None, return_logvar: bool = False,

@@ -84,20 +84,6 @@ def lookaheads(*components) -> list[LookAhead]:
     return [c for c in components if isinstance(c, LookAhead)]
 
 
-def reference_step(model, objective, optimizer, micro_batches, step: int, components=(), *, rank: int = 0,
-                   world_size: int = 1, generator: torch.Generator | None = None, before_step=None) -> None:
-    """One optimizer step of the trainer's own step function (fasttrain/step.py) with only these parts, for
-    tests and benchmarks: every micro-batch's loss and backward; `before_step()` (a hand-written gradient
-    all-reduce, clipping); for each due LookAhead `before_update(ctx)`; `optimizer.step()`;
-    `after_update(ctx)`. `micro_batches` is a list of (x0, labels), the labels used as they are; ctx
-    carries the first."""
-    from ..step import Generators, StepParts, train_step  # the step is built on this module's hook
-
-    parts = StepParts(model, objective, optimizer, Generators(generator), hooks=lookaheads(*components),
-                      after_backward=before_step, skip_nonfinite=False, rank=rank, world_size=world_size)
-    train_step(parts, micro_batches, step=step)
-
-
 # -- probes with common random numbers -----------------------------------------------------------
 @dataclass
 class Probe:

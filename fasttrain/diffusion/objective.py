@@ -30,10 +30,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from fasttrain.kernels import noise_spec, philox
+from fasttrain.kernels import philox
 from fasttrain.kernels.backend import BACKENDS, BackendUnavailable, resolve_backend
 from fasttrain.kernels.diffusion_loss import diffusion_loss
 from fasttrain.kernels.noise import noise
+from fasttrain.kernels.noise_prepare import prepare as prepare_noise
 from fasttrain.kernels.noise_spec import NoiseOptions, NoiseSpec
 
 from ..errors import ConfigError, InvalidInput
@@ -211,8 +212,8 @@ class Objective(nn.Module):
         if not self._plain_noise:
             rows, n_rows = (None, None) if self.immiscible is None else self.immiscible.rows(
                 x0, seed=self.seed, offset=offset, backend=backend)
-            spec, counters = noise_spec.prepare(self.noise_options, x0, seed=self.seed, offset=offset,
-                                                table=self.noise_table, rows=rows, n_rows=n_rows, backend=backend)
+            spec, counters = prepare_noise(self.noise_options, x0, seed=self.seed, offset=offset,
+                                           table=self.noise_table, rows=rows, n_rows=n_rows, backend=backend)
             self.offset += counters
         else:
             self.offset += x0.numel()

@@ -128,3 +128,9 @@ def schedule(name: str = "linear", T: int = 1000, zero_terminal_snr: bool = Fals
         sigma = np.sqrt(1.0 - alpha**2)
     return NoiseSchedule(name, torch.from_numpy(np.ascontiguousarray(alpha)),
                          torch.from_numpy(np.ascontiguousarray(sigma)), shift)
+
+
+def from_config(df) -> NoiseSchedule:
+    """The run's schedule from its `diffusion` section (schedule, T, zero_terminal_snr, flow_shift): the one
+    place a run's schedule is built (the network, the objective, the bundle and the config check read it)."""
+    return schedule(df.schedule, df.T, df.zero_terminal_snr, df.flow_shift)

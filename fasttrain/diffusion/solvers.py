@@ -89,7 +89,7 @@ def spacing(solver: str, schedule: NoiseSchedule, steps: int, kind: str = "trail
 def randn(shape, generator, device, dtype=torch.float32) -> torch.Tensor:
     """N(0, I) drawn on the generator's device and moved to `device` (diffusers' `randn_tensor`). A list
     of generators draws row i from generator i (as `randn_tensor` does): each image its own noise stream,
-    whatever batch it is generated in (generation.py: the same images on any number of ranks)."""
+    whatever batch it is generated in (generation/ranks.py: the same images on any number of ranks)."""
     if isinstance(generator, (list, tuple)):
         if len(generator) != shape[0]:
             raise ValueError(f"{len(generator)} generators for a batch of {shape[0]}")

@@ -1,4 +1,4 @@
-"""fasttrain backbones → diffusers models, weight for weight (for `fasttrain export`, export.py).
+"""fasttrain backbones → diffusers models, weight for weight (for `fasttrain export`, export/dispatch.py).
 
     name, model, frequencies, null = to_diffusers(backbone)   # ("transformer" | "unet", an eval-mode model, ...)
 
@@ -14,7 +14,7 @@ format 4) needs two more bridges, and its export is not the stock class:
     adaLN chunk is permuted within itself; LayerNorms without affine parameters are invariant.
   * timestep frequencies: diffusers hard-codes k/(half−1) (`downscale_freq_shift=1`) where legacy
     (and the original DiT) use k/half: no weight or config expresses this, so the model is returned
-    with the shift set to 0 in each block and the pipeline sets it on loading (export_pipeline.py).
+    with the shift set to 0 in each block and the pipeline sets it on loading (export/remote_pipeline.py).
 UNet (models/unet.py) → UNet2DModel, exactly where diffusers can hold it: one GroupNorm group count
 for every layer (diffusers has one `norm_num_groups`: `convention=diffusers`, new runs, and the ADM
 presets under both conventions; legacy unet_tiny/unet_small use min(32, channels/4) per layer and do

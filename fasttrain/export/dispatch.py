@@ -7,7 +7,7 @@
     OUT/scheduler/            the run's schedule and prediction type as a stock scheduler reads them
                               (scheduler_config.py): DDIMScheduler, or FlowMatchEulerDiscreteScheduler
     OUT/vae/                  latent runs: the VAE that decodes them
-    OUT/pipeline.py           export_pipeline.py, for the runs no stock pipeline drives
+    OUT/pipeline.py           remote_pipeline.py, for the runs no stock pipeline drives
     OUT/README.md             the model card: the run's recipe, data and metrics, and how to load it
 
     pipe = diffusers.DiffusionPipeline.from_pretrained(OUT)        # a stock pipeline, no remote code
@@ -24,7 +24,6 @@ early and late timesteps) the converted network's output must equal the backbone
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 import json
@@ -38,9 +37,10 @@ import torch
 
 from .. import optional
 from ..errors import InvalidInput
-from ..pretrained.scheduler_config import PREDICTION_TYPES, to_diffusers
+from ..pretrained.scheduler_config import PREDICTION_TYPES
+from .common import scheduler_for, written_whole
 
-FORMATS = ("diffusers", "lora")  # lora: a LoRA run's adapter (export_sd.py)
+FORMATS = ("diffusers", "lora")  # lora: a LoRA run's adapter (stable_diffusion.py: export_lora)
 PIPELINE_FILE = Path(__file__).with_name("remote_pipeline.py")
 
 
@@ -109,21 +109,6 @@ def refusal(bundle) -> str | None:
     return None
 
 
-def scheduler_for(bundle):
-    """The run's scheduler (scheduler_config.to_diffusers) and a note when it samples otherwise."""
-    diffusers = optional.diffusers("export --to diffusers")
-    cfg = bundle.cfg
-    df, spacing = cfg.diffusion, cfg.sample.spacing
-    name, config = to_diffusers(df.schedule, df.T, df.zero_terminal_snr, df.prediction, bundle.spec.is_images,
-                                spacing, df.flow_shift)
-    note = None
-    if df.schedule != "flow" and config["timestep_spacing"] != spacing:
-        note = (f"the run samples with sample.spacing={spacing}, on which diffusers' DDIMScheduler cannot step "
-                f"(it steps to t - T//n): the scheduler has {config['timestep_spacing']} spacing, the pipeline equals "
-                f"`fasttrain sample --spacing {config['timestep_spacing']}`")
-    return getattr(diffusers, name).from_config(config), note
-
-
 def diffusers_labels(y, t, num_classes: int, null: int | None):
     """fasttrain's labels (num_classes: the null label) as the diffusers network's (its null row)."""
     if null is None:
@@ -188,17 +173,6 @@ def _convert(b, ema: bool) -> tuple[str, torch.nn.Module, str, int | None, float
 
 
 
-@contextlib.contextmanager
-def written_whole(out: Path):
-    """The export folder `out`, created; if anything fails while it is written, it is removed again, so
-    that no half-written export is left (every exporter writes through this)."""
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        yield out
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
-        raise
-
 def export_diffusers(run: str, out: str, vae: str | None = None, ema: bool = True, to: str = "diffusers") -> dict:
     """Write the pipeline folder `out` for the run's checkpoint (`to="lora"`: a LoRA run's adapter as
     pytorch_lora_weights.safetensors); returns a summary."""
@@ -217,16 +191,16 @@ def export_diffusers(run: str, out: str, vae: str | None = None, ema: bool = Tru
         return export_lora(run, out, b, ema)
     from .sd3 import export_sd3, is_sd3
 
-    if is_sd3(b):  # StableDiffusion3Pipeline with its text encoders (export_sd3.py)
+    if is_sd3(b):  # StableDiffusion3Pipeline with its text encoders (sd3.py)
         return export_sd3(run, out, b, ema)
-    if b.spec.text is not None:  # stock SD / SDXL pipelines with their text encoders (export_sd.py)
+    if b.spec.text is not None:  # stock SD / SDXL pipelines with their text encoders (stable_diffusion.py)
         from .stable_diffusion import export_text
         return export_text(run, out, b, ema)
     why = refusal(b)
     if why:
         raise InvalidInput(f"{run} cannot be exported to diffusers: {why}")
     component, model, frequencies, null, err = _convert(b, ema)
-    e = Export(b, component, model, frequencies, null, b.codec if b.decodes else None)
+    e = Export(b, component, model, frequencies, null, b.decoder.codec if b.decodes else None)
     kind = next(k for k in PIPELINES if k.fits(e) is None)
     sched, note = scheduler_for(b)
     parts = {component: model, "vae": e.codec.vae if e.codec else None}

@@ -1,4 +1,4 @@
-"""The model card of an export (OUT/README.md, export.py): the Hugging Face front matter (library,
+"""The model card of an export (OUT/README.md, export/dispatch.py): the Hugging Face front matter (library,
 pipeline tag, tags), how to load and sample it, the run's recipe and data, its metrics (RUN/eval.json
 or the final evaluation in RUN/summary.json), and the `fasttrain sample` command whose images the
 pipeline reproduces for the same seed."""
@@ -30,9 +30,9 @@ def _call(kind, index: dict, b) -> tuple[str, str]:
     sc, classes = b.cfg.sample, b.spec.num_classes
     steps, guidance = int(sc.steps), float(sc.guidance)
     labels = [i % classes for i in range(4)] if classes else None
-    # `fasttrain sample` seeds image i with seed + i (generation.py): one generator per image
+    # `fasttrain sample` seeds image i with seed + i (generation/ranks.py): one generator per image
     args = [f"num_inference_steps={steps}", "generator=[torch.Generator().manual_seed(i) for i in range(4)]"]
-    if b.spec.text is not None:  # export_sd.py: a stock SD / SDXL pipeline, the empty prompt as negative
+    if b.spec.text is not None:  # export/stable_diffusion.py: a stock SD / SDXL pipeline, the empty prompt as negative
         prompt = (list(sc.prompts) or list(b.spec.text.get("prompts") or []) or ["a photo"])[0]
         args = [f"prompt=[{prompt!r}] * 4", f"guidance_scale={guidance}"] + args
         return (f"pipe({', '.join(args)}).images",

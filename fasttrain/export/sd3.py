@@ -10,7 +10,7 @@ diffusers loads without remote code.
     OUT/README.md                    how to load it and which fasttrain command makes the same images
 
 A LoRA run (model.lora.rank > 0) gets its adapter merged into the transformer here; `--to lora` writes the
-adapter alone (export_sd.export_lora, through StableDiffusion3Pipeline.save_lora_weights).
+adapter alone (stable_diffusion.export_lora, through StableDiffusion3Pipeline.save_lora_weights).
 
 The pipeline samples what `fasttrain sample` does: its transformer takes σ·T (the backbone's time input,
 models/diffusers_backbone.py), its latents are divided by the VAE's scaling_factor and shifted by its
@@ -44,16 +44,16 @@ def is_sd3(bundle) -> bool:
 def refusal(b) -> str | None:
     """Why this SD3 run has no StableDiffusion3Pipeline (None: it has one)."""
     lat, df = b.spec.latents, b.cfg.diffusion
-    if not lat or b.codec is None:
+    if not lat or b.decoder.codec is None:
         return "StableDiffusion3Pipeline decodes VAE latents, and the run's VAE is not available (pass --vae)"
     if df.schedule != "flow" or df.prediction != "flow":  # configure.py refuses it at training already
         return "StableDiffusion3Pipeline samples the flow schedule with flow prediction"
-    vae = b.codec.vae.config
+    vae = b.decoder.codec.vae.config
     scale, shift = float(vae.scaling_factor), float(vae.get("shift_factor") or 0.0)
     if any(abs(s - shift) > 1e-6 for s in lat["shift"]) or any(abs(s - scale) > 1e-6 * scale for s in lat["scale"]):
         return ("StableDiffusion3Pipeline decodes latents as z / scaling_factor + shift_factor: train with "
                 "data.latent_norm=vae")
-    if b.spec.text is None or b.encoders.family != "sd3":
+    if b.spec.text is None or b.prompts.encoders.family != "sd3":
         return "StableDiffusion3Pipeline encodes prompts with SD3's CLIP pair and T5 (prepare the data with them)"
     return None
 
@@ -66,7 +66,7 @@ def verify(b, backbone, transformer) -> float:
 
     net = copy.deepcopy(backbone).double().eval()
     hf = copy.deepcopy(transformer).double().eval()
-    table = b.prompt_table(["a", ""], "").to("cpu")
+    table = b.prompts.table(["a", ""], "").to("cpu")
     g = torch.Generator().manual_seed(0)
     T = b.schedule.T
     x = torch.randn((3,) + tuple(b.spec.shape), generator=g, dtype=torch.float64)
@@ -90,7 +90,7 @@ def vae_scale(vae) -> int:
 
 def card(run: str, b, ema: bool) -> str:
     sc = b.cfg.sample
-    steps, guidance, side = int(sc.steps), float(sc.guidance), b.spec.image_size * vae_scale(b.codec.vae)
+    steps, guidance, side = int(sc.steps), float(sc.guidance), b.spec.image_size * vae_scale(b.decoder.codec.vae)
     return f"""# SD3 fine-tune exported by fasttrain
 
 Run `{run}` at step {b.step} ({'EMA' if ema else 'raw'} weights); schedule flow with shift
@@ -128,12 +128,12 @@ def export_sd3(run: str, out: Path, b, ema: bool) -> dict:
     df = b.cfg.diffusion
     name, config = to_diffusers(df.schedule, df.T, False, df.prediction, False, shift=df.flow_shift)
     sched = getattr(diffusers, name).from_config(config)
-    enc = b.encoders
+    enc = b.prompts.encoders
     toks, encs = enc.tokenizers, enc.encoders
     pipe = diffusers.StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=sched, vae=b.codec.vae, text_encoder=encs[0], tokenizer=toks[0],
+        transformer=transformer, scheduler=sched, vae=b.decoder.codec.vae, text_encoder=encs[0], tokenizer=toks[0],
         text_encoder_2=encs[1], tokenizer_2=toks[1], text_encoder_3=encs[2], tokenizer_3=toks[2])
-    from .dispatch import written_whole
+    from .common import written_whole
 
     with written_whole(out):
         pipe.save_pretrained(out)

@@ -1,4 +1,4 @@
-"""Text runs (SD 1.x/2.x, SDXL) exported as stock diffusers pipelines, no remote code (export.py dispatches here).
+"""Text runs (SD 1.x/2.x, SDXL) exported as stock diffusers pipelines, no remote code (dispatch.py sends them here).
 
     OUT/model_index.json      StableDiffusionPipeline or StableDiffusionXLPipeline, written by diffusers'
                               own save_pretrained
@@ -102,7 +102,7 @@ def check_encoding(pipe, family: str, encoders) -> float:
 
 def export_text(run: str, out: Path, b, ema: bool) -> dict:
     """Write the SD / SDXL pipeline folder `out` for the text run loaded as bundle `b`."""
-    from .dispatch import scheduler_for, written_whole
+    from .common import scheduler_for, written_whole
     from .model_card import model_card
 
     diffusers = optional.diffusers("export --to diffusers")
@@ -110,7 +110,7 @@ def export_text(run: str, out: Path, b, ema: bool) -> dict:
     if why:
         raise InvalidInput(f"{run} cannot be exported to diffusers: {why}")
     family = b.spec.text["family"]
-    encoders = b.encoders  # the recorded folder, its hashes checked (bundle.encoders)
+    encoders = b.prompts.encoders  # the recorded folder, its hashes checked (generation/prompts.py)
     with b.averaged(ema) as net:
         unet = copy.deepcopy(net.net.model).eval()
     if lora.identity(b.net):  # a LoRA run's full pipeline: the adapter folded into the base weights
@@ -121,7 +121,7 @@ def export_text(run: str, out: Path, b, ema: bool) -> dict:
         note = (f"the run samples with sample.spacing={b.cfg.sample.spacing}: {PIPELINES[family]} sets steps_offset=1 "
                 f"on a leading scheduler, which fasttrain's leading spacing does not have, so the exported scheduler "
                 f"has trailing spacing and the pipeline equals `fasttrain sample --spacing trailing`")
-    pipe = _pipeline(diffusers, family, unet, b.codec.vae, encoders, sched)
+    pipe = _pipeline(diffusers, family, unet, b.decoder.codec.vae, encoders, sched)
     err = check_encoding(pipe, family, encoders)
     kind = type("Kind", (), {"name": type(pipe).__name__, "custom": False})()
     with written_whole(out):
@@ -143,33 +143,33 @@ def export_lora(run: str, out: Path, b, ema: bool) -> dict:
     diffusers = optional.diffusers("export --to lora")
     from diffusers.utils import convert_state_dict_to_diffusers
 
-    from . import sd3 as export_sd3
+    from . import sd3
 
     if not lora.identity(b.net):
         raise InvalidInput(f"{run} was not trained with LoRA (model.lora.rank=0): it has no adapter to export; "
                            f"export the whole pipeline with --to diffusers")
-    sd3 = export_sd3.is_sd3(b)
-    if sd3:
-        why = export_sd3.refusal(b)
+    is_sd3 = sd3.is_sd3(b)
+    if is_sd3:
+        why = sd3.refusal(b)
     else:
         why = refusal(b) if b.spec.text else ("LoRA weights are exported for SD / SDXL pipelines and SD3 "
                                               "pipelines (text runs)")
     if why:
         raise InvalidInput(f"{run} cannot be exported as LoRA weights: {why}")
-    name = "StableDiffusion3Pipeline" if sd3 else PIPELINES[b.spec.text["family"]]
-    part = "transformer" if sd3 else "unet"  # the save_lora_weights argument: {part}_lora_layers
+    name = "StableDiffusion3Pipeline" if is_sd3 else PIPELINES[b.spec.text["family"]]
+    part = "transformer" if is_sd3 else "unet"  # the save_lora_weights argument: {part}_lora_layers
     with b.averaged(ema) as net:
         model = net.net.model
         state = lora.adapter_state(model)  # SD3's script saves peft's names as they are; the UNet's convert
         layers = {k: v.detach().clone().contiguous() for k, v in
-                  (state if sd3 else convert_state_dict_to_diffusers(state)).items()}
+                  (state if is_sd3 else convert_state_dict_to_diffusers(state)).items()}
         meta = model.peft_config["default"].to_dict()
     cls = getattr(diffusers, name)
     kwargs = {f"{part}_lora_layers": layers, "safe_serialization": True}
     if f"{part}_lora_adapter_metadata" in inspect.signature(cls.save_lora_weights).parameters:
         meta["target_modules"] = sorted(meta["target_modules"])
         kwargs[f"{part}_lora_adapter_metadata"] = meta  # keeps alpha (the scale alpha / rank) with the weights
-    from .dispatch import written_whole
+    from .common import written_whole
 
     with written_whole(out):
         cls.save_lora_weights(str(out), **kwargs)

@@ -9,6 +9,7 @@ exists, or `--ref PATH`).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -189,3 +190,24 @@ def sliced_w2(x: torch.Tensor, y: torch.Tensor, projections: int = 1024, seed: i
     # [projections, N] rows, sorted along the contiguous last dim (twice as fast as sorting columns)
     px, py = (theta @ x.double().T).sort(-1).values, (theta @ y.double().T).sort(-1).values
     return float(((px - py) ** 2).mean().sqrt())
+
+
+class RunEvaluation:
+    """A training run's evaluation of its bundle, as the periodic action and the end of the run call it:
+    `()` → the metrics of `run_evaluation`, inside `threads()` (parallel/cpu.evaluation_threads: every core
+    of a one-process CPU run), with the reference data read once, on first use. Every rank calls it (FSDP
+    forwards are collective)."""
+
+    def __init__(self, bundle, settings: EvalSettings, cfg, threads=contextlib.nullcontext):
+        self.bundle, self.settings, self.cfg, self.threads = bundle, settings, cfg, threads
+        self._reference: Reference | None = None
+
+    def reference(self) -> Reference:
+        """The run's reference data (`reference_for`), read (and for folders decoded) once."""
+        if self._reference is None:
+            self._reference = reference_for(self.cfg, self.bundle.spec)
+        return self._reference
+
+    def __call__(self) -> dict:
+        with self.threads():
+            return run_evaluation(self.bundle, self.settings, self.reference())

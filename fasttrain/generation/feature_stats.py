@@ -1,5 +1,5 @@
 """FID/KID/precision/recall from features: generated images' features computed where they are made (per
-rank, per chunk: generation.py) and gathered, and reference statistics computed once and kept in an
+rank, per chunk: generation/ranks.py) and gathered, and reference statistics computed once and kept in an
 `.npz` (`fasttrain eval --ref-stats`).
 
 Features come from torch-fidelity's extractors (its Inception "inception-v3-compat", with local weights
@@ -12,7 +12,7 @@ VIRTUAL_imagenet256_labeled.npz, whose pool-3 statistics come from the TF Incept
 inception-v3-compat reproduces), and, when written here, `features_<layer>` for KID and precision/recall
 and `extractor` naming the extractor. A file with statistics only gives FID.
 A reference computed here is read a chunk at a time (`ReferenceStats.from_images`); rank 0 alone
-computes it, once, while the other ranks wait (cli_generate.py).
+computes it, once, while the other ranks wait (cli/generate.py).
 """
 from __future__ import annotations
 

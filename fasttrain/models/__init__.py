@@ -1,8 +1,10 @@
 """Model registry: name → factory. Models take (x_t, t, y=None) and return the prediction (any number
 of output channels: `out_channels`), and declare their repeated blocks (`repeated_blocks()`), which
-parallel.py checkpoints, compiles and shards. A model family is one module of this package that
-registers its presets (`@register` / `register(name)(factory)`); every module here is imported below.
-"""
+parallel/wrap.py checkpoints, compiles and shards. A model family is one module of this package that
+registers its presets (`@register` / `register(name)(factory)`); every module here is imported below:
+`unet.py` (ADM-style UNets), `dit.py` (DiT), `mlp.py` (2-D points), `diffusers_backbone.py` (diffusers'
+UNet2DModel, DiTTransformer2DModel, UNet2DConditionModel, SD3Transformer2DModel), `layers.py` (what
+they share: timestep and class embeddings)."""
 from __future__ import annotations
 
 import contextlib

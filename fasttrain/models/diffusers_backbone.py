@@ -28,7 +28,7 @@ Conventions bridged here:
             (trained on the shifted flow schedule only) gets σ_t·T, as FlowMatchEulerDiscreteScheduler's
             timesteps are, from the run's σ table (`flow_sigma`, a non-persistent buffer).
   blocks    the repeated units (`repeated_blocks()`: per-block activation checkpointing, compile and
-            sharding, parallel.py): a UNet2DModel's down, mid and up blocks, a DiT's transformer blocks
+            sharding, parallel/wrap.py): a UNet2DModel's down, mid and up blocks, a DiT's transformer blocks
             but the first (whose embedding the final layer reuses; it stays with the root), an SD3
             transformer's joint blocks.
 """
@@ -161,7 +161,7 @@ def complete(args: dict) -> dict:
 
 def _refuse_patched_export(pretrained: str, subfolder: str) -> None:
     """An export of a DiT from before checkpoint format 4 is not the stock class: its pipeline file sets
-    other timestep frequencies on loading (export_pipeline.py), which a backbone built from the folder
+    other timestep frequencies on loading (export/remote_pipeline.py), which a backbone built from the folder
     would not have."""
     root = Path(pretrained) if subfolder else Path(pretrained).parent
     index = root / "model_index.json"

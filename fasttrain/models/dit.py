@@ -134,7 +134,7 @@ class DiT(nn.Module):
         return h.view(B, gh, gw, p, p, C).permute(0, 5, 1, 3, 2, 4).reshape(B, C, gh * p, gw * p)
 
     def repeated_blocks(self) -> list[nn.Module]:
-        """The units parallel.py checkpoints, compiles and shards one by one: the transformer blocks."""
+        """The units parallel/wrap.py checkpoints, compiles and shards one by one: the transformer blocks."""
         return list(self.blocks)
 
 

@@ -94,7 +94,7 @@ class AttnBlock(nn.Module):
 
 class EmbSequential(nn.ModuleList):
     """Layers applied in turn, the residual blocks also receiving the embedding. Each one is a unit
-    that parallel.py may checkpoint, compile or shard (a plain ModuleList has no forward)."""
+    that parallel/wrap.py may checkpoint, compile or shard (a plain ModuleList has no forward)."""
 
     def forward(self, h, emb):
         for b in self:
@@ -205,7 +205,7 @@ class UNet(nn.Module):
         return self.out(h)
 
     def repeated_blocks(self) -> list[nn.Module]:
-        """The units parallel.py checkpoints, compiles and shards one by one: every stage."""
+        """The units parallel/wrap.py checkpoints, compiles and shards one by one: every stage."""
         return [*self.down, self.mid, *self.up]
 
 

@@ -20,7 +20,7 @@ of two profiles, integrated over [0, min(t_a, t_b)] where both are non-zero:
 
     ⟨p_a, p_b⟩ = (γa+1)(γb+1) m^(γa+γb+1) / ((γa+γb+1) t_a^(γa+1) t_b^(γb+1)),   m = min(t_a, t_b),
 
-computed here in log space (tests/test_phema.py checks it against numerical quadrature).
+computed here in log space (tests/optim/test_phema.py checks it against numerical quadrature).
 
 `PowerEMA` keeps the profiles beside the parameters as `EMA` keeps its average (ema.py: DTensor shards
 under FSDP2, no host sync per update: the time t is a device counter). A skipped (non-finite) step

@@ -27,8 +27,9 @@ def _network(meta: dict):
     """The (unsharded) network a snapshot's profiles belong to, built from its config alone."""
     from omegaconf import OmegaConf
 
-    from ..bundle import DataSpec, build_network
+    from ..bundle import build_network
     from ..config import Config
+    from ..data.spec import DataSpec
     from ..models import weights_from_checkpoint
 
     try:

@@ -8,7 +8,7 @@ scheduled against, the busy core: the default run measured 1.5–5 s per step in
 near its single-thread speed on a busy machine while keeping two threads' speed on a free one.
 
 The policy is read once, when torch loads libgomp, so it must be in the environment before `import
-torch`: the command line (cli.py), the tests (tests/conftest.py) and the benchmarks set it first
+torch`: the command line (cli/commands.py), the tests (tests/conftest.py) and the benchmarks set it first
 (`prepare_openmp`); a user's own setting always wins. A Python program that imports fasttrain after
 torch keeps whatever policy torch started with (call `prepare_openmp()` before importing torch).
 `train.threads=N` still forces N threads; 0 (the default) means one thread for a CPU training run

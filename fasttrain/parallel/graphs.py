@@ -16,7 +16,7 @@ LR scheduler fills that tensor in place), warms up on a side stream, captures, a
 Everything outside the step (the scheduler, statistics syncs, sampler updates, the interference
 diagnostic after the replay, logging, checkpoints) stays outside the graph.
 
-This module is the only place that knows about graph mode: `step_function` gives the trainer its
+This module is the only place that decides graph mode: `step_function` gives the trainer its
 step body (step.py's `update` for one micro-batch), captured where `train.cuda_graph` asks for it and
 it can be, and otherwise eager, saying in one line why (`unsupported`). Off CUDA (and in tests)
 `capture=False` runs the same step function eagerly with the same static buffers and device-side
@@ -32,13 +32,16 @@ import torch
 WARMUP = 3
 
 
-def step_function(body, parts, enabled: bool, *, device: torch.device, grad_accum: int, announce: bool = True):
+def step_function(body, parts, enabled: bool, *, device: torch.device, grad_accum: int, announce: bool = True,
+                  fixed_shape: bool = True):
     """The step body to run for one micro-batch: `body` itself, or `body` replayed from a CUDA graph
     where `enabled` (train.cuda_graph) and the step can be captured; where it cannot, one line on stderr
-    (rank 0: `announce`) says why and the eager body is kept."""
+    (rank 0: `announce`) says why and the eager body is kept. `fixed_shape`: every batch has one shape
+    (the data kind's DataInfo.fixed_shape)."""
     if not enabled:
         return body
-    reason = unsupported(device, parts.world_size, grad_accum, parts.objective, parts.scaler, parts.optimizer)
+    reason = unsupported(device, parts.world_size, grad_accum, parts.objective, parts.scaler, parts.optimizer,
+                         fixed_shape, getattr(parts, "align", None))
     if reason:
         if announce:
             print(f"fasttrain: train.cuda_graph: keeping the eager step ({reason})", file=sys.stderr)
@@ -46,8 +49,15 @@ def step_function(body, parts, enabled: bool, *, device: torch.device, grad_accu
     return GraphedStep(body, parts.optimizer, parts.generators.all())
 
 
-def unsupported(device: torch.device, world_size: int, grad_accum: int, objective, scaler, optimizer) -> str | None:
-    """Why this step cannot be captured, or None."""
+def unsupported(device: torch.device, world_size: int, grad_accum: int, objective, scaler, optimizer,
+                fixed_shape: bool = True, align=None) -> str | None:
+    """Why this step cannot be captured, or None. `align`: the step's representation alignment
+    (diffusion/align.py), whose cached targets are a new tensor per batch, read outside the graph."""
+    if not fixed_shape:
+        return "data.buckets: batch shapes change batch by batch, and a graph replays one shape"
+    if align is not None and align.cached:
+        return ("diffusion.align's cached targets are a new tensor per batch (diffusion.align.targets=step "
+                "computes them inside the graph)")
     if device.type != "cuda":
         return "CUDA graphs need a CUDA device"
     if world_size > 1:

@@ -10,7 +10,7 @@ from . import Periodic, register
 @register("evaluation")
 class Evaluation(Periodic):
     order = 50
-    reads = ("evaluate", "log", "step")
+    reads = ("evaluate", "log", "step", "images")
     saves = ("metrics.jsonl",)
     pauses_clock = True
 
@@ -23,7 +23,13 @@ class Evaluation(Periodic):
 
     def start(self, run) -> None:
         if self.every and self.at_start and run.step == 0:  # the initial network (not again on a resume)
-            run.evaluate(run.log)
+            self(run)
 
     def __call__(self, run) -> None:
-        run.evaluate(run.log)
+        log_metrics(run.log, run.step, run.images, run.evaluate())
+
+
+def log_metrics(log, step: int, images: int, metrics: dict) -> dict:
+    """An evaluation's metrics as the log's eval/* entries at this step (the end of a run logs its own too)."""
+    log.log(step, images=images, **{f"eval/{k}": v for k, v in metrics.items()})
+    return metrics

@@ -12,8 +12,8 @@ from . import Periodic, register
 @register("log")
 class Log(Periodic):
     order = 20
-    reads = ("state", "objective", "interference", "hooks", "lr_sched", "log", "bar", "clock", "images_per_step",
-             "flops_per_image", "peak_flops", "step", "images")
+    reads = ("state", "objective", "interference", "hooks", "lr_sched", "log", "bar", "clock", "throughput", "step",
+             "images")
     saves = ("metrics.jsonl", "tb/")
 
     def __init__(self, cfg):
@@ -32,13 +32,14 @@ class Log(Periodic):
         mean_loss = loss_sum / n_ok if n_ok else None
         stats = run.objective.stats
         buckets = stats.bucketed(10, "raw") if stats is not None else None
-        img_s = timed * run.images_per_step / dt if dt > 0 else None
+        rate = run.throughput
+        img_s = timed * rate.images_per_step / dt if dt > 0 else None
         extra = run.objective.metrics()
         if run.interference is not None:
             extra.update(run.interference.metrics())
         hook_s = sum(v for k, v in extra.items() if k.endswith("lookahead_s"))
         cv = None if stats is None else float(loss_cv(stats, self.buckets))
-        peak, flops = run.peak_flops, run.flops_per_image
+        peak, flops = rate.peak_flops, rate.flops_per_image
         run.log.log(run.step, images=run.images, loss=mean_loss, grad_norm=gn_sum / n_ok if n_ok else None,
                     lr=run.lr_sched.get_last_lr()[0], sec_per_step=dt / timed if timed else None,
                     images_per_sec=img_s, mfu=img_s * flops / peak if peak and img_s else None,

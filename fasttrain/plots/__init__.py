@@ -1,4 +1,5 @@
-"""Figures of a run (run.py) and of what the adaptive timestep sampler learned (adaptive.py)."""
+"""Figures: `run.py` (a run's loss curve, per-timestep statistics, evaluation curves, sample grids),
+`adaptive.py` (what the adaptive timestep sampler learned), `common.py` (their shared style and saving)."""
 from .adaptive import plot_adaptive
 from .run import (
                   plot_eval_curves,

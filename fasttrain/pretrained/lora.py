@@ -169,6 +169,21 @@ def completed(net, state: dict) -> dict:
     return {**net.state_dict(), **state}
 
 
+def loadable(recorded: dict | None, net, state: dict, where, full: bool = True) -> dict:
+    """A checkpoint's model state as `net` loads it: a LoRA run's base checked against the one its checkpoint
+    records (`check`), and a whole (not sharded) adapter-only state filled with the base weights the network
+    already holds (`completed`). Every reader of checkpoints (the bundle, the resume) loads through this."""
+    check(recorded, net, where)
+    return completed(net, state) if full else state
+
+
+def seed_dropout(cfg, seed: int) -> None:
+    """peft's LoRA dropout draws from torch's global stream: a LoRA run with dropout seeds it per rank once
+    its set-up is done (the checkpoint's per-rank streams then hold it: train_state.RankRNG)."""
+    if enabled(cfg) and cfg.model.lora.dropout > 0:
+        torch.manual_seed(seed)
+
+
 def adapter_state(unet) -> dict:
     """diffusers' LoRA layers of a peft-adapted UNet (get_peft_model_state_dict), for save_lora_weights."""
     from peft.utils import get_peft_model_state_dict

@@ -1,6 +1,6 @@
 """fasttrain's noise schedule, prediction type and step spacing ↔ a diffusers scheduler config, both ways.
 
-    name, config = to_diffusers("linear", 1000, False, "eps", clip=True)   # for export.py
+    name, config = to_diffusers("linear", 1000, False, "eps", clip=True)   # for export/dispatch.py
     keys = from_diffusers(scheduler_config, where)   # {"diffusion.prediction": "v", ...} for a fine-tune
     notes = adopt(cfg, given)                        # a pretrained pipeline's scheduler into the run (configure.py)
 
@@ -14,7 +14,7 @@ spacing (solvers.py: the one spacing on which DDIMScheduler's t − T//n step an
 scheduler's list agree, when n divides T), `set_alpha_to_one` (the last step lands on x̂0, as
 fasttrain's). The flow schedule as `FlowMatchEulerDiscreteScheduler` with the run's `diffusion.flow_shift`
 as its `shift` (its training sigmas, shift((t+1)/T), are fasttrain's grid; at shift 1 the model timestep
-σ·T is fasttrain's t + 1, which export_pipeline.py undoes; SD3's transformer takes σ·T itself).
+σ·T is fasttrain's t + 1, which export/remote_pipeline.py undoes; SD3's transformer takes σ·T itself).
 
 Fine-tuning from a pipeline folder (`model.args.pretrained` with the network in a subfolder) takes its
 scheduler: schedule, T, zero terminal SNR, prediction type and spacing. The betas are matched against

@@ -177,3 +177,27 @@ class LatentCodec:
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         """Generated (normalised) latents → images in [-1, 1], on the samples' device."""
         return decode(self.vae, denormalize(x.float(), self.record)).to(x.device)
+
+
+class LatentDecoder:
+    """A latent run's way from generated latents to images: the recorded VAE (or `folder`, `--vae`) loaded
+    on first use as a `LatentCodec`. `decodes`: whether there is a VAE to decode with at all."""
+
+    def __init__(self, record: dict | None, folder: str | None = None, device="cpu"):
+        self.record, self.folder, self.device, self._codec = record, folder, device, None
+
+    @property
+    def decodes(self) -> bool:
+        return bool(self.record and (self.record.get("vae") or self.folder))
+
+    @property
+    def codec(self) -> LatentCodec:
+        if self._codec is None:
+            if not self.record:
+                raise InvalidInput("this model was not trained on latents: there is nothing to decode")
+            self._codec = LatentCodec.load(self.record, self.folder, device=self.device)
+        return self._codec
+
+    def decode(self, x):
+        """Generated latents → images in [-1, 1] (the normalisation undone, then the VAE's decoder)."""
+        return self.codec.decode(x)

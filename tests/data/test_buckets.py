@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from fasttrain.cli import main
+from fasttrain.config import DataConfig
 from fasttrain.data import build_data
 from fasttrain.data.buckets import TABLE, epoch_batches, resolutions, select
 from fasttrain.logger import read_jsonl
@@ -53,9 +54,11 @@ def test_resolutions_and_selection_follow_sd_scripts():
 
 
 def _stream(root, world=1, rank=0, batch=2, **kw):
-    return build_data("folder", batch_size=batch, root=str(root), image_size=16, backend="torch", seed=3, rank=rank,
-                      world_size=world, buckets=True, min_bucket_reso=8, max_bucket_reso=32, bucket_reso_steps=8,
-                      **kw)[0]
+    d = DataConfig(name="folder", batch_size=batch, root=str(root), image_size=16, backend="torch", buckets=True,
+                   min_bucket_reso=8, max_bucket_reso=32, bucket_reso_steps=8, **kw)
+    s, info = build_data(d, seed=3, rank=rank, world_size=world)
+    assert not info.fixed_shape  # declared: a CUDA graph keeps the eager step (parallel/graphs.py)
+    return s
 
 
 def test_batches_come_from_one_bucket_split_alike_on_any_rank_count_and_resume(folder, capsys):
@@ -130,9 +133,10 @@ def test_vae_latents_cached_per_bucket_train_one_bucket_per_batch(folder, tmp_pa
     assert shapes == {(16, 16): (10, 8, 8, 8), (24, 8): (4, 8, 4, 12), (8, 24): (8, 8, 12, 4)}  # [n, 2C, h/2, w/2]
     assert index["count"] == 22 and index["latents"]["posterior"] == "mean_std"
     assert any("smaller than every bucket" in why for _, why in index["latents"]["skipped_images"])
-    s, info = build_data("bucket_latents", batch_size=2, root=str(lat), seed=1)
+    s, info = build_data(DataConfig(name="bucket_latents", batch_size=2, root=str(lat)), seed=1)
     seen = {tuple(next(s)[0].shape[1:]) for _ in range(10)}
     assert seen == {(4, 8, 8), (4, 4, 12), (4, 12, 4)} and info.image_size == 8 and info.channels == 4
+    assert not info.fixed_shape  # declared: a CUDA graph keeps the eager step (parallel/graphs.py)
     run = tmp_path / "run"
     assert main(["train", f"run_dir={run}", "data.name=bucket_latents", f"data.root={lat}", "data.batch_size=2",
                  "model.args.ch=8", "train.steps=3", "train.progress=false", "sample.num=2", "sample.steps=2",

@@ -7,6 +7,7 @@ import torch
 from folder_fixtures import write_images
 from PIL import Image
 
+from fasttrain.config import DataConfig
 from fasttrain.data import build_data, dali
 from fasttrain.data.manifest import MANIFEST, prepare
 
@@ -20,7 +21,8 @@ def _ids(x):
 
 
 def test_image_pipeline_shapes_values_labels(image_folder):
-    s, info = build_data("folder", batch_size=4, root=str(image_folder), image_size=16, backend="dali", flip=False)
+    s, info = build_data(DataConfig(name="folder", batch_size=4, root=str(image_folder), image_size=16,
+                                    backend="dali", flip=False))
     assert isinstance(s, dali.DaliStream) and info.num_classes == 2 and info.size == 12
     x, y = next(s)
     assert x.shape == (4, 3, 16, 16) and x.dtype == torch.float32 and -1 <= x.min() and x.max() <= 1
@@ -39,7 +41,8 @@ def test_decoded_pixels_match_pil(tmp_path):
     arr = np.clip(arr.astype(int) + rng.integers(-3, 4, arr.shape), 0, 255).astype(np.uint8)
     Image.fromarray(arr).save(root / "a" / "0.png")
     Image.fromarray(arr).save(root / "a" / "1.jpg", quality=90)
-    s, _ = build_data("folder", batch_size=1, root=str(root), image_size=24, backend="dali", flip=False)
+    s, _ = build_data(DataConfig(name="folder", batch_size=1, root=str(root), image_size=24, backend="dali",
+                                 flip=False))
     got = {}
     for _ in range(2):
         x, _ = next(s)
@@ -53,8 +56,8 @@ def test_decoded_pixels_match_pil(tmp_path):
 
 def test_shards_partition_each_epoch_and_seed_fixes_order(image_folder):
     def epoch_ids(rank, world, seed, epoch=0):
-        s, _ = build_data("folder", batch_size=2, root=str(image_folder), image_size=8, backend="dali", flip=False,
-                          seed=seed, rank=rank, world_size=world)
+        s, _ = build_data(DataConfig(name="folder", batch_size=2, root=str(image_folder), image_size=8,
+                                     backend="dali", flip=False), seed=seed, rank=rank, world_size=world)
         s.load_state_dict({"epoch": epoch, "pos": 0})
         return [i for x, _ in s.epoch_batches() for i in _ids(x)]
 
@@ -74,11 +77,13 @@ def test_last_batch_policies(image_folder, policy, sizes):
 
 
 def test_resume_mid_epoch_continues_the_same_batches(image_folder):
-    a, _ = build_data("folder", batch_size=3, root=str(image_folder), image_size=8, backend="dali", seed=2)
+    a, _ = build_data(DataConfig(name="folder", batch_size=3, root=str(image_folder), image_size=8, backend="dali"),
+                                 seed=2)
     first = [next(a) for _ in range(2)]
     state = a.state_dict()
     rest = [next(a) for _ in range(4)]
-    b, _ = build_data("folder", batch_size=3, root=str(image_folder), image_size=8, backend="dali", seed=2)
+    b, _ = build_data(DataConfig(name="folder", batch_size=3, root=str(image_folder), image_size=8, backend="dali"),
+                                 seed=2)
     b.load_state_dict(state)
     for (xa, ya), (xb, yb) in zip(rest, [next(b) for _ in range(4)]):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
@@ -86,7 +91,7 @@ def test_resume_mid_epoch_continues_the_same_batches(image_folder):
 
 
 def test_latent_pipeline_is_exact(latent_folder):
-    s, info = build_data("latents", batch_size=4, root=str(latent_folder), backend="dali", seed=1)
+    s, info = build_data(DataConfig(name="latents", batch_size=4, root=str(latent_folder), backend="dali"), seed=1)
     assert (info.channels, info.image_size, info.num_classes, info.size) == (4, 6, 3, 15)
     files = s.epoch_files(0)
     x, y = next(s)
@@ -100,7 +105,8 @@ def test_dali_and_torch_give_the_same_batch_format(latent_folder, image_folder):
     for name, root in (("latents", latent_folder), ("folder", image_folder)):
         outs = []
         for backend in ("dali", "torch"):
-            s, info = build_data(name, batch_size=4, root=str(root), image_size=8, backend=backend, seed=3, flip=False)
+            s, info = build_data(DataConfig(name=name, batch_size=4, root=str(root), image_size=8, backend=backend,
+                                            flip=False), seed=3)
             outs.append(next(s))
         (xd, yd), (xt, yt) = outs
         assert xd.shape == xt.shape and xd.dtype == xt.dtype and yd.dtype == yt.dtype == torch.long
@@ -116,7 +122,7 @@ def test_corrupt_file_is_skipped_and_reported(tmp_path, capsys):
     assert res["num_files"] == 6 and [b[0] for b in res["bad"]] == ["cat/broken0.jpg"]
     m = json.loads((root / MANIFEST).read_text())
     assert m["counts"] == {"0": 3, "1": 3} and m["classes"] == ["cat", "dog"] and m["sizes"] == {"[28, 20]": 6}
-    s, info = build_data("folder", batch_size=2, root=str(root), image_size=8, backend="dali")
+    s, info = build_data(DataConfig(name="folder", batch_size=2, root=str(root), image_size=8, backend="dali"))
     assert info.size == 6
     for _ in range(6):  # two full epochs without touching the broken file
         next(s)

@@ -3,6 +3,7 @@ import pytest
 import torch
 from PIL import Image
 
+from fasttrain.config import DataConfig
 from fasttrain.data import build_data, digits, toy
 
 
@@ -26,12 +27,12 @@ def test_toys(name):
 
 
 def test_stream_is_resumable_and_covers_each_epoch():
-    s, info = build_data("digits", batch_size=100, seed=3)
+    s, info = build_data(DataConfig(name="digits", batch_size=100), seed=3)
     assert (info.channels, info.image_size, info.num_classes, info.size) == (1, 8, 10, 1397)
     first = [next(s) for _ in range(5)]
     state = s.state_dict()
     cont = [next(s) for _ in range(20)]
-    s2, _ = build_data("digits", batch_size=100, seed=3)
+    s2, _ = build_data(DataConfig(name="digits", batch_size=100), seed=3)
     s2.load_state_dict(state)
     for (a, ya), (b, yb) in zip(cont, [next(s2) for _ in range(20)]):
         assert torch.equal(a, b) and torch.equal(ya, yb)
@@ -52,7 +53,7 @@ def _write_folder(root, with_classes=True):
 
 def test_image_folder(tmp_path):
     _write_folder(tmp_path)
-    s, info = build_data("folder", batch_size=4, root=str(tmp_path), image_size=16, backend="torch")
+    s, info = build_data(DataConfig(name="folder", batch_size=4, root=str(tmp_path), image_size=16, backend="torch"))
     assert info.num_classes == 2 and info.size == 6 and info.channels == 3
     x, y = next(s)
     assert x.shape == (4, 3, 16, 16) and x.min() >= -1 and x.max() <= 1
@@ -61,20 +62,21 @@ def test_image_folder(tmp_path):
 
 def test_flat_folder_and_errors(tmp_path):
     _write_folder(tmp_path, with_classes=False)
-    s, info = build_data("folder", batch_size=2, root=str(tmp_path), image_size=8, channels=1, backend="torch")
+    s, info = build_data(DataConfig(name="folder", batch_size=2, root=str(tmp_path), image_size=8, channels=1,
+                                    backend="torch"))
     x, y = next(s)
     assert x.shape == (2, 1, 8, 8) and info.num_classes == 0 and (y == 0).all()
     with pytest.raises(ValueError, match="is not a directory"):
-        build_data("folder", batch_size=2, root=str(tmp_path / "nope"))
+        build_data(DataConfig(name="folder", batch_size=2, root=str(tmp_path / "nope")))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="holds no"):
-        build_data("folder", batch_size=2, root=str(tmp_path / "empty"))
+        build_data(DataConfig(name="folder", batch_size=2, root=str(tmp_path / "empty")))
     with pytest.raises(ValueError, match="data.backend=dali reads image or latent folders"):
-        build_data("digits", batch_size=2, backend="dali")
+        build_data(DataConfig(name="digits", batch_size=2, backend="dali"))
     with pytest.raises(ValueError, match="larger than the data set"):
-        build_data("digits", batch_size=5000)
+        build_data(DataConfig(name="digits", batch_size=5000))
     with pytest.raises(ValueError, match="unknown data set 'mnist'"):
-        build_data("mnist", batch_size=2)
+        build_data(DataConfig(name="mnist", batch_size=2))
 
 
 def test_falls_back_to_the_dataloader_without_dali(tmp_path, monkeypatch):
@@ -83,10 +85,10 @@ def test_falls_back_to_the_dataloader_without_dali(tmp_path, monkeypatch):
 
     _write_folder(tmp_path / "f")
     monkeypatch.setattr(dali, "available", lambda: False)
-    s, _ = build_data("folder", batch_size=2, root=str(tmp_path / "f"), image_size=8, backend="auto")
+    s, _ = build_data(DataConfig(name="folder", batch_size=2, root=str(tmp_path / "f"), image_size=8, backend="auto"))
     assert not isinstance(s, dali.DaliStream) and next(s)[0].shape == (2, 3, 8, 8)
     with pytest.raises(ValueError, match="DALI is not installed"):
-        build_data("folder", batch_size=2, root=str(tmp_path / "f"), image_size=8, backend="dali")
+        build_data(DataConfig(name="folder", batch_size=2, root=str(tmp_path / "f"), image_size=8, backend="dali"))
     assert main(["train", "data.name=folder", f"data.root={tmp_path / 'f'}", "data.backend=dali",
                  f"run_dir={tmp_path / 'run'}", "train.progress=false"]) == 1
 
@@ -98,20 +100,20 @@ def test_folder_augmentations_are_seeded_and_resumable_on_the_dataloader(tmp_pat
     from fasttrain.data.order import augment_table, epoch_order
 
     _write_folder(tmp_path)
-    kw = dict(batch_size=2, root=str(tmp_path), image_size=16, backend="torch", seed=5)
-    s, _ = build_data("folder", flip=True, crop="random", **kw)
+    kw = dict(name="folder", batch_size=2, root=str(tmp_path), image_size=16, backend="torch")
+    s, _ = build_data(DataConfig(flip=True, crop="random", **kw), seed=5)
     first = [next(s) for _ in range(2)]
     state = s.state_dict()
     cont = [next(s) for _ in range(7)]  # past the end of epoch 0 (3 batches of 2)
-    s2, _ = build_data("folder", flip=True, crop="random", **kw)
+    s2, _ = build_data(DataConfig(flip=True, crop="random", **kw), seed=5)
     s2.load_state_dict(state)
     for (a, ya), (b, yb) in zip(cont, [next(s2) for _ in range(7)]):
         assert torch.equal(a, b) and torch.equal(ya, yb)
-    centre, _ = build_data("folder", flip=True, crop="center", **kw)
+    centre, _ = build_data(DataConfig(flip=True, crop="center", **kw), seed=5)
     assert any(not torch.equal(a, next(centre)[0]) for a, _ in first + cont)  # the random crops do move
 
-    flipped, _ = build_data("folder", flip=True, crop="center", **kw)
-    plain, _ = build_data("folder", flip=False, crop="center", **kw)
+    flipped, _ = build_data(DataConfig(flip=True, crop="center", **kw), seed=5)
+    plain, _ = build_data(DataConfig(flip=False, crop="center", **kw), seed=5)
     mirror = torch.cat([augment_table(6, 5, e, 0, True, False)[:, 0] for e in range(2)])
     assert 0 < mirror.sum() < len(mirror) and len(epoch_order(6, 5, 0)) == 6
     xs = torch.cat([next(flipped)[0] for _ in range(6)])

@@ -9,6 +9,7 @@ from diffusers_fixtures import save_tiny_vae
 from folder_fixtures import write_images
 
 from fasttrain.cli import main
+from fasttrain.config import DataConfig
 from fasttrain.data import build_data
 from fasttrain.data.encode import encode_with_vae
 from fasttrain.data.manifest import build_manifest
@@ -90,8 +91,8 @@ def test_encoding_resumes_and_refuses_another_encoding(folder, tmp_path, monkeyp
 def test_latent_batches_are_posterior_draws_normalised_and_resumable(folder, tmp_path, norm):
     imgs, vae = folder
     encode_with_vae(build_manifest(imgs, progress=False), tmp_path / "lat", str(vae), image_size=16, progress=False)
-    kw = dict(batch_size=4, root=str(tmp_path / "lat"), backend="torch", seed=3, latent_norm=norm)
-    stream, info = build_data("latents", **kw)
+    d = DataConfig(name="latents", batch_size=4, root=str(tmp_path / "lat"), backend="torch", latent_norm=norm)
+    stream, info = build_data(d, seed=3)
     rec = info.latents
     assert info.channels == 4 and rec["norm"] == norm and rec["posterior"]
     shift, scale = torch.tensor(rec["shift"]), torch.tensor(rec["scale"])
@@ -105,7 +106,7 @@ def test_latent_batches_are_posterior_draws_normalised_and_resumable(folder, tmp
     # two epochs see each image twice, with different draws: its posterior, not a fixed latent
     x = torch.cat([b[0] for b in batches]) / scale.view(1, -1, 1, 1) + shift.view(1, -1, 1, 1)
     assert x.shape == (16, 4, 8, 8) and not torch.allclose(x[:8].sort(0).values, x[8:].sort(0).values)
-    again, _ = build_data("latents", **kw)
+    again, _ = build_data(d, seed=3)
     again.load_state_dict(state)
     for (xa, ya), (xb, yb) in zip(after, [next(again) for _ in range(2)]):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)

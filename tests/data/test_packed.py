@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fasttrain.cli import main
+from fasttrain.config import DataConfig
 from fasttrain.data import build_data
 from fasttrain.data.packed import INDEX, PACKED
 from fasttrain.errors import DataError
@@ -35,18 +36,20 @@ def test_packed_batches_are_the_folder_batches_and_resume_exactly(packed):
     index = json.loads((packed / INDEX).read_text())
     assert arr.shape == (15, 4, 6, 6) and index["labels"] == [0] * 5 + [1] * 5 + [2] * 5
     assert sorted(arr[:, 0, 0, 0].tolist()) == list(range(15))
-    kw = dict(batch_size=4, root=str(packed), seed=3, rank=1, world_size=2)
-    files = _batches(build_data("latents", backend="torch", **kw)[0], 5)  # crosses an epoch (7 per rank)
-    s, info = build_data("packed", **kw)
+    at = dict(seed=3, rank=1, world_size=2)
+    d = DataConfig(name="packed", batch_size=4, root=str(packed))
+    files = _batches(build_data(DataConfig(name="latents", batch_size=4, root=str(packed), backend="torch"), **at)[0],
+                     5)  # crosses an epoch (7 per rank)
+    s, info = build_data(d, **at)
     got = _batches(s, 5)
     assert info.channels == 4 and info.image_size == 6 and info.num_classes == 3 and info.size == 15
     for (xa, ya), (xb, yb) in zip(files, got):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     # resume: a new stream at the saved position continues with the same batches
-    s2, _ = build_data("packed", **kw)
+    s2, _ = build_data(d, **at)
     _batches(s2, 2)
     state = s2.state_dict()
-    s3, _ = build_data("packed", **kw)
+    s3, _ = build_data(d, **at)
     s3.load_state_dict(state)
     for (xa, ya), (xb, yb) in zip(got[2:], _batches(s3, 3)):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
@@ -67,7 +70,7 @@ def test_packed_training_needs_no_per_file_arrays_and_refuses_a_stale_pack(packe
     m["files"] = m["files"][:-1]
     (packed / "fasttrain-manifest.json").write_text(json.dumps(m))
     with pytest.raises(DataError, match="packed from another file list.*--pack"):
-        build_data("packed", batch_size=4, root=str(packed))
+        build_data(DataConfig(name="packed", batch_size=4, root=str(packed)))
     # a truncated pack (its index matching the manifest again) does not map
     from fasttrain.data.packed import _files_hash
 
@@ -77,7 +80,7 @@ def test_packed_training_needs_no_per_file_arrays_and_refuses_a_stale_pack(packe
     index["manifest_files_sha256"] = _files_hash(m["files"])
     (packed / INDEX).write_text(json.dumps(index))
     with pytest.raises(DataError, match=f"cannot map .*{PACKED}"):
-        build_data("packed", batch_size=4, root=str(packed))
+        build_data(DataConfig(name="packed", batch_size=4, root=str(packed)))
 
 
 def test_pack_refuses_an_image_folder_in_one_line(tmp_path, capsys):

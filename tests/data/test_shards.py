@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fasttrain.cli import main
+from fasttrain.config import DataConfig
 from fasttrain.data import build_data
 from fasttrain.data.shards import INDEX, ShardSet, ShardStream
 from fasttrain.errors import DataError
@@ -26,8 +27,8 @@ def ident(x: torch.Tensor) -> list[int]:
 
 
 def stream(root, world=1, rank=0, batch=2, buffer=4):
-    s, _ = build_data("shards", batch_size=batch, root=str(root), image_size=8, seed=5, rank=rank, world_size=world,
-                      flip=False, shuffle_buffer=buffer)
+    s, _ = build_data(DataConfig(name="shards", batch_size=batch, root=str(root), image_size=8, flip=False,
+                                 shuffle_buffer=buffer), seed=5, rank=rank, world_size=world)
     return s
 
 

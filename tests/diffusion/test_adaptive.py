@@ -1,7 +1,7 @@
 """The adaptive timestep sampler (fasttrain/diffusion/adaptive.py): the F-statistic and the selection of
 S against scikit-learn, a synthetic bandit, common random numbers, state round trip and exact resume,
 gradient accumulation, every input kind / model / prediction type, unbiased weights, no host syncs.
-Every loop here is the hand-written trainer order of `lookahead.reference_step`."""
+Every loop here is the hand-written trainer order of `step.reference_step`."""
 import copy
 import sys
 
@@ -14,9 +14,10 @@ from fasttrain import diffusion as fd
 from fasttrain.diffusion import policy as P
 from fasttrain.diffusion.adaptive import f_statistic, select_k_best
 from fasttrain.diffusion.denoiser import Denoiser, PredictionOutput
-from fasttrain.diffusion.lookahead import Probe, reference_step, x0_mse
+from fasttrain.diffusion.lookahead import Probe, x0_mse
 from fasttrain.diffusion.vlb import vlb_tables
 from fasttrain.models import build_model
+from fasttrain.step import reference_step
 
 LIN = fd.schedule("linear", T=1000)
 SMALL = dict(ch=8, attn_resolutions=())  # a narrow unet_tiny: the sampler's tests need a model, not a good one

@@ -206,3 +206,23 @@ def test_bad_alignment_input_is_one_line(tmp_path, capsys, over, needle):
     assert main(args) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("fasttrain: error:") and needle in err[0], err
+
+
+def test_cached_targets_keep_the_eager_step_where_a_graph_was_asked_for(capsys):
+    """A graph replays the tensors it captured; cached targets are a new tensor per batch, so graph mode
+    (parallel/graphs.py decides it alone) keeps the eager body and says why; targets in the step do not
+    stop it there (the next check, the objective's, runs)."""
+    from types import SimpleNamespace
+
+    from fasttrain.parallel import graphs
+
+    def body(*_):
+        return None
+
+    parts = SimpleNamespace(world_size=1, objective=None, scaler=None, optimizer=None,
+                            align=SimpleNamespace(cached=True))
+    assert graphs.step_function(body, parts, True, device=torch.device("cuda"), grad_accum=1) is body
+    assert "diffusion.align's cached targets" in capsys.readouterr().err
+    probe = SimpleNamespace(capture_problem=lambda: "the objective's reason")
+    assert graphs.unsupported(torch.device("cuda"), 1, 1, probe, None, None,
+                              align=SimpleNamespace(cached=False)) == "the objective's reason"

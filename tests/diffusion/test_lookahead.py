@@ -6,8 +6,9 @@ import torch
 from fasttrain import diffusion as fd
 from fasttrain.diffusion import prediction as PR
 from fasttrain.diffusion.denoiser import Denoiser, PredictionOutput
-from fasttrain.diffusion.lookahead import LookAhead, Probe, RankSplit, probe_mode, reference_step, x0_mse
+from fasttrain.diffusion.lookahead import LookAhead, Probe, RankSplit, probe_mode, x0_mse
 from fasttrain.kernels import philox
+from fasttrain.step import reference_step
 
 
 class Linear(torch.nn.Module):

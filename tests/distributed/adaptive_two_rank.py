@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node=2 tests/distributed/adaptive_two_rank.py OUT_DIR
 
 Each rank builds the same tiny model (same seed) on its own data and noise and steps it with the
-trainer's call order (lookahead.reference_step) twice: "plain" (gradients averaged by hand, as DDP
+trainer's call order (step.reference_step) twice: "plain" (gradients averaged by hand, as DDP
 would) and "fsdp" (the model through fasttrain.parallel: FSDP2 with bf16 parameters, so the probes'
 forwards are collective and the model's outputs bf16). It writes what the tests compare to
 OUT_DIR/{run}-rank{r}.json: the policy, S, the FIFO, and which τ-grid elements this rank evaluated.
@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from fasttrain import diffusion as fd
 from fasttrain.diffusion.denoiser import Denoiser, PredictionOutput
-from fasttrain.diffusion.lookahead import reference_step
 from fasttrain.models import build_model
 from fasttrain.parallel.wrap import parallelize
+from fasttrain.step import reference_step
 
 STEPS, ARGS = 7, dict(every=2, tau_grid=10, capacity=3)
 

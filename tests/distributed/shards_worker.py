@@ -11,6 +11,7 @@ import sys
 
 import torch.distributed as dist
 
+from fasttrain.config import DataConfig
 from fasttrain.data import build_data
 
 
@@ -18,8 +19,8 @@ def main():
     root, out, batches = sys.argv[1], sys.argv[2], int(sys.argv[3])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    s, _ = build_data("shards", batch_size=2, root=root, image_size=8, seed=5, rank=rank, world_size=world, flip=False,
-                      shuffle_buffer=4)
+    s, _ = build_data(DataConfig(name="shards", batch_size=2, root=root, image_size=8, flip=False, shuffle_buffer=4),
+                                 seed=5, rank=rank, world_size=world)
     if len(sys.argv) > 4:
         s.load_state_dict(json.loads(open(sys.argv[4]).read()))
     ids = []

@@ -1,6 +1,6 @@
 """`sample` and `eval` under torchrun: the images split by index across two ranks are the images one
 process makes, bit for bit, and so are the FID/KID computed from the gathered features; a set started on
-two ranks finishes on one (generation.py)."""
+two ranks finishes on one (generation/ranks.py)."""
 import json
 
 import numpy as np

@@ -10,6 +10,7 @@ import torch
 from torchrun_launch import HERE, cli, torchrun
 
 from fasttrain.cli import main
+from fasttrain.config import DataConfig
 from fasttrain.data import build_data
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "data"))
@@ -27,7 +28,8 @@ def _ids(s, batches):
 
 
 def _stream(root):
-    return build_data("shards", batch_size=2, root=str(root), image_size=8, seed=5, flip=False, shuffle_buffer=4)[0]
+    return build_data(DataConfig(name="shards", batch_size=2, root=str(root), image_size=8, flip=False,
+                                 shuffle_buffer=4), seed=5)[0]
 
 
 def test_shard_streams_resume_across_rank_counts(tmp_path):

@@ -5,8 +5,8 @@ default) and fp32 adapters in one FSDP group, whose sharded checkpoint holds the
 import pytest
 import torch
 from test_cli_runs import _losses, _same_weights
-from test_text_to_image import TRAIN
 from text_fixtures import save_sd1, write_captioned
+from text_runs import TRAIN
 from torchrun_launch import cli
 
 from fasttrain import checkpoint as ckpt

@@ -52,7 +52,7 @@ def copy(x):
     copy_kernel[(x.shape[0],)](x, y, x.shape[1], BLOCK=triton.next_power_of_2(x.shape[1]), FLAG=False)
 
 
-def specializations():
+def specializations(aot=None):
     yield Spec(dict(case="arange"), lambda: arange(torch.empty(64)), 1, ())
     yield Spec(dict(case="spill"), lambda: spill(torch.empty(4096)), 1, ())
     D = 1020  # DIV 4: four fp32 per access are possible

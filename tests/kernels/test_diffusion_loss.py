@@ -14,6 +14,7 @@ from fasttrain.diffusion import prediction as P
 from fasttrain.kernels import TimestepBins, philox, torch_ref
 from fasttrain.kernels.diffusion_loss import diffusion_loss
 from fasttrain.kernels.noise import noise
+from fasttrain.kernels.noise_prepare import prepare as prepare_noise
 
 # 2-D toys, odd images, samples over more than one GPU tile and over several 16384-element tiles
 SHAPES = [(1, 5), (3, 2), (7, 3, 5, 7), (3, 4, 9, 9), (2, 3000), (2, 40000)]
@@ -203,12 +204,11 @@ def test_reference_loss_matches_a_loop(pred, shape):
 def test_a_spec_without_options_is_the_plain_loss(backend, pred):
     """The loss op on the options' path with no option and the identity row map: the plain op's outputs
     and gradient bit for bit (the same ε regenerated)."""
-    from fasttrain.kernels import noise_spec as ns
 
     dev = backend.device
     _, _, w, coef = tables("linear", pred, device=dev)
     x0, _, t, iw = inputs((3, 2, 7, 7), device=dev)
-    spec, _ = ns.prepare(None, x0, seed=4, offset=77, rows=torch.arange(3, device=dev), backend=backend.name)
+    spec, _ = prepare_noise(None, x0, seed=4, offset=77, rows=torch.arange(3, device=dev), backend=backend.name)
     outs = []
     for sp in (None, spec):
         p = torch.randn(3, 2, 7, 7, generator=torch.Generator().manual_seed(1)).to(dev).requires_grad_()

@@ -16,6 +16,7 @@ from fasttrain.kernels import noise_spec as ns
 from fasttrain.kernels import torch_ref_mixed_loss as mixed_ref
 from fasttrain.kernels.diffusion_loss import diffusion_loss
 from fasttrain.kernels.mixed_loss import mixed_loss
+from fasttrain.kernels.noise_prepare import prepare as prepare_noise
 
 SHAPED = [k for k in loss_shape.LOSSES if k != "l2"]
 DRAWN = dict(rtol=1e-4, atol=1e-6)
@@ -103,7 +104,7 @@ def test_loss_op_dtypes_and_drawn_noise_with_every_option(backend, dtype, kind):
     c = c_table(device=dev)
     opts = ns.NoiseOptions(offset=0.1, offset_random=True, adaptive_scale=0.3, pyramid_iterations=4,
                            perturbation=0.2)
-    spec, _ = ns.prepare(opts, x0, seed=3, offset=55, rows=torch.tensor([1, 2, 0], device=dev), backend=backend.name)
+    spec, _ = prepare_noise(opts, x0, seed=3, offset=55, rows=torch.tensor([1, 2, 0], device=dev), backend=backend.name)
     p = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype).to(dev).requires_grad_()
     out = diffusion_loss(p, x0, t, w, iw, coef, seed=3, offset=55, spec=spec, loss=kind, c_table=c,
                          backend=backend.name)
@@ -182,7 +183,7 @@ def test_mixed_loss_low_precision_with_noise_options(backend, dtype):
     x0, _, t, iw, out, _ = mh.inputs(shape, 3, True, dtype, device=dev)
     c = c_table(device=dev)
     opts = ns.NoiseOptions(offset=0.1, adaptive_scale=0.2, pyramid_iterations=5, perturbation=0.1)
-    spec, _ = ns.prepare(opts, x0, seed=2, offset=9, backend=backend.name)
+    spec, _ = prepare_noise(opts, x0, seed=2, offset=9, backend=backend.name)
     o = leaf(out)
     res = mixed_loss(o, x0, t, w, iw, tab, seed=2, offset=9, spec=spec, loss="pseudo_huber", c_table=c,
                      backend=backend.name)

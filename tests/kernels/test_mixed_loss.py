@@ -16,6 +16,7 @@ from fasttrain.kernels import TimestepBins, native
 from fasttrain.kernels import mixed_loss as mixed_loss_module
 from fasttrain.kernels import torch_ref_mixed_loss as mixed_ref
 from fasttrain.kernels.mixed_loss import mixed_loss
+from fasttrain.kernels.noise_prepare import prepare as prepare_noise
 
 # images; flat toys; 1 channel; 3 spatial dims (the first four: the cycle of the Triton kernel's former
 # tests); P = 323: chunks that cross channels; flat over two tasks per sample; 2 x 9000 pixels: several
@@ -230,7 +231,7 @@ def test_fake_registration(backend):
     # with noise options and a loss shape (kernels/noise_spec.py, loss_shape.py)
     from fasttrain.kernels import noise_spec as ns
 
-    spec, _ = ns.prepare(ns.NoiseOptions(offset=0.1, adaptive_scale=0.2, pyramid_iterations=3, perturbation=0.1), x0,
+    spec, _ = prepare_noise(ns.NoiseOptions(offset=0.1, adaptive_scale=0.2, pyramid_iterations=3, perturbation=0.1), x0,
                          seed=0, offset=0, rows=torch.tensor([2, 0, 1], device=dev), backend=backend.name)
     c = torch.full((T,), 0.1, device=dev)
     args = args[:9] + (None,) + args[10:12] + tuple(ns.op_args(spec)) + (2, c, backend.name, 0)
@@ -307,11 +308,10 @@ def test_native_on_cuda_runs_the_reference_with_a_warning(monkeypatch):
 def test_a_spec_without_options_is_the_plain_loss(backend, gate):
     """The options' path (kernels/noise_spec.py) with no option and the identity row map: the plain op's
     outputs and gradients bit for bit."""
-    from fasttrain.kernels import noise_spec as ns
 
     w, tab = setup(("eps", "x0", "v"), be=backend)
     x0, _, t, iw, out, g = inputs(backend, (3, 2, 5, 7), 3, gate == "pixel")
-    spec, _ = ns.prepare(None, x0, seed=3, offset=9, rows=torch.arange(3, device=backend.device),
+    spec, _ = prepare_noise(None, x0, seed=3, offset=9, rows=torch.arange(3, device=backend.device),
                          backend=backend.name)
     runs = []
     for sp in (None, spec):

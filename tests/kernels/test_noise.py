@@ -9,6 +9,7 @@ from harness import DTYPES, TRITON, assert_same, backends, device_of, inputs, ta
 from fasttrain import diffusion as fd
 from fasttrain.kernels import philox, torch_ref
 from fasttrain.kernels.noise import noise
+from fasttrain.kernels.noise_prepare import prepare as prepare_noise
 
 # (1, 5), (3, 2): 2-D toys; odd images; 2 x 3000: more than one GPU tile; 2 x 40000: several
 # 16384-element tiles (interpreter, native) and a chunk tail
@@ -103,12 +104,11 @@ def test_reference_noise_and_dtype():
 def test_a_spec_without_options_is_the_plain_stream(backend, dtype):
     """The options' path (kernels/noise_spec.py) with no option and the identity row map draws the plain
     kernel's ε and x_t bit for bit, and advances the counter as the plain step."""
-    from fasttrain.kernels import noise_spec as ns
 
     a, s, _, _ = tables(device=backend.device)
     x0, _, t, _ = inputs((3, 4, 9, 9), dtype, device=backend.device)
     rows = torch.arange(3, device=backend.device)
-    spec, n = ns.prepare(None, x0, seed=9, offset=321, rows=rows, backend=backend.name)
+    spec, n = prepare_noise(None, x0, seed=9, offset=321, rows=rows, backend=backend.name)
     assert spec is not None and n == x0.numel()
     plain = noise(x0, t, a, s, seed=9, offset=321, return_eps=True, backend=backend.name)
     spec_path = noise(x0, t, a, s, seed=9, offset=321, spec=spec, return_eps=True, backend=backend.name)

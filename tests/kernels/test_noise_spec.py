@@ -17,6 +17,7 @@ from fasttrain.kernels import philox, torch_ref
 from fasttrain.kernels import torch_ref_noise as rn
 from fasttrain.kernels.diffusion_loss import diffusion_loss
 from fasttrain.kernels.noise import noise, randn
+from fasttrain.kernels.noise_prepare import prepare as prepare_noise
 from fasttrain.kernels.torch_ref_noise_std import reference_std
 
 SEED, OFF = 7, 1234
@@ -28,7 +29,7 @@ def draw(backend, opts, shape, dtype=torch.float32, rows=None, n_rows=None, offs
     dev = backend.device
     a, s, _, _ = tables(device=dev)
     x0, _, t, _ = inputs(shape, dtype, device=dev)
-    spec, n = ns.prepare(opts, x0, seed=seed, offset=offset, rows=rows, n_rows=n_rows, backend=backend.name)
+    spec, n = prepare_noise(opts, x0, seed=seed, offset=offset, rows=rows, n_rows=n_rows, backend=backend.name)
     xt, e = noise(x0, t, a, s, seed=seed, offset=offset, spec=spec, return_eps=True, backend=backend.name)
     return x0, t, (a, s), spec, n, e, xt
 
@@ -212,7 +213,7 @@ def test_spec_noise_is_independent_of_tiles_and_threads(backend):
     dev = backend.device
     a, s, _, _ = tables(device=dev)
     x0, _, t, _ = inputs((2, 3, 40, 41), device=dev)
-    spec, _ = ns.prepare(ALL, x0, seed=SEED, offset=OFF, backend=backend.name)
+    spec, _ = prepare_noise(ALL, x0, seed=SEED, offset=OFF, backend=backend.name)
     runs = [noise(x0, t, a, s, seed=SEED, offset=torch.tensor(OFF, device=dev), spec=spec, return_eps=True,
                   backend=backend.name, block=blk)[1] for blk in (256, 4096)]
     threads = torch.get_num_threads()
@@ -246,18 +247,18 @@ def test_one_line_errors():
     a, s, _, _ = tables(device="cpu")
     t = torch.tensor([1, 2])
     with pytest.raises(ValueError, match="pyramid noise needs \\[B, C, H, W\\]"):
-        ns.prepare(ns.NoiseOptions(pyramid_iterations=2), x0, seed=0, offset=0)
+        prepare_noise(ns.NoiseOptions(pyramid_iterations=2), x0, seed=0, offset=0)
     with pytest.raises(ValueError, match="adaptive noise offset scale needs a noise offset"):
         ns.NoiseOptions(adaptive_scale=0.1)
     with pytest.raises(ValueError, match="must lie in \\[0, 16\\]"):
         ns.NoiseOptions(pyramid_iterations=17)
-    spec, _ = ns.prepare(ns.NoiseOptions(offset=0.1), x0, seed=0, offset=0)
+    spec, _ = prepare_noise(ns.NoiseOptions(offset=0.1), x0, seed=0, offset=0)
     with pytest.raises(ValueError, match="either eps or a noise spec"):
         noise(x0, t, a, s, eps=torch.randn(2, 3), spec=spec, backend="torch")
     with pytest.raises(ValueError, match="another shape"):
         noise(torch.rand(2, 4), t, a, s, spec=spec, backend="torch")
     with pytest.raises(RuntimeError, match="noise row 5 outside \\[0, 2\\)"):
-        spec, _ = ns.prepare(None, x0, seed=0, offset=0, rows=torch.tensor([0, 5]))
+        spec, _ = prepare_noise(None, x0, seed=0, offset=0, rows=torch.tensor([0, 5]))
         noise(x0, t, a, s, spec=spec, backend="native")
 
 
@@ -281,7 +282,7 @@ def test_options_inside_fullgraph_compile_and_opcheck(backend):
     x0, _, t, iw = inputs((3, 2, 8, 6), device=dev)
     c = torch.full((1000,), 0.1, device=dev)
     rows = torch.tensor([1, 2, 0], device=dev)
-    spec, _ = ns.prepare(ALL, x0, seed=SEED, offset=OFF, rows=rows, backend=backend.name)
+    spec, _ = prepare_noise(ALL, x0, seed=SEED, offset=OFF, rows=rows, backend=backend.name)
     lin = torch.nn.Linear(6, 6).to(dev)
 
     def step(x0, spec):

@@ -9,6 +9,7 @@ from harness import DTYPES, backends, inputs, tables
 from fasttrain.kernels import noise_spec as ns
 from fasttrain.kernels import noise_std as noise_std_module
 from fasttrain.kernels.noise import noise
+from fasttrain.kernels.noise_prepare import prepare as prepare_noise
 from fasttrain.kernels.noise_std import noise_std
 from fasttrain.kernels.torch_ref_noise_std import reference_std
 
@@ -19,7 +20,7 @@ OPTIONS = {"pyramid": ns.NoiseOptions(pyramid_iterations=3, pyramid_discount=0.7
 
 
 def _spec(opts, x0, rows=None):
-    """The spec as noise_spec.prepare lays it out, without its std (what the op computes)."""
+    """The spec as noise_prepare.prepare lays it out, without its std (what the op computes)."""
     lay = ns.layout(opts, x0.shape, None if rows is None else x0.shape[0])
     mean = ns.pixel_mean(x0) if opts.flags & ns.ADAPTIVE else None
     return ns.NoiseSpec(lay.ints, opts.table(x0.device), rows, mean, None)
@@ -62,7 +63,7 @@ def test_the_noise_op_divides_by_it(backend):
     dev = backend.device
     a, s, _, _ = tables(device=dev)
     x0, _, t, _ = inputs((4, 3, 16, 16), device=dev)
-    spec, _ = ns.prepare(OPTIONS["pyramid"], x0, seed=SEED, offset=OFF, backend=backend.name)
+    spec, _ = prepare_noise(OPTIONS["pyramid"], x0, seed=SEED, offset=OFF, backend=backend.name)
     torch.testing.assert_close(spec.std, noise_std(x0, _spec(OPTIONS["pyramid"], x0), seed=SEED, offset=OFF,
                                                    backend=backend.name))
     _, e = noise(x0, t, a, s, seed=SEED, offset=OFF, spec=spec, return_eps=True, backend=backend.name)

@@ -2,7 +2,7 @@
 scheduler config a stock scheduler reads, the model card, the custom pipeline's diffusers protocol
 (class names, num_images_per_prompt, eta, callbacks, save_pretrained), the export → fine-tune round
 trip, and what diffusers cannot hold refused with the reason. The matrix of every exportable
-configuration is tests/test_export_conformance.py."""
+configuration is tests/export/test_export_conformance.py."""
 import json
 
 import pytest

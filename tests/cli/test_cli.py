@@ -6,7 +6,7 @@ import pytest
 
 from fasttrain.cli import main
 
-sys.path.insert(0, str(Path(__file__).parent / "data"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "data"))
 
 
 @pytest.mark.parametrize("args,key", [
@@ -143,7 +143,7 @@ def test_every_preset_loads_validates_and_builds(preset):
     cfg = load_config(preset)
     validate(cfg)
     d = cfg.data
-    _, info = build_data(d.name, batch_size=d.batch_size, image_size=d.image_size, channels=d.channels)
+    _, info = build_data(d)  # the preset's data section, whole
     spec = DataSpec(d.name, info.channels, info.image_size, info.num_classes if cfg.model.class_conditional else 0,
                     cfg.model.label_dropout, text=info.text)  # captioned data: the text encoders' shapes
     assert sum(p.numel() for p in build_network(cfg, spec).parameters()) > 0

@@ -1,4 +1,4 @@
-"""Generation by image index (generation.py): per-image seeds, the rank split, resumable chunks, the ADM
+"""Generation by image index (generation/ranks.py): per-image seeds, the rank split, resumable chunks, the ADM
 `.npz`, and `eval --ref-stats` (feature_stats.py). The two-rank equality: tests/distributed/test_generation_ranks.py."""
 import json
 

@@ -100,7 +100,7 @@ def test_shards_reference_streams_the_same_images(tmp_path):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parent / "data"))
+    sys.path.insert(0, str(Path(__file__).parents[1] / "data"))
     from folder_fixtures import write_images
 
     images, shards, run = tmp_path / "images", tmp_path / "shards", tmp_path / "run"

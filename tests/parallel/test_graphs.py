@@ -89,3 +89,12 @@ def test_captured_step_replays_like_the_eager_step(tmp_path, precision):
     finally:
         plain.close()
         graphed.close()
+
+
+def test_batches_of_changing_shape_keep_the_eager_step_for_any_device():
+    """Graph mode is decided in parallel/graphs.py alone: a data kind whose batch shape changes (buckets:
+    DataInfo.fixed_shape False, tests/data/test_buckets.py) is refused first, even on a CUDA device."""
+    why = graphs.unsupported(torch.device("cuda"), 1, 1, None, None, None, fixed_shape=False)
+    assert "data.buckets" in why and "one shape" in why
+    assert graphs.unsupported(torch.device("cpu"), 1, 1, None, None, None) == "CUDA graphs need a CUDA device"
+

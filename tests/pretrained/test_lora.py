@@ -7,9 +7,10 @@ import shutil
 
 import pytest
 import torch
-from test_export_sd import PROMPTS, _same_samples
-from test_text_to_image import TRAIN, _prepare
 from text_fixtures import save_sd1, save_sdxl
+from text_runs import PROMPTS, TRAIN
+from text_runs import prepare as _prepare
+from text_runs import same_samples as _same_samples
 
 from fasttrain.bundle import ModelBundle
 from fasttrain.cli import main

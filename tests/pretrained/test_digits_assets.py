@@ -12,7 +12,7 @@ from fasttrain.generation.evaluate import fidelity
 from fasttrain.generation.features import load_classifier
 from fasttrain.pretrained import digits_encoder
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 
 
 def test_the_splits_are_disjoint_held_out_rows():

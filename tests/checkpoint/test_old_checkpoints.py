@@ -12,7 +12,7 @@ from fasttrain.configure import load_config
 from fasttrain.logger import read_jsonl
 from fasttrain.train import train
 
-FIXTURES = Path(__file__).parent / "fixtures" / "main-0a93d06"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "main-0a93d06"
 
 
 def _resume(name: str, run: Path) -> tuple[list[dict], list[dict]]:

@@ -11,7 +11,7 @@ FasttrainPipeline through pipeline.py), which
     still gives sane images: finite, and near the exported scheduler's (Euler equal: both are DDIM);
   * saves with save_pretrained into a folder that loads again and generates the same images;
   * holds a network that, loaded alone from its subfolder, equals fasttrain's.
-Mixed prediction is refused with the reason (tests/test_export.py)."""
+Mixed prediction is refused with the reason (tests/export/test_export.py)."""
 import json
 
 import pytest

@@ -7,6 +7,8 @@ import json
 import pytest
 import torch
 from text_fixtures import CAPTIONS, UNET, save_sd1, save_sdxl, write_captioned
+from text_runs import TRAIN
+from text_runs import prepare as _prepare
 
 from fasttrain.bundle import ModelBundle
 from fasttrain.cli import main
@@ -19,20 +21,6 @@ from fasttrain.train import train
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
-
-TRAIN = ["data.name=captioned_latents", "data.batch_size=4", "train.threads=1", "train.progress=false",
-         "model.name=diffusers", "model.args.class_name=UNet2DConditionModel", "model.args.subfolder=unet",
-         "sample.num=2", "sample.steps=2", "eval.num_samples=0", "eval.bpd=false", "train.log_every=1",
-         "train.ckpt_every=0", "optim.warmup_steps=1"]
-
-
-def _prepare(root, pipe, name="lat", **kw):
-    images = write_captioned(root / f"img-{name}", **kw)
-    out = root / name
-    assert main(["data", "prepare", str(images), "--vae", str(pipe), "--vae-subfolder", "vae", "--text-encoders",
-                 str(pipe), "--latents-out", str(out), "--image-size", "16", "--batch-size", "4"]) == 0
-    return out
-
 
 @pytest.fixture(scope="module")
 def sd1(tmp_path_factory):
@@ -167,7 +155,7 @@ def test_sdxl_prepare_train_and_sample(tmp_path):
     b = ModelBundle.load(run, device="cpu")
     x = b.generate(2, prompts=["a red square", "a blue circle"], steps=2, guidance=2.0)
     assert torch.isfinite(x).all() and x.shape == (2, 4, 8, 8)
-    assert b.prompt_table(["a red square"]).time_ids[0].tolist() == [16, 16, 0, 0, 16, 16]  # uncropped, trained size
+    assert b.prompts.table(["a red square"]).time_ids[0].tolist() == [16, 16, 0, 0, 16, 16]  # uncropped, trained size
 
 
 def test_sdxl_unet_without_micro_conditions_is_refused(sd1, tmp_path):
@@ -180,7 +168,7 @@ def test_sdxl_unet_without_micro_conditions_is_refused(sd1, tmp_path):
 
 # -- refusals ------------------------------------------------------------------------------------------------
 def test_sd3_without_captions_and_shuffle_caption_are_refused_with_the_reason(sd1, tmp_path):
-    # SD3 itself trains since part B2 (tests/test_sd3.py); on uncaptioned data it is a text network's refusal
+    # SD3 itself trains since part B2 (tests/export/test_sd3.py); on uncaptioned data it is a text network's refusal
     with pytest.raises(InvalidInput, match="'SD3Transformer2DModel' is conditioned on text, and data.name=digits"):
         load_config("default", [f"run_dir={tmp_path}", "model.name=diffusers",
                                 "model.args.class_name=SD3Transformer2DModel"])

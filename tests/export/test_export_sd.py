@@ -1,4 +1,4 @@
-"""Text runs exported as stock StableDiffusionPipeline / StableDiffusionXLPipeline folders (export_sd.py):
+"""Text runs exported as stock StableDiffusionPipeline / StableDiffusionXLPipeline folders (export/stable_diffusion.py):
 tiny SD 1.x- and SDXL-shaped pipelines built and saved locally, a short run on each, the export loaded by
 diffusers with no remote code, and its samples (prompts, guidance, one generator per image) equal to
 fasttrain's."""
@@ -6,8 +6,10 @@ import json
 
 import pytest
 import torch
-from test_text_to_image import TRAIN, _prepare
 from text_fixtures import save_sd1, save_sdxl
+from text_runs import PROMPTS, TRAIN
+from text_runs import prepare as _prepare
+from text_runs import same_samples as _same_samples
 
 from fasttrain.bundle import ModelBundle
 from fasttrain.cli import main
@@ -17,7 +19,6 @@ from fasttrain.train import train
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-PROMPTS = ["a red square", "a blue circle", "a photo of a red square"]
 
 
 def _run(tmp_path, pipe, lat, name="run", extra=()):
@@ -25,27 +26,6 @@ def _run(tmp_path, pipe, lat, name="run", extra=()):
     train(load_config("default", [f"run_dir={run}", "train.steps=3", "sample.num=0", f"data.root={lat}",
                                   f"model.args.pretrained={pipe}", "optim.lr=1e-2"] + TRAIN + list(extra)))
     return run
-
-
-def _same_samples(run, out, cls, guidance=3.0, steps=4, **call):
-    """fasttrain's samples (image i seeded with i) against the stock pipeline's: the latents to float32
-    rounding of their scale (the tiny VAE's latents are about 50 in size), the decoded images to 1e-4."""
-    b = ModelBundle.load(run, device="cpu")
-    ours = b.generate(len(PROMPTS), prompts=PROMPTS, steps=steps, guidance=guidance, first_image=0, spacing="trailing")
-    pipe = cls.from_pretrained(out)
-    def run_pipe(output_type):
-        return pipe(PROMPTS, num_inference_steps=steps, guidance_scale=guidance, height=16, width=16,
-                    generator=[torch.Generator().manual_seed(i) for i in range(len(PROMPTS))], output_type=output_type,
-                    **call).images
-
-    theirs = run_pipe("latent")
-    assert theirs.shape == ours.shape
-    err = float((theirs - ours).abs().max())
-    assert err <= 1e-5 * max(1.0, float(ours.abs().max())), err
-    images = torch.from_numpy(run_pipe("np")).permute(0, 3, 1, 2)
-    mine = (b.decode(ours) / 2 + 0.5).clamp(0, 1)  # the pipelines' postprocess of the decoded [-1, 1] images
-    assert images.shape == mine.shape and float((images - mine).abs().max()) <= 1e-4
-    return ours, pipe
 
 
 def test_sd1_export_is_a_stock_pipeline_with_the_same_samples(tmp_path):
