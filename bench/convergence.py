@@ -44,6 +44,7 @@ from fasttrain.errors import InvalidInput
 
 sys.path.insert(0, str(Path(__file__).parent))
 from convergence_analysis import HELDOUT, NULL, analyse_table, strongest
+from convergence_analysis import row as analysis_row
 from convergence_arms import ARMS, KNOBS, Arm, available, combination
 from convergence_design import (
     DOMAINS,
@@ -57,13 +58,16 @@ from convergence_design import (
     run_dir,
 )
 from convergence_measure import crossing_shift, metric_noise, run_costs, step_costs
+from convergence_phema import choose as choose_sigma
+from convergence_phema import curve as phema_curve
+from convergence_phema import make_curve
 from convergence_report import write_outputs
 from convergence_runs import Job, adaptive_summary, curve, expected_cost, run_grid
 
 ROOT = Path(__file__).parent
 RESULTS = ROOT / "results"
 QUICK_RUNS = ROOT.parent / "runs" / "convergence-quick"
-DESIGN = 3  # the study's design version: saved tables of another design are not added to
+DESIGN = 4  # the study's design version: saved tables of another design are not added to
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -174,7 +178,33 @@ def jobs_for(domain: str, batch: int, arms: dict[str, Arm], seeds: list[int], st
     return [Job(run_dir(domain, batch, a, s, root), tuple(overrides(domain, arm, a, batch, s, steps, evals, root,
                                                                     eval_n)),
                 expected_cost(domain, batch, steps, arm.overrides))
-            for a, arm in arms.items() for s in seeds]
+            for a, arm in arms.items() if arm.runs is None for s in seeds]  # an arm of another's runs trains none
+
+
+def posthoc(domain: str, batch: int, arms: dict[str, Arm], seeds: list[int], root: Path, eval_n: int, info: dict,
+            nulls: bool) -> None:
+    """The post-hoc EMA's curves (convergence_phema.py) of a table's posthoc arms: σ_rel chosen once on the
+    main seeds of the runs the arms evaluate (`info["phema"]`), then every run's curve with it, on the null
+    seeds too with `nulls` (the held-out rows)."""
+    ph = {a: arm for a, arm in arms.items() if arm.posthoc}
+    if not ph:
+        return
+    t0 = time.time()
+    metric = DOMAINS[domain]["metric"]
+    if not (info.get("phema") or {}).get("chosen"):
+        src = next((arm.runs for arm in ph.values() if arm.runs), "baseline")
+        done = [r for s in seeds if (r := run_dir(domain, batch, src, s, root) / "summary.json").is_file()]
+        if not done:  # no finished runs (a test without training): nothing to choose from
+            return
+        info["phema"] = {**choose_sigma([r.parent for r in done], metric, eval_n), "from": src}
+    sigma = info["phema"]["chosen"]
+    on = seeds + (null_seeds(seeds) if nulls else [])
+    for a, arm in ph.items():
+        for s in on:
+            run = run_dir(domain, batch, arm.runs or a, s, root)
+            if (run / "summary.json").is_file():
+                make_curve(run, sigma, eval_n)
+    info["phema"]["seconds"] = info["phema"].get("seconds", 0.0) + time.time() - t0
 
 
 def table_arms(known: dict, batch: int, usable: dict[str, Arm]) -> dict[str, Arm]:
@@ -187,37 +217,78 @@ def table_arms(known: dict, batch: int, usable: dict[str, Arm]) -> dict[str, Arm
             out[a] = usable[a]
         elif a == "combination" and combo:
             out[a] = Arm(tuple(combo["overrides"]), "combo", combo["recipe"], f"{combo['name']}, chosen by the script",
-                         adaptive=combo["adaptive"])
+                         adaptive=combo["adaptive"], snapshots=combo.get("posthoc", False),
+                         posthoc=combo.get("posthoc", False))
     return out
 
 
+def arm_curve(domain: str, batch: int, name: str, arm: Arm, seed: int, root: Path, metric: str,
+              sigma: float | None) -> dict | None:
+    """A run's curve: its own evaluations, or for a post-hoc EMA arm its runs' reconstructions with `sigma`."""
+    run = run_dir(domain, batch, arm.runs or name, seed, root)
+    if arm.posthoc:
+        return phema_curve(run, sigma, metric) if sigma is not None else None
+    return curve(run, metric)
+
+
 def table(domain: str, batch: int, arms: dict[str, Arm], seeds: list[int], steps: int, root: Path,
-          confirm: str | None) -> tuple[dict, dict]:
-    """A table's rows and its targets, from the runs on disk."""
-    metric = DOMAINS[domain]["metric"]
+          confirm: str | None, sigma: float | None = None, metric: str | None = None) -> tuple[dict, dict]:
+    """A table's rows and its targets, from the runs on disk (`metric`: the domain's, or its second
+    evaluator's); post-hoc EMA arms with the σ_rel `sigma` chosen on the main seeds, each with its own
+    held-out row on the null seeds (`<arm>_heldout`, against the fixed EMA of the same runs)."""
+    metric = metric or DOMAINS[domain]["metric"]
     nulls = null_seeds(seeds)
+    def of(a):  # a control outside the table is a registered arm
+        return arms.get(a) or ARMS[a]
+
     names = set(arms) | {c for a in arms.values() for c in a.controls}
-    curves = {a: {s: curve(run_dir(domain, batch, a, s, root), metric) for s in seeds} for a in names}
+    curves = {a: {s: arm_curve(domain, batch, a, of(a), s, root, metric, sigma) for s in seeds} for a in names}
     curves.setdefault("baseline", {}).update({h: curve(run_dir(domain, batch, "baseline", h, root), metric)
                                               for h in nulls})
     if confirm:
-        curves.setdefault(confirm, {}).update({h: curve(run_dir(domain, batch, confirm, h, root), metric)
-                                               for h in nulls})
+        curves.setdefault(confirm, {}).update({h: arm_curve(domain, batch, confirm, of(confirm), h, root, metric,
+                                                            sigma) for h in nulls})
     rows, info = analyse_table(curves, arms, seeds, nulls, steps, TARGETS, confirm)
+    held = {}
+    for name, arm in arms.items():  # the post-hoc EMA's σ_rel was chosen on the main seeds: confirmed on the nulls
+        if arm.posthoc and arm.runs and name != confirm:
+            mine = {h: arm_curve(domain, batch, name, arm, h, root, metric, sigma) for h in nulls}
+            ctrl = {"baseline": {h: curves["baseline"].get(h) for h in nulls}}
+            rows[f"{name}_heldout"] = analysis_row(mine, info["targets"], steps, rows[NULL]["targets"], ctrl)
+            held[f"{name}_heldout"] = (name, mine)
     for name, r in rows.items():
-        arm = arms.get(name) or (arms[confirm] if name == HELDOUT else ARMS["baseline"])
+        arm = arms.get(name) or (arms[confirm] if name == HELDOUT else arms[held[name][0]] if name in held
+                                 else ARMS["baseline"])
         r["recipe"], r["source"] = arm.recipe, arm.source
         r["controls"] = [c for c in arm.controls if c in curves]
-        on = nulls if name in (NULL, HELDOUT) else seeds
+        on = nulls if name in (NULL, HELDOUT) or name in held else seeds
         key = confirm if name == HELDOUT else "baseline" if name == NULL else name
-        r["curves"] = {s: c for s in on if (c := curves.get(key, {}).get(s))}
+        r["curves"] = ({s: c for s, c in held[name][1].items() if c} if name in held else
+                       {s: c for s in on if (c := curves.get(key, {}).get(s))})
         if arm.adaptive:
-            r.update(adaptive_summary([run_dir(domain, batch, key, s, root) for s in on]))
+            r.update(adaptive_summary([run_dir(domain, batch, arm.runs or key, s, root) for s in on]))
+        if arm.posthoc:
+            r["sigma_rel"] = sigma
     rows[NULL]["recipe"] = f"the baseline on the null seeds (s + {NULL_OFFSET}), which did not set the targets"
     rows[NULL]["source"] = "no effect"
     if confirm:
         rows[HELDOUT]["recipe"] = f"{confirm}, chosen as the strongest on the main seeds, on the null seeds"
+    for name, (base, _) in held.items():
+        rows[name]["recipe"] = f"{base} with σ_rel {sigma}, chosen on the main seeds, on the null seeds"
     return rows, info
+
+
+def attach_second(rows: dict, second: dict, metric: str) -> None:
+    """The second evaluator's verdicts beside the first's: per row its median, interval and arrow at each
+    target, and its median value at the end (the same runs, FID in another network's features)."""
+    for name, r in rows.items():
+        s = second.get(name)
+        if not s:
+            continue
+        ends = sorted(x["value_at_end"] for x in s["per_seed"] if x["value_at_end"] == x["value_at_end"])
+        r["second"] = {"metric": metric, "value_at_end_median": ends[len(ends) // 2] if ends else None,
+                       "targets": {f: {k: t[k] for k in ("median", "ci", "ci_bound", "censored", "coverage",
+                                                          "verdict", "n") if k in t} for f, t in s["targets"].items()}}
 
 
 def attach_costs(rows: dict, cost: dict, confirm: str | None) -> None:
@@ -226,6 +297,7 @@ def attach_costs(rows: dict, cost: dict, confirm: str | None) -> None:
     base = cost.get("baseline")
     for name, r in rows.items():
         key = confirm if name == HELDOUT else "baseline" if name == NULL else name
+        key = key[:-len("_heldout")] if key.endswith("_heldout") else key  # a post-hoc arm's own held-out row
         ms = cost.get(key)
         r["ms_per_step"] = None if ms is None else ms * 1e3
         med = r["targets"][str(TARGETS[-1])]["median"]
@@ -278,6 +350,12 @@ def main(argv=None) -> None:
                              eval_n[domain])
     failed = run_grid(jobs, args.parallel, args.resume)
 
+    # 1b. the post-hoc EMA arms: σ_rel chosen on each table's main seeds, the curves with it (main and null seeds)
+    for domain, (batches, seeds, _) in plan.items():
+        for b in batches:
+            info = meta["domains"][domain].setdefault("tables", {}).setdefault(str(b), {})
+            posthoc(domain, b, table_arms(meta["domains"][domain], b, usable), seeds, root, eval_n[domain], info, True)
+
     # 2. the combination arm of each domain's first table (chosen from its rows), and
     # 3. the strongest arm of that table on the null seeds
     for domain, (batches, seeds, _) in plan.items():
@@ -287,8 +365,9 @@ def main(argv=None) -> None:
         every = table_arms(known, first, usable)
         if not DOMAINS[domain]["confirm"]:
             continue
+        sigma = (info.get("phema") or {}).get("chosen")
         if not args.arms and not args.quick:
-            rows, _ = table(domain, first, every, seeds, n, root, None)
+            rows, _ = table(domain, first, every, seeds, n, root, None, sigma)
             combo = combination(rows, every)
             old = (info.pop("combination", None) or {}).get("name")
             if not combo:  # nothing to combine this time: no stale combination either
@@ -298,17 +377,21 @@ def main(argv=None) -> None:
                 if old not in (None, combo[0]):  # another choice: its old runs are stale
                     shutil.rmtree(root / domain / f"b{first}" / "combination", ignore_errors=True)
                 info["combination"] = {"name": combo[0], "overrides": list(combo[1].overrides),
-                                       "recipe": combo[1].recipe, "adaptive": combo[1].adaptive}
+                                       "recipe": combo[1].recipe, "adaptive": combo[1].adaptive,
+                                       "posthoc": combo[1].posthoc}
                 known["arms"][str(first)] = list(dict.fromkeys(known["arms"][str(first)] + ["combination"]))
                 every["combination"] = combo[1]
                 failed += run_grid(jobs_for(domain, first, {"combination": combo[1]}, seeds, n, args.evals, root,
                                             eval_n[domain]), args.parallel, True)
-        rows, _ = table(domain, first, every, seeds, n, root, None)
+                posthoc(domain, first, {"combination": combo[1]}, seeds, root, eval_n[domain], info, False)
+        rows, _ = table(domain, first, every, seeds, n, root, None, sigma)
         best = strongest(rows, [a for a, arm in every.items() if arm.kind in KNOBS])
         info["confirm"] = best
         if best:
             failed += run_grid(jobs_for(domain, first, {best: every[best]}, null_seeds(seeds), n, args.evals, root,
                                         eval_n[domain]), args.parallel, True)
+            if every[best].posthoc:
+                posthoc(domain, first, {best: every[best]}, null_seeds(seeds), root, eval_n[domain], info, False)
     if failed:  # not the user's to fix by an argument: no UserError, but one line all the same
         sys.exit(f"convergence: {len(failed)} runs failed (first: {failed[0].label}, log beside it); the results in "
                  f"{out_dir} are unchanged; fix and continue with --resume")
@@ -327,9 +410,14 @@ def main(argv=None) -> None:
             every = table_arms(known, b, usable)
             info = known.setdefault("tables", {}).setdefault(str(b), {})
             confirm = info.get("confirm") if b == first else None
-            rows, found = table(domain, b, every, seeds, n, root, confirm)
+            sigma = (info.get("phema") or {}).get("chosen")
+            rows, found = table(domain, b, every, seeds, n, root, confirm, sigma)
+            if DOMAINS[domain].get("metric2"):  # the second evaluator's verdicts, from the same runs
+                m2 = DOMAINS[domain]["metric2"]
+                attach_second(rows, table(domain, b, every, seeds, n, root, confirm, sigma, metric=m2)[0], m2)
             if args.no_timing:
-                cost = run_costs({a: [run_dir(domain, b, a, s, root) for s in seeds] for a in every})
+                cost = run_costs({a: [run_dir(domain, b, arm.runs or a, s, root) for s in seeds]
+                                  for a, arm in every.items()})
                 how = "the median of the runs' own logged step times (--no-timing)"
             else:
                 cost = step_costs(domain, b, every, n, args.evals, timed=15 if args.quick else 60)

@@ -3,7 +3,10 @@ with the recipe and the source named, and the arms it is compared with besides t
 
 An arm is config overrides on top of its domain's baseline. `kind` says which knob it turns (for the
 choice of the combination arm); `controls` name the arms it differs from in one knob only, besides the
-baseline (the table reports the arm against the baseline and against each of them).
+baseline (the table reports the arm against the baseline and against each of them). A post-hoc EMA arm
+(`posthoc`) is evaluated from its runs' snapshots with the EMA length chosen on the main seeds
+(bench/convergence_phema.py); `runs` names the arm whose runs it evaluates (the post-hoc EMA arm is the
+baseline's own runs, which write snapshots: `snapshots`, and train exactly as without them).
 """
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ class Arm:
     adaptive: bool = False    # report policy updates and the drift of p(t)
     needs: tuple[str,
                  ...] = field(default=())  # config keys it needs (an arm whose keys this version lacks is left out)
+    snapshots: bool = False   # its runs write post-hoc EMA snapshots (phema.every: convergence_design.overrides)
+    posthoc: bool = False     # evaluated with the post-hoc EMA of the σ_rel chosen on the main seeds
+    runs: str | None = None   # the arm whose runs it evaluates (None: its own)
 
 
 EDM2 = ("diffusion.prediction=v", "diffusion.weighting=edm", "diffusion.weighting_args.sigma_data=0.5",
@@ -29,7 +35,11 @@ EDM2 = ("diffusion.prediction=v", "diffusion.weighting=edm", "diffusion.weightin
 EDM2_OPTIMIZER = ("optim.grad_clip=0", "optim.betas=[0.9,0.99]")
 MIXED_MIN_SNR = ("diffusion.prediction=mixed", "diffusion.weighting=min_snr", "diffusion.weighting_args.gamma=5")
 
-BASELINE = Arm((), "base", "uniform t, ε-prediction, unweighted ε-MSE (≡ SNR-weighted x0-MSE)", "Ho et al. 2020 (DDPM)")
+BASELINE = Arm((), "base", "uniform t, ε-prediction, unweighted ε-MSE (≡ SNR-weighted x0-MSE); fixed EMA (0.999, "
+               "warm-up)", "Ho et al. 2020 (DDPM)", snapshots=True)
+# REPA on the digits UNet: its 3rd of 8 blocks (the 4×4 stage after the first downsampling, about as early as
+# REPA's block 8 of 28), a head of width 256 (REPA: 2048 for SiT-XL's 1152 channels), λ 0.5 (REPA's default)
+ALIGN = ("diffusion.align.depth=3", "diffusion.align.projector_dim=256", "diffusion.align.weight=0.5")
 
 ARMS: dict[str, Arm] = {
     "baseline": BASELINE,
@@ -91,13 +101,29 @@ ARMS: dict[str, Arm] = {
     "immiscible": Arm(("diffusion.noise.immiscible=assignment",), "noise",
                       "immiscible noise: batch-wise linear assignment of noise to images",
                       "Li et al. 2024 (official Linear_Assignment code)", needs=("diffusion.noise",)),
+    # the baseline's runs evaluated with the post-hoc EMA: the same training, another average of its weights
+    "phema": Arm((), "ema", "post-hoc EMA: the baseline's runs, averaged with the power-function EMA of the σ_rel "
+                 "chosen on the main seeds (lowest median end FID of 0.03–0.23), reconstructed from snapshots of "
+                 "σ_rel 0.05 and 0.10 every half evaluation interval",
+                 "Karras et al. 2024 (EDM2 §3; NVlabs/edm2 training/phema.py)", controls=("baseline",),
+                 posthoc=True, runs="baseline", snapshots=True, needs=("phema.every",)),
+    "align": Arm(("diffusion.align.encoder=fasttrain.pretrained.digits_encoder:encoder",) + ALIGN, "align",
+                 "REPA: the UNet's 3rd block aligned (3-layer MLP head, width 256, −cos, λ 0.5) to the project's "
+                 "SimCLR digits encoder (16 patch tokens × 64; trained without labels on held-out digits no "
+                 "evaluator sees)", "Yu et al. 2024 (sihyun-yu/REPA loss.py, models/sit.py, train.py)",
+                 controls=("align_random",), needs=("diffusion.align.encoder",)),
+    "align_random": Arm(("diffusion.align.encoder=fasttrain.pretrained.digits_encoder:random_encoder",) + ALIGN,
+                        "diagnostic", "control: the same alignment to the same encoder architecture with random "
+                        "weights (the auxiliary loss without a learned representation)",
+                        "one-knob control of the align arm", needs=("diffusion.align.encoder",)),
 }
 
 # Which arms are candidates for the two halves of the combination (the strongest arm of any knob but the
 # sampler, mixed included; the best sampler arm), chosen by the script at the first batch size from the
 # arms of the invocation that chooses it (bench/convergence.py: the default arms).
 COMBINABLE = ("weighting", "both", "prediction", "noise", "loss")
-KNOBS = COMBINABLE + ("sampler", "optimizer", "combo")  # the kinds that may be the strongest arm (not diagnostics)
+ADDITIVE = ("align", "ema")  # levers added to the combination where they beat the baseline (median > 1 at 100%)
+KNOBS = COMBINABLE + ("sampler", "optimizer", "combo") + ADDITIVE  # may be the strongest arm (not diagnostics)
 
 
 def available(arms: dict[str, Arm], has_key) -> dict[str, Arm]:
@@ -106,11 +132,13 @@ def available(arms: dict[str, Arm], has_key) -> dict[str, Arm]:
 
 
 def combination(results: dict, arms: dict[str, Arm]) -> tuple[str, Arm] | None:
-    """The strongest non-sampler arm combined with the best sampler arm, by the median steps ratio at the
-    full-run target (sampler settings of the second added to the first)."""
-    def best(kinds):
+    """The best combination: the strongest non-sampler arm with the best sampler arm, by the median steps
+    ratio at the full-run target (sampler settings of the second added to the first), and with each
+    additive lever (alignment, post-hoc EMA) whose best arm beat the baseline there (median > 1)."""
+    def best(kinds, above=None):
         cands = [(r["targets"]["1.0"]["median"], a) for a, r in results.items()
-                 if a in arms and arms[a].kind in kinds and r["targets"]["1.0"]["median"] is not None]
+                 if a in arms and arms[a].kind in kinds and r["targets"]["1.0"]["median"] is not None
+                 and (above is None or r["targets"]["1.0"]["median"] > above)]
         return max(cands)[1] if cands else None
 
     strong, sampler = best(COMBINABLE), best(("sampler",))
@@ -118,6 +146,14 @@ def combination(results: dict, arms: dict[str, Arm]) -> tuple[str, Arm] | None:
         return None
     s_over = tuple(o for o in arms[sampler].overrides if o.startswith("diffusion.sampler"))
     over = tuple(o for o in arms[strong].overrides if not o.startswith("diffusion.sampler")) + s_over
-    return f"{strong} + {sampler}", Arm(over, "combo", f"{arms[strong].recipe}; with {arms[sampler].recipe}",
-                                       "chosen by the script from the first batch's arms",
-                                       adaptive=arms[sampler].adaptive)
+    names, recipes = [strong, sampler], [arms[strong].recipe, arms[sampler].recipe]
+    posthoc = False
+    for kind in ADDITIVE:
+        extra = best((kind,), above=1.0)
+        if extra:
+            over += arms[extra].overrides
+            posthoc = posthoc or arms[extra].posthoc
+            names.append(extra)
+            recipes.append(arms[extra].recipe)
+    return " + ".join(names), Arm(over, "combo", "; with ".join(recipes), "chosen by the script from the first "
+                                  "batch's arms", adaptive=arms[sampler].adaptive, snapshots=posthoc, posthoc=posthoc)

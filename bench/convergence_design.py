@@ -20,14 +20,17 @@ COMMON = ["diffusion.prediction=eps", "diffusion.weighting=simple", "diffusion.s
           "train.progress=false", "train.ckpt_every=0", "sample.num=0", "eval.bpd=false", "train.log_every=100",
           "diagnostics.interference_every=0", "optim.warmup_steps=200", "train.plots=false", "eval.at_start=true"]
 
-# The arms of each table. Default: what `python bench/convergence.py` runs within 100 minutes on 2 free
-# cores (the pilot's projection, docs/convergence.md); full: `--full`, every arm (about 5 hours). Left out
-# of the default, and why: docs/convergence.md. `confirm`: the domain whose first table chooses the
+# The arms of each table. Default (design 4): the post-hoc EMA and alignment arms with their controls, the
+# third pass's strongest arm (mixed prediction + Min-SNR-5) with its controls, the arms the third pass did not
+# re-measure under its rules, and the best combination (stage 2); the pilot's projection of its wall time is
+# in docs/convergence.md. Full: `--full`, every arm. `confirm`: the domain whose first table chooses the
 # combination arm and confirms its strongest arm on the null seeds (where the README makes that claim).
 EXTRAS = ("input_perturbation", "pseudo_huber_snr", "immiscible")
-DIGITS_16 = ("baseline", "min_snr_eps", "min_snr_v", "edm2", "edm2_optimizer", "mixed_min_snr", "mixed_min_snr_noaux")
-DIGITS_16_FULL = DIGITS_16 + ("speed", "mixed_snr", "loss_second_moment", "logit_normal", "edm2_full",
-                              "edm2_learned_alone", "adaptive", "adaptive_official") + EXTRAS
+NEW = ("phema", "align", "align_random")  # issue 45's levers and the alignment's control
+UNMEASURED = ("logit_normal", "loss_second_moment", "adaptive_official", "edm2_learned_alone") + EXTRAS
+DIGITS_16 = ("baseline", "min_snr_eps", "min_snr_v", "mixed_min_snr") + NEW + UNMEASURED
+DIGITS_16_FULL = DIGITS_16 + ("edm2", "edm2_optimizer", "mixed_min_snr_noaux", "speed", "mixed_snr", "edm2_full",
+                              "adaptive")
 DIGITS_4_FULL = ("baseline", "min_snr_eps", "min_snr_v", "mixed_snr", "mixed_min_snr", "mixed_min_snr_noaux")
 TWO_D = ("baseline", "min_snr_eps", "min_snr_v", "adaptive", "mixed_min_snr")
 TWO_D_FULL = TWO_D + ("speed", "edm2", "edm2_optimizer", "edm2_full", "logit_normal", "loss_second_moment",
@@ -35,8 +38,9 @@ TWO_D_FULL = TWO_D + ("speed", "edm2", "edm2_optimizer", "edm2_full", "logit_nor
 
 DOMAINS = {
     "digits": dict(base=COMMON + ["data.name=digits", "model.name=unet_tiny", "model.args.ch=16", "optim.lr=1e-3",
-                                  "eval.steps=20"],
+                                  "eval.steps=20", "eval.extra_extractors=[fasttrain-digits-cnn]"],
                    metric="fid", label="FID (digits features)", batches={16: 960, 4: 960}, seeds=10, eval_n=512,
+                   metric2="fid_fasttrain_digits_cnn", label2="FID (the second evaluator's features: digits CNN)",
                    arms={16: DIGITS_16}, full={16: DIGITS_16_FULL, 4: DIGITS_4_FULL}, confirm=True),
     "checkerboard": dict(base=COMMON + ["data.name=checkerboard", "model.name=mlp", "optim.lr=2e-3", "eval.steps=50"],
                          metric="sw2", label="sliced W2 to the true density", batches={128: 600}, seeds=10,
@@ -61,6 +65,9 @@ def overrides(domain: str, arm: Arm, name: str, batch: int, seed: int, steps: in
         f"data.batch_size={batch}", f"train.seed={seed}", f"train.steps={steps}", f"eval.every={steps // evals}",
         f"eval.num_samples={eval_n or d['eval_n']}", f"eval.seed={seed}",
         f"run_dir={run_dir(domain, batch, name, seed, root)}"]
+    if arm.snapshots:  # post-hoc EMA snapshots at every evaluation step (and between): bench/convergence_phema.py
+        e = max(1, steps // evals)  # every evaluation step must be a snapshot step
+        over.append(f"phema.every={e // 2 if e % 2 == 0 else e}")
     if arm.adaptive:  # enough policy updates to learn something: ≥ MIN_UPDATES in the run
         # (chunk: probe elements per no-grad forward; 256 was ~15% faster than 4 micro-batches (64) on one CPU thread)
         over += [f"diffusion.sampler_args.every={max(1, steps // MIN_UPDATES)}", "diffusion.sampler_args.chunk=256"]

@@ -4,6 +4,10 @@ bench/results/convergence-pilot.{json,md}.
 
     python bench/convergence_pilot.py            # about 25 minutes on a shared 2-core machine
     python bench/convergence_pilot.py --quick    # tiny horizons and few evaluations (tests)
+    python bench/convergence_pilot.py --project --measure phema,align,align_random   # new arms' step times
+                                                 # measured beside the baseline, then the projection
+    python bench/convergence_pilot.py --project --calibrate bench/results/convergence-levers-pilot/convergence.json
+                                                 # and the pace of a short invocation of this design, run here
 
 All in this process with one thread; every cost is a ratio to a baseline step measured beside it, so
 that other processes on the machine slow both alike (units: one step of the digits batch-16 baseline):
@@ -16,7 +20,9 @@ that other processes on the machine slow both alike (units: one step of the digi
   4. the projection: a run costs start-up + steps × its step + (evaluations + 1) × one evaluation; an
      invocation, its runs over --parallel workers, plus its timing and noise measurements. Seconds per
      unit: this machine's, and the saved study's (bench/results/convergence.json: its wall time on a free
-     machine over its runs' units), which calibrates the projection for a free machine.
+     machine over its runs' units), which calibrates the projection for a free machine; with --calibrate,
+     also a finished invocation of the current design on this machine (a short one: a pilot), whose wall
+     over its own units gives this machine's seconds per unit at the load it ran under.
 """
 from __future__ import annotations
 
@@ -130,9 +136,13 @@ def startup_cost(domain: str, batch: int, tmp: Path, reps: int) -> float:
 
 def plan_units(plan: dict, costs: dict, evals: dict, start: dict, n_evals: int, eval_n: dict, step0: bool = True,
                null: bool = True, heldout: bool = True, parallel: int = 2) -> dict:
-    """Units of an invocation: its runs (start-up, steps, evaluations), its timing and noise measurements,
-    and the wall at `parallel` workers."""
-    runs = units = 0.0
+    """Units of an invocation: its runs (start-up, steps, evaluations), the post-hoc EMA arms' evaluations
+    (convergence_phema.py: every σ_rel at the end of each main seed, then the chosen one's curve on the main
+    and null seeds; no training of their own), its timing and noise measurements, and the wall at `parallel`
+    workers."""
+    from convergence_phema import SIGMAS
+
+    runs = units = posthoc = 0.0
     timing = noise = 0.0
     tables = []
     for domain, (batches, seeds, arms) in plan.items():
@@ -140,7 +150,10 @@ def plan_units(plan: dict, costs: dict, evals: dict, start: dict, n_evals: int, 
         for i, (b, n) in enumerate(batches.items()):
             c = costs[(domain, b)]
             per_run = start[domain] + (n_evals + step0) * ev  # besides its steps
-            names = list(arms[b])
+            names = [a for a in arms[b] if not (arms[b][a] and arms[b][a].runs)]  # arms that train runs of their own
+            for a in arms[b]:
+                if arms[b][a] and arms[b][a].posthoc:  # sweep + curve on the main seeds, curve on the null seeds
+                    posthoc += len(seeds) * ((len(SIGMAS) + n_evals - 1) + (n_evals if null else 0)) * ev
             confirm = heldout and i == 0 and DOMAINS[domain]["confirm"]  # held-out: the costliest arm, to be safe
             if "combination" in names:  # the combination costs about its costlier half
                 names.remove("combination")
@@ -149,13 +162,13 @@ def plan_units(plan: dict, costs: dict, evals: dict, start: dict, n_evals: int, 
                 names.append(max(names, key=lambda a: c.get(a, 1.0)))  # stage 2 will add a combination
             extra = (["baseline"] if null else []) + ([max(names, key=lambda a: c.get(a, 1.0))] if confirm else [])
             runs += len(seeds) * (len(names) + len(extra))
-            tables.append(f"{domain} b{b}: {', '.join(names[:len(arms[b])])}" + (", null" if null else "") +
+            tables.append(f"{domain} b{b}: {', '.join(list(arms[b]))}" + (", null" if null else "") +
                           (", held-out" if confirm else "") + f" × {len(seeds)} seeds, {n} steps")
             units += len(seeds) * sum(per_run + n * c.get(a, max(c.values())) for a in names + extra)
             timing += sum(66 * c.get(a, 1.0) for a in arms[b])
         noise += NOISE_EVALS * ev
-    return {"tables": tables, "runs": int(runs), "run_units": units, "timing_units": timing, "noise_units": noise,
-            "wall_units": units / parallel + timing + noise}
+    return {"tables": tables, "runs": int(runs), "run_units": units, "posthoc_units": posthoc,
+            "timing_units": timing, "noise_units": noise, "wall_units": (units + posthoc) / parallel + timing + noise}
 
 
 def previous_study(saved: dict, usable: dict) -> dict | None:
@@ -174,23 +187,76 @@ def previous_study(saved: dict, usable: dict) -> dict | None:
             "wall_seconds": sum(meta["walls"]), "commands": meta.get("commands", [])}
 
 
+def calibration(saved: dict, usable: dict, costs: dict, evals: dict, start: dict) -> dict | None:
+    """Seconds per unit of a finished invocation `saved` (a convergence.json of the current design): its
+    measured wall time over its plan's units, each table's step costs from its own timing measurement
+    where it has one (the arms' ms/step, tied to the pilot's units by its baseline), else the pilot's."""
+    domains = (saved.get("meta") or {}).get("domains") or {}
+    if not domains or any(d.get("design") != study.DESIGN for d in domains.values()):
+        return None
+    prev = previous_study(saved, usable)
+    if prev is None:
+        return None
+    own = dict(costs)
+    for domain, d in saved["meta"]["domains"].items():
+        for b, info in d.get("tables", {}).items():
+            ms = (info.get("timing") or {}).get("ms_per_step") or {}
+            key = (domain, int(b))
+            if ms.get("baseline") and key in costs:
+                own[key] = {**costs[key], **{a: v / ms["baseline"] * costs[key]["baseline"] for a, v in ms.items()}}
+    units = plan_units(prev["plan"], own, evals, start, prev["evals"], prev["eval_n"])
+    return {**units, "wall_seconds_measured": prev["wall_seconds"], "commands": prev["commands"],
+            "seconds_per_unit": prev["wall_seconds"] / units["wall_units"]}
+
+
 def main(argv=None) -> None:
     ap = _env.Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny horizons and few evaluations (tests)")
     ap.add_argument("--out", default=str(RESULTS), help="results folder")
     ap.add_argument("--project", action="store_true", help="measure nothing: project the current design from the "
                     "measurements in OUT/convergence-pilot.json")
+    ap.add_argument("--measure", type=_env.names(ARMS, "arm"), default=None, help="with --project: measure these "
+                    "arms' step times on the digits batch-16 table beside its baseline first (arms the saved "
+                    "measurements lack), and keep them in OUT/convergence-pilot.json")
+    ap.add_argument("--calibrate", default=None,
+                    help="with --project: a convergence.json of a finished invocation of the current design on this "
+                    "machine (e.g. bench/convergence.py --domain digits --seeds 2 --steps 240 --evals 4): this "
+                    "machine's seconds per unit from its wall time, and the projection at that pace")
     args = ap.parse_args(argv)
+    if args.measure and not args.project:
+        ap.error("--measure adds step times to a saved pilot: give --project too")
+    if args.calibrate and not args.project:
+        ap.error("--calibrate projects from a saved pilot: give --project too")
     t0 = time.time()
     usable = available(ARMS, study.has_key)
     full = study.select(study.parse(["--full"]), usable)
     default = study.select(study.parse([]), usable)
     if args.project:
         out = json.loads((Path(args.out) / "convergence-pilot.json").read_text())
+        if args.measure:  # units of a digits b16 baseline step: the arms' ratios to it, measured side by side
+            d = DOMAINS["digits"]
+            c = step_costs("digits", 16, {a: usable[a] for a in ["baseline"] + args.measure}, d["batches"][16], 8,
+                           timed=60)
+            out["step_units"]["digits/16"].update({a: v / c["baseline"] for a, v in c.items() if a != "baseline"})
+            out["measured_later"] = {**out.get("measured_later", {}), **{a: time.strftime("%Y-%m-%d %H:%M:%S")
+                                                                          for a in args.measure}}
         costs = {tuple(k.split("/")[:1]) + (int(k.split("/")[1]),): v for k, v in out["step_units"].items()}
         evals = {dm: {int(n): v for n, v in ev.items()} for dm, ev in out["evaluation"].items()}
         out["projection"], out["unit_seconds_free"] = project(default, full, costs, evals, out["startup_units"],
                                                               out["unit_seconds_here"], usable, False)
+        out.pop("calibration", None)
+        if args.calibrate:
+            try:
+                saved = json.loads(Path(args.calibrate).read_text())
+            except (OSError, ValueError) as e:
+                ap.error(f"--calibrate {args.calibrate}: not a convergence.json ({type(e).__name__})")
+            cal = calibration(saved, usable, costs, evals, out["startup_units"])
+            if cal is None:
+                ap.error(f"--calibrate {args.calibrate}: not a finished invocation of the current design "
+                         f"({study.DESIGN})")
+            out["calibration"] = {**cal, "source": str(args.calibrate)}
+            for p in out["projection"].values():
+                p["minutes_calibrated"] = p["wall_units"] * cal["seconds_per_unit"] / 60
         out["projected_by"] = " ".join(sys.argv)
         return write(out, Path(args.out))
     if args.quick:
@@ -280,16 +346,28 @@ def write(out: dict, folder: Path) -> None:
             lines.append(f"| {dm} | {n} | {v['units']:.0f} | {v['mean']:.4g} | "
                          f"{_sd(v['sd'])} |")
     lines += ["", "Start-up of a run (units): " + ", ".join(f"{d} {v:.0f}" for d, v in out["startup_units"].items()),
-              "", "## Projected wall time", "", "| invocation | runs | run units | timing + noise units | wall "
-              "(2 workers), here | wall, free machine |", "|---|---|---|---|---|---|"]
+              *(["Step times measured later, beside the baseline (`--measure`): " + ", ".join(
+                  f"{a} ({w})" for a, w in out["measured_later"].items())] if out.get("measured_later") else []),
+              "", "## Projected wall time", ""]
+    cal = out.get("calibration")
+    if cal:
+        lines += [f"Calibrated here: `{' '.join(cal['commands'])}` (`{cal['source']}`), {cal['runs']} runs of the "
+                  f"current design on this machine, took {cal['wall_seconds_measured'] / 60:.0f} min for "
+                  f"{cal['wall_units']:.0f} wall units: {cal['seconds_per_unit'] * 1e3:.0f} ms per unit at the load "
+                  f"it ran under (the last column).", ""]
+    lines += ["| invocation | runs | run units | post-hoc EMA evaluations (units) | timing + noise units | wall (2 "
+              "workers), here | wall, free machine |" + (" wall at the calibration's pace |" if cal else ""),
+              "|---|---|---|---|---|---|---|" + ("---|" if cal else "")]
     for k, p in out["projection"].items():
         free = "—" if p["minutes_free"] is None else f"{p['minutes_free']:.0f} min"
-        lines.append(f"| {k} | {p['runs']} | {p['run_units']:.0f} | {p['timing_units'] + p['noise_units']:.0f} | "
-                     f"{p['minutes_here']:.0f} min | {free} |")
+        lines.append(f"| {k} | {p['runs']} | {p['run_units']:.0f} | {p.get('posthoc_units', 0):.0f} | "
+                     f"{p['timing_units'] + p['noise_units']:.0f} | {p['minutes_here']:.0f} min | {free} |"
+                     + (f" {p['minutes_calibrated']:.0f} min |" if cal else ""))
     lines += ["", "Tables:"] + [f"- {k}: " + "; ".join(p["tables"]) for k, p in out["projection"].items()]
     if "previous" in out["projection"]:
         lines += ["", f"previous: the committed results' design, measured at "
-                  f"{out['projection']['previous']['wall_seconds_measured'] / 60:.0f} min (the calibration)."]
+                  f"{out['projection']['previous']['wall_seconds_measured'] / 60:.0f} min (the calibration of the "
+                  f"free machine)."]
     with _env.Results(folder) as res:
         res.text("convergence-pilot.json", json.dumps(out, indent=1, default=str))
         res.text("convergence-pilot.md", "\n".join(lines) + "\n")

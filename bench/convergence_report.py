@@ -115,14 +115,24 @@ def markdown(results: dict, meta: dict) -> str:
             steps = dm.get("batches", {}).get(batch) or dm.get("batches", {}).get(int(batch))
             info = dm.get("tables", {}).get(batch, {})
             tg = info.get("targets", {})
+            ph = info.get("phema") or {}
+            phline = ("post-hoc EMA: σ_rel " + f"{ph['chosen']:g}" + " chosen on the main seeds (median end "
+                      f"{ph.get('metric', 'metric')} of each candidate: " + ", ".join(
+                          f"{float(s):g} → {v:.3g}" for s, v in ph.get("median_at_end", {}).items()) + ")  "
+                      if ph.get("chosen") is not None else "")
+            second = next((r["second"]["metric"] for r in rows.values() if r.get("second")), None)
             lines += [f"### batch {batch} ({steps} steps)", "",
                       "targets (25/50/100%): " + " / ".join(f"{tg[k]:.4g}" for k in sorted(tg, key=float)) + "  ",
                       f"step times: {info.get('timing', {}).get('how', '—')}, {info.get('timing', {}).get('when', '')}"
                       + "  ", f"combination: {(info.get('combination') or {}).get('name', '—')}; held-out "
-                      f"confirmation: {info.get('confirm') or '—'}", "",
+                      f"confirmation: {info.get('confirm') or '—'}" + ("  " if phline or second else ""),
+                      *([phline] if phline else []),
+                      *([f"second evaluator: {second} (the same runs and samples; its interval and arrow at the 100% "
+                         f"target, and its median at the end)"] if second else []), "",
                       "| arm | recipe (source) | to 25% | to 50% | to 100% | seconds × | vs (100%) | ms/step | "
-                      "metric at the end (median) | adaptive: updates, TV(p, uniform) |",
-                      "|---|---|---|---|---|---|---|---|---|---|"]
+                      "metric at the end (median) | adaptive: updates, TV(p, uniform) |"
+                      + (" 2nd evaluator: to 100%, at the end |" if second else ""),
+                      "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if second else "")]
             for name, r in rows.items():
                 t = r["targets"]
                 ends = sorted(x["value_at_end"] for x in r["per_seed"] if x["value_at_end"] == x["value_at_end"])
@@ -131,11 +141,19 @@ def markdown(results: dict, meta: dict) -> str:
                 ad = "—" if "policy_updates" not in r else f"{r['policy_updates']}, {r['p_tv_final']:.3f}"
                 sec = "—" if r.get("seconds_ratio_median") is None else f"{r['seconds_ratio_median']:.2f}"
                 ms = "—" if r.get("ms_per_step") is None else f"{r['ms_per_step']:.1f}"
-                label = f"**{name}**" if name in (NULL, HELDOUT) else name
+                label = f"**{name}**" if name in (NULL, HELDOUT) or name.endswith("_heldout") else name
+                two = ""
+                if second:
+                    s2 = r.get("second")
+                    e2 = s2.get("value_at_end_median") if s2 else None
+                    two = (f" {cell(s2['targets']['1.0'])}, {e2:.3g} |" if s2 and e2 is not None else
+                           f" {cell(s2['targets']['1.0'])} |" if s2 else " — |")
                 lines.append(f"| {label} | {r['recipe']} ({r['source']}) | {cell(t['0.25'])} | {cell(t['0.5'])} | "
-                             f"{cell(t['1.0'])} | {sec} | {vs} | {ms} | {end} | {ad} |")
+                             f"{cell(t['1.0'])} | {sec} | {vs} | {ms} | {end} | {ad} |{two}")
             lines += ["", "Verdicts (from the arrows alone):", ""]
-            lines += [f"- **{name}**: {phrase(r)}" for name, r in rows.items() if name not in ("baseline", NULL)]
+            lines += [f"- **{name}**: {phrase(r)}" + (f" (2nd evaluator at 100%: "
+                      f"{r['second']['targets']['1.0'].get('verdict') or 'no arrow'})" if r.get("second") else "")
+                      for name, r in rows.items() if name not in ("baseline", NULL)]
             lines.append("")
     return "\n".join(lines) + "\n"
 

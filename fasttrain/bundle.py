@@ -55,9 +55,15 @@ def build_network(cfg: DictConfig, spec: DataSpec) -> Denoiser:
                           num_classes=spec.num_classes, **args)
     if adapted:
         lora.apply(net, cfg, init=fresh)  # model.lora.init: read only for a new run
-    return Denoiser(net, kind.output_head(df, sched), sched, learned_weighting=df.learned_weighting,
-                    gate_heads=kind.gate_heads(df), logvar_layer=df.logvar_layer,
-                    logvar_seed=seeds.derive(cfg.train.seed, "logvar"))
+    out = Denoiser(net, kind.output_head(df, sched), sched, learned_weighting=df.learned_weighting,
+                   gate_heads=kind.gate_heads(df), logvar_layer=df.logvar_layer,
+                   logvar_seed=seeds.derive(cfg.train.seed, "logvar"))
+    if df.align.encoder is not None:  # REPA's head (diffusion/align.py), built after the rest: the same weights
+        from .diffusion.align import attach_head
+
+        attach_head(out, df.align, cfg.model.name, (1,) + spec.shape,
+                    dict(in_channels=spec.channels, image_size=spec.image_size, num_classes=spec.num_classes, **args))
+    return out
 
 
 def build_objective(cfg: DictConfig, net: Denoiser | None = None, rank: int = 0, stats: bool = True,

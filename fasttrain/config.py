@@ -186,6 +186,30 @@ class DynamicShiftConfig:
 
 
 @dataclass
+class AlignConfig:
+    encoder: Optional[str] = _f(None, "representation alignment (REPA, Yu et al. 2024): the frozen encoder an "
+                                "intermediate block is aligned to: a local transformers model folder (AutoModel: "
+                                "DINOv2 and alike) or module:function returning an nn.Module images [B,C,H,W] in "
+                                "[-1,1] → patch features [B,N,D] (digits: "
+                                "fasttrain.pretrained.digits_encoder:encoder); None = off (docs/strategies.md)")
+    depth: int = _f(8, "the block whose output is aligned: the d-th of the network's blocks, from 1 (DiT: its "
+                    "transformer blocks; UNet: its stages, down, mid, up; diffusers UNets: down, mid and up blocks); "
+                    "REPA: 8 of SiT-XL/2's 28", min=1, max=4096)
+    weight: float = _f(0.5, "λ: the alignment loss's weight, added to the diffusion loss (REPA --proj-coeff)", min=0,
+                       max=1e3, usual=(0, 2))
+    projector_dim: int = _f(2048, "hidden width of the MLP head block → encoder features (REPA --projector-dim)",
+                            min=1, max=2**20)
+    encoder_size: Optional[int] = _f(None, "model folders: the side images are resized to for the encoder (default: "
+                                     "its processor's crop size, else its config's image_size)", min=1)
+    encoder_dim: Optional[int] = _f(None, "the encoder's feature width: filled in from the encoder when a run is "
+                                    "configured (the head is built to it; a bundle rebuilds it without the encoder)",
+                                    min=1)
+    targets: str = _f("auto", "the encoder's targets: auto (computed once per image and kept on the device for "
+                      "resident data, which has no augmentation; else in the step) | step (always in the step)",
+                      choices=("auto", "step"))
+
+
+@dataclass
 class DiffusionConfig:
     schedule: str = _f("linear", "the noise schedule")
     T: int = _f(1000, "number of discrete timesteps", min=2, max=100_000)
@@ -206,6 +230,7 @@ class DiffusionConfig:
     mixed: MixedConfig = field(default_factory=MixedConfig)
     noise: NoiseConfig = field(default_factory=NoiseConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    align: AlignConfig = field(default_factory=AlignConfig)
 
 
 @dataclass
@@ -239,6 +264,16 @@ class TrainConfig:
                             max=STEPS)
     max_nonfinite_frac: float = _f(0.5, "... or when at least this fraction of the last max(100, max_nonfinite) "
                                    "steps were skipped (above 1 = only the run counts)", min=0)
+
+
+@dataclass
+class PhemaConfig:
+    every: int = _f(0, "steps between post-hoc EMA snapshots (EDM2 §3: power-function EMA profiles in RUN/phema/, "
+                    "also written at the last step; `fasttrain ema RUN --sigma-rel S` rebuilds the EMA of any length "
+                    "from them; 0 = off). Disk: profiles × 4 bytes × parameters per snapshot (docs/training.md)",
+                    min=0, max=STEPS)
+    sigma_rels: List[float] = _f([0.05, 0.10], "σ_rel (the averaging profile's std / the training time) of the "
+                                 "profiles tracked (EDM2's two); distinct, each in (0, 0.2887)", above=0, below=0.2887)
 
 
 @dataclass
@@ -292,6 +327,9 @@ class EvalConfig:
     steps: int = _f(50, "sampling steps for evaluation (at most diffusion.T)", min=1)
     extractor: str = _f("auto", "FID features: auto is fasttrain-digits for digits, inception-v3-compat for images")
     weights_path: Optional[str] = _f(None, "local Inception weights for machines that cannot download them")
+    extra_extractors: List[str] = _f([], "FID in these extractors' features too, on the same samples (metrics "
+                                     "fid_<name>): e.g. [fasttrain-digits-cnn], the second digits evaluator "
+                                     "(generation/digits_cnn.py)")
     bpd: bool = _f(True, "negative ELBO in bits/dim on held-out data")
     bpd_samples: int = _f(400, "held-out samples for bits/dim", min=1, max=1_000_000)
     bpd_timesteps: int = _f(50, "timesteps per sample in the bits/dim estimate (stratified; at most diffusion.T)",
@@ -310,6 +348,7 @@ class Config:
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    phema: PhemaConfig = field(default_factory=PhemaConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

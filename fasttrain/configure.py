@@ -231,6 +231,18 @@ def _validate(cfg: DictConfig) -> None:
     with _Key("diffusion.sampler_args"):
         timestep_sampler(d.sampler, sched, **plain(d.sampler_args))
     check_ranges(cfg)
+    from .optim.phema import check_config as check_phema
+
+    with _Key("phema.sigma_rels", cfg):
+        check_phema(cfg.phema)
+    from .generation.evaluate import EvalSettings
+
+    with _Key("eval.extra_extractors", cfg):
+        EvalSettings.from_config(cfg)
+    from .diffusion.align import check_config as check_align
+
+    with _Key("diffusion.align.encoder", cfg):
+        check_align(cfg)  # fills diffusion.align.encoder_dim from the encoder
     s = cfg.sample
     if s.eta is not None and "eta" not in SOLVERS.args(s.solver):
         raise ConfigError(f"bad value for 'sample.eta': {s.eta!r} (solver {s.solver} takes no eta)")

@@ -65,6 +65,8 @@ class StepParts:
     hooks: Sequence[LookAhead] = ()
     after_backward: Callable[[], None] | None = None
     skip_nonfinite: bool = True
+    averages: Sequence[Any] = ()  # further averages after the EMA (optim/phema.py: post-hoc EMA profiles)
+    align: Any = None  # representation alignment (diffusion/align.py): `loss(x0)` after the objective's forward
     rank: int = 0
     world_size: int = 1
     masked: bool = False
@@ -99,7 +101,8 @@ def update(parts: StepParts, *tensors: torch.Tensor | None, before: Sequence[Loo
         first = cond if m == 0 else first
         with parts.autocast(cache=False):  # no autocast weight cache: a graph replays the casts
             loss, _ = parts.objective(model, x0, cond, parts.generators.timesteps, **mask)
-        scaled = loss / accum
+            aux = parts.align.loss(x0) if parts.align is not None else None  # added to the loss, not to its stats
+        scaled = (loss if aux is None else loss + aux) / accum
         (parts.scaler.scale(scaled) if parts.scaler else scaled).backward()
         total += loss.detach() / accum
     if parts.after_backward is not None:
@@ -126,6 +129,8 @@ def update(parts: StepParts, *tensors: torch.Tensor | None, before: Sequence[Loo
     opt.zero_grad(set_to_none=True)
     if parts.ema is not None:
         parts.ema.update(model, applied=finite)
+    for avg in parts.averages:
+        avg.update(model, applied=finite)
     if parts.counters is not None:
         parts.counters.skipped += (~finite).long()
         parts.counters.skipped_run.copy_((parts.counters.skipped_run + 1) * (~finite).long())

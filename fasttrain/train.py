@@ -25,6 +25,7 @@ from . import conditioning, periodic, plots, seeds
 from .bundle import DataSpec, ModelBundle, build_network, build_objective
 from .config import plain
 from .data import build_data
+from .diffusion.align import Alignment
 from .diffusion.interference import InterferenceDiagnostic
 from .diffusion.objective import kernel_backend
 from .errors import DeviceError, InvalidInput
@@ -33,6 +34,7 @@ from .generation.prompts import RunPrompts
 from .logger import MetricLogger
 from .models import MODELS, count_params, forward_flops, weights_from_checkpoint
 from .optim.adamw import apply_optimizer_config, make_optimizer
+from .optim.phema import PowerEMA
 from .parallel import distributed as dist_utils
 from .parallel import graphs
 from .parallel.cpu import evaluation_threads, set_threads
@@ -84,6 +86,10 @@ class Trainer:
             torch.manual_seed(seeds.derive(tc.seed, "weights"))
             net = build_network(cfg, self.spec).to(self.device)
         lora.hold_base(net, lora.base_dtype(cfg, self.device))  # a LoRA run's frozen base: bf16 on CUDA (lora.py)
+        self.alignment = None  # REPA (diffusion/align.py): hooks on the network before it is parallelised
+        if cfg.diffusion.align.encoder is not None:
+            self.alignment = Alignment(cfg.diffusion.align, net, self.device)
+            self.data = self.alignment.cache(self.data)  # resident data: its targets once per image
         table = None
         if info.text_table is not None:  # captioned data: the network gathers their cached encodings
             table = info.text_table.to(self.device)
@@ -102,6 +108,9 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision.scaler else None
         self.bundle = ModelBundle.build(cfg, self.spec, self.device, net=self.model)
         self.ema = self.bundle.ema
+        images_per_step = d.batch_size * tc.grad_accum * world  # all ranks'
+        # post-hoc EMA profiles (optim/phema.py), snapshots by the ema_snapshots action; None when phema.every=0
+        self.phema = PowerEMA(self.model, cfg.phema.sigma_rels, images_per_step) if cfg.phema.every else None
         dg = cfg.diagnostics
         self.interference = None
         interference = dg.interference_every
@@ -128,7 +137,8 @@ class Trainer:
         cond = conditioning.for_data(self.spec, cfg.model.label_dropout, generators.labels, table, d.caption_dropout)
         self.parts = StepParts(self.model, self.objective, self.opt, generators, ema=self.ema, scaler=self.scaler,
                                conditioning=cond, precision=self.precision, grad_clip=o.grad_clip, counters=self.state,
-                               hooks=self.hooks, rank=rank, world_size=world, masked=d.mask != "none")
+                               hooks=self.hooks, rank=rank, world_size=world, masked=d.mask != "none",
+                               averages=(self.phema,) if self.phema is not None else (), align=self.alignment)
         # evaluations of the bundle (periodic/evaluation.py, the end of the run): every core of a one-process CPU run
         self._threads = partial(evaluation_threads, tc.threads, self.device.type == "cpu" and world == 1)
         self.evaluation = RunEvaluation(self.bundle, EvalSettings.from_config(cfg), cfg, self._threads)
@@ -139,7 +149,8 @@ class Trainer:
             model=self.model, optimizer=self.opt, ema=self.ema,
             states={"train": self.state, "lr_sched": self.lr_sched, "objective": self.objective, "data": self.data,
                     "interference": self.interference, "scaler": self.scaler},
-            rank_states={"rng": RankRNG(generators, tc.seed, self.state), "objective": self.objective})
+            rank_states={"rng": RankRNG(generators, tc.seed, self.state), "objective": self.objective},
+            averages={"phema": self.phema})
         # the step's body for one micro-batch: eager, or replayed from one CUDA graph (parallel/graphs.py decides)
         self.step_fn = graphs.step_function(partial(update, self.parts), self.parts, tc.cuda_graph,
                                             device=self.device, grad_accum=tc.grad_accum, announce=self.dist.is_main,
@@ -152,14 +163,14 @@ class Trainer:
         flops_per_image = 3 * forward_flops(cfg.model.name, in_channels=self.spec.channels,
                                             image_size=self.spec.image_size, num_classes=self.spec.num_classes,
                                             **plain(cfg.model.args), **text) if peak else None
-        self.throughput = periodic.Throughput(d.batch_size * tc.grad_accum * world, flops_per_image,
+        self.throughput = periodic.Throughput(images_per_step, flops_per_image,
                                               peak * world if peak else None)
         # what the periodic actions read, by name (periodic.RunParts; log, bar and clock: when the loop starts)
         self.run_parts = periodic.RunParts(
             state=self.state, model=self.model, ema=self.ema, objective=self.objective, spec=self.spec,
             device=self.device, dist=self.dist, run_dir=self.run_dir, checkpoints=self.checkpoints,
             lr_sched=self.lr_sched, hooks=self.hooks, interference=self.interference, evaluate=self.evaluation,
-            throughput=self.throughput)
+            throughput=self.throughput, phema=self.phema, alignment=self.alignment)
         self.views = {a: periodic.view(self.run_parts, a) for a in self.actions}  # each its declared parts
 
     @property

@@ -1,5 +1,6 @@
 """Checkpoints: the formats and reading them safely (formats.py), the run directory and its lock
-(run_dir.py), and the manager that saves and restores a trainer's named components (manager.py)."""
+(run_dir.py), the manager that saves and restores a trainer's named components (manager.py), and the
+post-hoc EMA snapshots in RUN/phema/ (snapshots.py)."""
 from ..errors import CheckpointError
 from .formats import (
                       FORMAT,

@@ -13,6 +13,9 @@ not the trainer:
   ema               `state_dict()` = {"n", "shadow": {name: tensor}}; the shadows are sharded like the model
   states            objects with `state_dict()`/`load_state_dict()` of plain data (None: not used in
                     this run), identical on every rank
+  averages          further averages of the weights by name (optim/phema.py's PowerEMA): `meta()` plain,
+                    `shadow_state()` tensors sharded like the model, `load_state_dict({**meta, "shadow"})`;
+                    a run that keeps one cannot resume a checkpoint without it
   rank_states       objects with `rank_state()` (this process's part) and
                     `load_rank_states(all ranks' parts, rank, world_size)`, which decides what a rank takes
                     when the world size changed
@@ -48,11 +51,12 @@ def config_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 class CheckpointManager:
     def __init__(self, run_dir: str | os.PathLike, dist, *, meta: dict, model, optimizer, ema, states: dict,
-                 rank_states: dict):
+                 rank_states: dict, averages: dict | None = None):
         self.run_dir, self.dist = Path(run_dir), dist
         self.meta, self.model, self.optimizer, self.ema = meta, model, optimizer, ema
         self.states = {k: v for k, v in states.items() if v is not None}
         self.rank_states = rank_states
+        self.averages = {k: v for k, v in (averages or {}).items() if v is not None}
 
     def latest(self) -> Path | None:
         return latest(self.run_dir)
@@ -63,8 +67,11 @@ class CheckpointManager:
 
         ranks = dist_utils.all_gather_objects({k: v.rank_state() for k, v in self.rank_states.items()})
         ema = self.ema.state_dict()
-        return {"format": FORMAT, **self.meta, "world_size": self.dist.world_size, "ranks": ranks,
-                **{k: v.state_dict() for k, v in self.states.items()}, "ema": {"n": ema["n"]}}
+        out = {"format": FORMAT, **self.meta, "world_size": self.dist.world_size, "ranks": ranks,
+               **{k: v.state_dict() for k, v in self.states.items()}, "ema": {"n": ema["n"]}}
+        if self.averages:
+            out["averages"] = {k: v.meta() for k, v in self.averages.items()}
+        return out
 
     def save(self, name: str = "last.pt") -> Path | None:
         """RUN/last.pt (one process) or RUN/dcp (several ranks; another `name` is then skipped: a
@@ -79,8 +86,12 @@ class CheckpointManager:
             if name != "last.pt":
                 return None
             state = {"model": model_sd, "optim": optim_sd, "ema": shadow, "extra": to_tensor(plain)}
+            if self.averages:
+                state["averages"] = {k: v.shadow_state() for k, v in self.averages.items()}
             return save_dcp(self.run_dir / "dcp", state, self.dist.is_main)
         plain["ema"]["shadow"] = shadow
+        for k, v in self.averages.items():
+            plain["averages"][k]["shadow"] = v.shadow_state()
         return save_file(self.run_dir / name, {**plain, "model": model_sd, "optimizer": optim_sd})
 
     def restore(self, path) -> dict:
@@ -100,12 +111,18 @@ class CheckpointManager:
             holder = {"model": lora.checkpoint_view(self.model, get_model_state_dict(self.model)),
                       "optim": get_optimizer_state_dict(self.model, self.optimizer),
                       "ema": self.ema.state_dict()["shadow"]}
+            self._check_averages(plain, path)
+            if self.averages:  # read in place into the live (sharded) tensors
+                holder["averages"] = {k: v.shadow_state() for k, v in self.averages.items()}
             load_dcp(path, holder)
+            for k in self.averages:
+                plain["averages"][k]["shadow"] = holder["averages"][k]
             model_sd, optim_sd, shadow, full = holder["model"], holder["optim"], holder["ema"], False
         else:
             plain = load_file(path)
             self._check_config(plain, path)
             model_sd, optim_sd, shadow, full = plain["model"], plain["optimizer"], plain["ema"]["shadow"], True
+            self._check_averages(plain, path)
         model_sd = lora.loadable(plain.get("lora"), self.model, model_sd, path, full)  # a LoRA run's recorded base
         world, rank = self.dist.world_size, self.dist.rank
         opts = StateDictOptions(full_state_dict=full and world > 1, strict=not (lora.identity(self.model) and not full))
@@ -117,12 +134,29 @@ class CheckpointManager:
                                   ) from None
         set_optimizer_state_dict(self.model, self.optimizer, optim_sd, options=opts)
         self.ema.load_state_dict({"n": plain["ema"]["n"], "shadow": shadow})
+        for k, v in self.averages.items():
+            v.load_state_dict(plain["averages"][k])
         for name, obj in self.states.items():
             if plain.get(name) is not None:
                 obj.load_state_dict(plain[name])
         for name, obj in self.rank_states.items():
             obj.load_rank_states([r[name] for r in plain["ranks"]], rank, world)
         return plain["config"]
+
+    def _check_averages(self, plain: dict, path) -> None:
+        """Every average this run keeps is in the checkpoint, with the settings it was written with (the
+        post-hoc EMA profiles track from step 0: a run that did not keep them cannot start them midway)."""
+        from ..errors import UserError
+
+        for k, v in self.averages.items():
+            saved = (plain.get("averages") or {}).get(k)
+            if saved is None:
+                raise CheckpointError(f"cannot resume {path}: it holds no {k} profiles (they were off when it was "
+                                      f"written, and they track from step 0): resume with {k}.every=0")
+            try:
+                v.check_meta(saved)
+            except UserError as e:
+                raise CheckpointError(f"cannot resume {path}: {e}") from None
 
     def _check_config(self, plain: dict, path) -> None:
         from omegaconf import OmegaConf

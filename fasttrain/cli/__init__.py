@@ -1,6 +1,7 @@
 """The command line (`fasttrain train|sample|eval|report|export|data`): `commands.py` (the parser, `train`,
 `report`, `export`, `data prepare`), `generate.py` (`sample` and `eval`, split across ranks), `common.py`
-(what they share: one-line errors, output paths, the checkpoint's bundle and the folders it reads).
+(what they share: one-line errors, output paths, the checkpoint's bundle and the folders it reads), `ema.py`
+(`fasttrain ema`: post-hoc EMA reconstructions, and `eval --sigma-rel`'s sweep).
 `python -m fasttrain.cli` runs it too (`__main__.py`; torchrun's `-m fasttrain.cli`)."""
 from .. import _names_of
 from ..parallel.cpu import prepare_openmp

@@ -5,6 +5,7 @@
     fasttrain eval --ckpt RUN [--n 500] [--ref FOLDER] [--ref-stats FILE.npz] [--samples DIR]
     fasttrain report RUN
     fasttrain export RUN --to diffusers OUT
+    fasttrain ema RUN --sigma-rel S [S ...] [--step N] [--out DIR]   (post-hoc EMA from phema.every snapshots)
     fasttrain data prepare ROOT [--vae FOLDER | --encoder module:function] [--latents-out DIR] [--pack]
                                 [--shards DIR] [--text-encoders PIPE]   (captions cached beside the latents,
                                                                          or with --shards in the shards)
@@ -66,6 +67,9 @@ def _positive(name: str):
 
 def _finite(name: str):
     return _checked(name, float, math.isfinite, "a finite number")
+
+
+_sigma_rel = _checked("--sigma-rel", float, lambda v: 0 < v < math.sqrt(1 / 12), "in (0, 0.2887)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -145,6 +149,21 @@ def _parser() -> argparse.ArgumentParser:
                          "the reference statistics are computed this many images at a time")
     ev.add_argument("--out", default=None, help="JSON file (default: RUN/eval.json)")
     ev.add_argument("--vae", default=None, help="latent runs: decode with this VAE folder (default: the recorded one)")
+    ev.add_argument("--sigma-rel", nargs="+", type=_sigma_rel, default=None, metavar="S",
+                    help="post-hoc EMA sweep: reconstruct each σ_rel from RUN's snapshots (fasttrain ema) and "
+                         "evaluate it; FID against σ_rel in RUN/ema/sweep-<step>.json and .png")
+    ev.add_argument("--step", type=_positive("--step"), default=None,
+                    help="with --sigma-rel: the snapshot step to reconstruct at (default: the last)")
+
+    em = sub.add_parser("ema", help="post-hoc EMA: the EMA of any length rebuilt from a run's snapshots "
+                                    "(train with phema.every=N)")
+    em.add_argument("run", help="run directory (its phema/ snapshots and its checkpoint)")
+    em.add_argument("--sigma-rel", nargs="+", type=_sigma_rel, required=True, metavar="S",
+                    help="relative EMA lengths to reconstruct (EDM2: the averaging profile's std / the training time), "
+                         "each in (0, 0.2887)")
+    em.add_argument("--step", type=_positive("--step"), default=None,
+                    help="the snapshot step to reconstruct at (default: the last)")
+    em.add_argument("--out", default=None, help="folder for phema-<step>-<σ_rel>.pt (default RUN/ema)")
 
     rp = sub.add_parser("report", help="write RUN/report.html")
     rp.add_argument("run", help="run directory")
@@ -206,10 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "train":  # flags may sit between overrides: argparse wants them after the positionals
         argv = ["train"] + [a for a in argv[1:] if not a.startswith("-")] + [a for a in argv[1:] if a.startswith("-")]
     args = _parser().parse_args(argv)
-    if args.command in ("sample", "eval", "report", "data", "export"):
+    if args.command in ("sample", "eval", "report", "data", "export", "ema"):
         try:
             return {"sample": _sample, "eval": _eval, "report": _report, "data": _data,
-                    "export": _export}[args.command](args)
+                    "export": _export, "ema": _ema}[args.command](args)
         except USER_ERRORS as e:
             if os.environ.get("FASTTRAIN_DEBUG") == "1":
                 raise
@@ -291,9 +310,21 @@ def _sample(args) -> int:
 
 
 def _eval(args) -> int:
+    if args.sigma_rel:  # a post-hoc EMA sweep (cli/ema.py)
+        from .ema import sweep
+
+        return sweep(args)
+    if args.step is not None:
+        raise InvalidInput("--step chooses the snapshot of a post-hoc EMA sweep: give --sigma-rel too")
     from .generate import evaluate
 
     return evaluate(args)
+
+
+def _ema(args) -> int:
+    from .ema import ema
+
+    return ema(args)
 
 
 def _report(args) -> int:

@@ -35,6 +35,12 @@ class MemoryStream(Position):
         return self
 
     def __next__(self):
+        idx = self.next_indices()
+        return self.x[idx], self.y[idx]
+
+    def next_indices(self) -> torch.Tensor:
+        """The rows of `x` and `y` the next batch takes (the stream advances): what reads per-image tables
+        beside the data uses it (the alignment's cached targets, diffusion/align.py)."""
         order, per_rank = self._order(self.epoch), self.n // self.world_size
         end = self.pos + self.batch_size
         if end <= per_rank:
@@ -45,4 +51,4 @@ class MemoryStream(Position):
             self.epoch, self.pos = self.epoch + 1, end - per_rank
         if self.pos == per_rank:
             self.epoch, self.pos = self.epoch + 1, 0
-        return self.x[idx], self.y[idx]
+        return idx

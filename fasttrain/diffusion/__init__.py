@@ -22,6 +22,7 @@ The modules, one concept each:
   `interference`    the cross-timestep interference diagnostic; `variation` (the loss CV)
   `solvers`         generation solvers (DDPM, DDIM, Heun, flow); `nelbo` (bits/dim)
   `dynamic_shift`   FLUX.1-dev's resolution-dependent flow shift at sampling (mu, the shift, re-tabling)
+  `align`           REPA-style representation alignment (diffusion.align): head, hooks, the added loss
 
 Extension points are registries (fasttrain/registry.py): a prediction type, a weighting or a timestep
 sampler is one module in this package that registers itself; every module here is imported below."""

@@ -1,7 +1,8 @@
 """Generation and evaluation of a trained model: `sampling.py` (a bundle's guided, seeded samples in chunks),
 `prompts.py` (a text run's encoders and prompt tables), `ranks.py` (sampling split across ranks by image index,
 resumable chunks, ADM's .npz), `evaluate.py` (FID / KID / precision-recall / bits per dim of a bundle),
-`features.py` (the offline digits extractor), `feature_stats.py` (features per chunk and reference
+`features.py` (the offline digits extractor), `digits_cnn.py` (the second, independent digits
+evaluator), `feature_stats.py` (features per chunk and reference
 statistics), `report.py` (the HTML report)."""
 
 

@@ -19,7 +19,7 @@ from ..data.kinds import Reference
 from ..diffusion.nelbo import nelbo_bits_per_dim
 from ..errors import InvalidInput, UserError
 
-EXTRACTORS = ("auto", "fasttrain-digits", "inception-v3-compat", "none")
+EXTRACTORS = ("auto", "fasttrain-digits", "fasttrain-digits-cnn", "inception-v3-compat", "none")
 
 
 @dataclass
@@ -33,6 +33,7 @@ class EvalSettings:
     bpd_samples: int = 400
     bpd_timesteps: int = 50
     seed: int = 1234
+    extra_extractors: tuple = ()  # FID in these features too, on the same samples: metrics fid_<name>
 
     def __post_init__(self):
         for key in ("num_samples", "bpd_samples"):
@@ -43,12 +44,16 @@ class EvalSettings:
                 raise InvalidInput(f"eval.{key} must be >= 1, got {getattr(self, key)}")
         if self.extractor not in EXTRACTORS:
             raise InvalidInput(f"unknown extractor {self.extractor!r}; choose from {', '.join(EXTRACTORS)}")
+        for x in self.extra_extractors:
+            if x not in EXTRACTORS[1:-1]:
+                raise InvalidInput(f"bad value for 'eval.extra_extractors': {x!r} (choose from "
+                                   f"{', '.join(EXTRACTORS[1:-1])})")
 
     @classmethod
     def from_config(cls, cfg) -> EvalSettings:
         e = cfg.eval
         return cls(e.num_samples, e.steps, cfg.sample.solver, e.extractor, e.weights_path, e.bpd, e.bpd_samples,
-                   e.bpd_timesteps, e.seed)
+                   e.bpd_timesteps, e.seed, tuple(e.get("extra_extractors", ())))
 
 
 class UInt8Images(Dataset):
@@ -66,25 +71,36 @@ class UInt8Images(Dataset):
 
 
 def fidelity(samples: torch.Tensor, reference: torch.Tensor, extractor: str = "fasttrain-digits",
-             weights_path: str | None = None, prc: bool = True) -> dict:
-    """FID, KID (mean ± std) and precision/recall of `samples` against `reference` (images in [-1, 1])."""
+             weights_path: str | None = None, prc: bool = True, kid: bool = True) -> dict:
+    """FID, KID (mean ± std) and precision/recall of `samples` against `reference` (images in [-1, 1]);
+    `kid=False`, `prc=False`: FID alone (KID's 100 subsets cost ~15× the FID of 512 digits on one thread)."""
     import torch_fidelity
 
     if extractor == "fasttrain-digits":
         from .features import _register
 
         _register()
+    elif extractor == "fasttrain-digits-cnn":  # the second, independent digits evaluator
+        from .digits_cnn import register
+
+        register()
     kwargs = dict(input1=UInt8Images(samples), input2=UInt8Images(reference), cuda=torch.cuda.is_available(),
-                  fid=True, kid=True, prc=prc, feature_extractor=extractor, verbose=False, cache=False,
+                  fid=True, kid=kid, prc=prc, feature_extractor=extractor, verbose=False, cache=False,
                   save_cpu_ram=True, kid_subset_size=min(len(samples), len(reference), 1000), batch_size=256)
     if weights_path:
         kwargs["feature_extractor_weights_path"] = weights_path
     m = torch_fidelity.calculate_metrics(**kwargs)
-    out = {"fid": m["frechet_inception_distance"], "kid": m["kernel_inception_distance_mean"],
-           "kid_std": m["kernel_inception_distance_std"]}
+    out = {"fid": m["frechet_inception_distance"]}
+    if kid:
+        out["kid"], out["kid_std"] = m["kernel_inception_distance_mean"], m["kernel_inception_distance_std"]
     if prc:
         out["precision"], out["recall"] = m["precision"], m["recall"]
     return out
+
+
+def extra_key(extractor: str) -> str:
+    """The metric name of FID in another extractor's features: fid_fasttrain_digits_cnn."""
+    return "fid_" + extractor.replace("-", "_")
 
 
 # -- reference data --------------------------------------------------------------------------------
@@ -131,6 +147,9 @@ def run_evaluation(bundle, settings: EvalSettings, reference: Reference) -> dict
                 x = None
             try:
                 out.update(fidelity(x, reference.train, extractor, settings.weights_path) if x is not None else {})
+                for extra in settings.extra_extractors if x is not None else ():  # the same samples, other features
+                    out[extra_key(extra)] = fidelity(x, reference.train, extra, settings.weights_path, prc=False,
+                                                              kid=False)["fid"]
             except Exception as e:  # e.g. Inception weights that cannot be downloaded
                 out["fidelity_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             if extractor == "fasttrain-digits" and x is not None:

@@ -37,6 +37,10 @@ class Extractor:
             from .features import _register
 
             _register()
+        elif name == "fasttrain-digits-cnn":
+            from .digits_cnn import register
+
+            register()
         if name not in FEATURE_EXTRACTORS_REGISTRY:
             raise InvalidInput(f"unknown feature extractor {name!r}")
         cls = FEATURE_EXTRACTORS_REGISTRY[name]

@@ -277,6 +277,14 @@ class DiffusersBackbone(nn.Module):
             return list(m.transformer_blocks)
         return [*m.down_blocks, *([m.mid_block] if m.mid_block is not None else []), *m.up_blocks]
 
+    def feature_blocks(self) -> list[nn.Module]:
+        """The blocks whose outputs are the network's intermediate features, in order (the d-th is what
+        diffusion.align aligns): a DiT's every transformer block, a UNet's down, mid and up blocks; none of
+        SD3's (its joint blocks return the text and the image tokens together)."""
+        if self.is_dit:
+            return list(self.model.transformer_blocks)
+        return [] if self.is_sd3 else self.repeated_blocks()
+
 
 def build(in_channels: int, image_size: int, num_classes: int = 0, out_channels: int | None = None,
           class_name: str = "UNet2DModel", config: dict | None = None, pretrained: str = "",

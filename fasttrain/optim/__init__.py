@@ -1,5 +1,6 @@
 """What updates the weights: `adamw.py` (the optimizer, skipping non-finite steps on the device) and
-`ema.py` (the EMA of the weights)."""
+`ema.py` (the EMA of the weights), `phema.py` (post-hoc EMA's power-function profiles, EDM2 §3) and
+`posthoc.py` (reconstructing any EMA length from their snapshots)."""
 
 
 from .. import _names_of

@@ -41,7 +41,7 @@ def step_function(body, parts, enabled: bool, *, device: torch.device, grad_accu
     if not enabled:
         return body
     reason = unsupported(device, parts.world_size, grad_accum, parts.objective, parts.scaler, parts.optimizer,
-                         fixed_shape)
+                         fixed_shape, getattr(parts, "align", None))
     if reason:
         if announce:
             print(f"fasttrain: train.cuda_graph: keeping the eager step ({reason})", file=sys.stderr)
@@ -50,10 +50,14 @@ def step_function(body, parts, enabled: bool, *, device: torch.device, grad_accu
 
 
 def unsupported(device: torch.device, world_size: int, grad_accum: int, objective, scaler, optimizer,
-                fixed_shape: bool = True) -> str | None:
-    """Why this step cannot be captured, or None."""
+                fixed_shape: bool = True, align=None) -> str | None:
+    """Why this step cannot be captured, or None. `align`: the step's representation alignment
+    (diffusion/align.py), whose cached targets are a new tensor per batch, read outside the graph."""
     if not fixed_shape:
         return "data.buckets: batch shapes change batch by batch, and a graph replays one shape"
+    if align is not None and align.cached:
+        return ("diffusion.align's cached targets are a new tensor per batch (diffusion.align.targets=step "
+                "computes them inside the graph)")
     if device.type != "cuda":
         return "CUDA graphs need a CUDA device"
     if world_size > 1:

@@ -3,7 +3,8 @@ run it reads, what it saves, and whether its time counts as training time. The t
 registered ones in their declared `order` after every optimizer step and knows none of them by name, so
 a new one (a profiler, another logger, FID every N steps) is one module in this package plus its test.
 The actions: `stats_sync.py` (statistics → sampler), `log.py` (the metric line), `nonfinite.py` (the
-non-finite stop), `checkpoint.py` (last.pt / dcp), `evaluation.py` (eval every N steps).
+non-finite stop), `checkpoint.py` (last.pt / dcp), `evaluation.py` (eval every N steps),
+`ema_snapshots.py` (post-hoc EMA snapshots), `align_log.py` (the alignment loss's line).
 
     @register("name")
     class MyAction(Periodic):
@@ -91,6 +92,8 @@ class RunParts:
     interference: Any = None    # the interference diagnostic (None: off)
     evaluate: Any = None        # generation.evaluate.RunEvaluation: () -> the bundle's metrics
     throughput: Any = None      # Throughput
+    phema: Any = None           # optim.phema.PowerEMA: the post-hoc EMA profiles (None: phema.every=0)
+    alignment: Any = None       # diffusion.align.Alignment: REPA's loss and its statistics (None: off)
     log: Any = None             # logger.MetricLogger (rank 0; a no-op elsewhere)
     bar: Any = None             # the progress bar
     clock: Any = None           # train_state.StepClock: the log interval's training time

@@ -2,4 +2,5 @@
 (CLIP / T5 through transformers), `lora.py` (LoRA adapters through peft), `kohya.py` (sd-scripts' LoRA
 key names), `lora_file.py` (LoRA files of either format ↔ an adapter; `model.lora.init`), `scheduler_config.py` (a
 pipeline's scheduler ↔ the run's schedule), `model_folders.py` (diffusers model folders on disk) and
-`file_hashes.py` (their files' digests)."""
+`file_hashes.py` (their files' digests); for representation alignment `encoders.py` (frozen image
+encoders: a transformers AutoModel folder or module:function) and `digits_encoder.py` (the digits' own)."""

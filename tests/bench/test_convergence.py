@@ -184,6 +184,9 @@ def test_each_arm_differs_from_its_controls_in_one_knob():
     for name, arm in ARMS.items():
         for c in arm.controls:
             diff = {knob(k) for k in resolved[name] if resolved[name][k] != resolved[c].get(k)}
+            if arm.runs == c:  # the post-hoc EMA: the control's own runs, averaged otherwise (the knob is not a key)
+                assert diff == set() and arm.posthoc, (name, c, diff)
+                continue
             assert len(diff) == 1, (name, c, diff)
             checked += 1
     assert checked >= 4
@@ -279,13 +282,17 @@ def test_the_default_the_full_set_and_their_projected_runs():
     --batches picks a full-set table alone; the pilot counts the runs the study will start."""
     import convergence
     from convergence_arms import ARMS, available
+    from convergence_phema import SIGMAS
     from convergence_pilot import plan_units
 
     usable = available(ARMS, convergence.has_key)
     default = convergence.select(convergence.parse([]), usable)
     assert {d: list(p[0]) for d, p in default.items()} == {"digits": [16], "checkerboard": [128]}
-    assert len(default["digits"][1]) >= 10 and {"mixed_min_snr", "min_snr_v", "mixed_min_snr_noaux", "edm2",
-                                                 "edm2_optimizer"} <= set(default["digits"][2][16])
+    digits16 = set(default["digits"][2][16])
+    assert len(default["digits"][1]) >= 10 and {"mixed_min_snr", "min_snr_v", "min_snr_eps", "phema", "align",
+                                                 "align_random", "logit_normal", "loss_second_moment",
+                                                 "adaptive_official", "edm2_learned_alone", "input_perturbation",
+                                                 "pseudo_huber_snr", "immiscible"} <= digits16
     full = convergence.select(convergence.parse(["--full"]), usable)
     assert list(full["digits"][0]) == [16, 4] and set(full["digits"][2][16]) == set(usable)
     small = convergence.select(convergence.parse(["--domain", "digits", "--batches", "4"]), usable)
@@ -293,9 +300,12 @@ def test_the_default_the_full_set_and_their_projected_runs():
     costs = {(d, b): {a: 1.0 for a in usable} for d, p in full.items() for b in p[0]}
     proj = plan_units(default, costs, {"digits": {512: {"units": 100.0}}, "checkerboard": {4000: {"units": 50.0}}},
                       {"digits": 300.0, "checkerboard": 100.0}, 8, {"digits": 512, "checkerboard": 4000})
-    # per seed: every arm, the baseline on the null seed, and on digits the held-out arm
-    assert proj["runs"] == 10 * (7 + 1 + 1) + 10 * (5 + 1)
-    assert proj["run_units"] == pytest.approx(90 * (300 + 960 + 9 * 100) + 60 * (100 + 600 + 9 * 50))
+    # per seed: every arm that trains (not phema: the baseline's runs), the combination (stage 2), the baseline on
+    # the null seed, and on digits the held-out arm; phema's evaluations: every σ_rel at the end, then its curve
+    trained = len(digits16) - 1
+    assert proj["runs"] == 10 * (trained + 1 + 1 + 1) + 10 * (5 + 1)
+    assert proj["run_units"] == pytest.approx(10 * (trained + 3) * (300 + 960 + 9 * 100) + 60 * (100 + 600 + 9 * 50))
+    assert proj["posthoc_units"] == pytest.approx(10 * (len(SIGMAS) + 7 + 8) * 100)
 
 
 def test_out_must_not_be_a_file(tmp_path, capsys):
@@ -307,7 +317,7 @@ def test_out_must_not_be_a_file(tmp_path, capsys):
     assert f.read_text() == "mine"
 
 
-def _fake_table(domain, batch, arms, seeds, steps, root, confirm):
+def _fake_table(domain, batch, arms, seeds, steps, root, confirm, sigma=None, metric=None):
     t = {"median": 1.0, "ci": [1.0, 1.0], "censored": 0, "n": len(seeds), "coverage": 1.0, "verdict": None, "vs": {}}
     rows = {a: {"recipe": arm.recipe, "source": arm.source, "controls": [], "seeds": len(seeds), "curves": {},
                 "targets": {"0.25": t, "0.5": t, "1.0": t}, "per_seed": [], "steps": steps}
