@@ -379,7 +379,9 @@ def test_init_from_a_lora_file_gives_its_outputs_and_trains_on(sd1, tmp_path, fm
         err, size = _same_at_step_0(sd1["run"], trainer, (4, 8, 8))
     finally:
         trainer.close()
-    assert err <= 1e-6 * max(1.0, size)
+    # float32 rounding through the UNet, which differs by CPU kernel (1.1e-6 of 1.04 on an AVX-512 Xeon); the
+    # issue's bar for the same LoRA read from two files is 1e-5
+    assert err <= 1e-5 * max(1.0, size)
     train(_init_cfg(sd1, tmp_path / "again", f"model.lora.init={sd1[fmt]}"))
     # stopped after 1 step and resumed without the file (the checkpoint holds the adapter): the same run
     copy = tmp_path / "copy"
