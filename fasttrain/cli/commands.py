@@ -210,6 +210,8 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--clip-skip", type=int, default=None,
                     help="with --text-encoders: CLIP layers skipped from the end")
     pr.add_argument("--caption-column", default="text", help="metadata.jsonl's caption column (default text)")
+    pr.add_argument("--prompt", default=None, help="with --text-encoders: every image's one caption, instead of "
+                    "caption files (diffusers' DreamBooth --instance_prompt / --class_prompt)")
     pr.add_argument("--mask", choices=("alpha", "file"), default=None, help="with --vae: also write each image's "
                     "loss mask on the latent grid (alpha: its alpha channel; file: NAME.mask.png beside it), for "
                     "data.mask (sd-scripts --masked_loss)")
@@ -374,10 +376,17 @@ def _data(args) -> int:
                            "with buckets train the image folder with data.buckets=true data.mask=...)")
     if args.text_encoders and not args.vae:
         raise InvalidInput("--text-encoders needs --vae: captions are cached beside VAE latents")
+    if args.prompt is not None and not args.text_encoders:
+        raise InvalidInput("--prompt is every image's caption: give --text-encoders PIPE to encode it")
+    if args.prompt is not None and not args.prompt.strip():
+        raise InvalidInput("--prompt is empty: give the instance or class prompt (e.g. \"a photo of sks dog\")")
     captioned_shards = bool(args.shards and args.vae and args.text_encoders)  # data/latent_shards.py
     if captioned_shards and (args.latents_out or args.pack or args.buckets):
         raise InvalidInput("--shards with --vae and --text-encoders writes the latents and captions into the shards: "
                            "drop --latents-out, --pack and --buckets")
+    if captioned_shards and args.prompt is not None:
+        raise InvalidInput("--prompt is for captioned latents (--latents-out), not captioned shards: write the "
+                           "prompt into each image's .txt caption instead")
     if captioned_shards and args.mask:
         raise InvalidInput("--mask is not stored in captioned shards (data.name=captioned_shards takes no loss mask): "
                            "write them beside latents instead (--vae --text-encoders --latents-out OUT --mask ...)")
@@ -437,7 +446,7 @@ def _data(args) -> int:
         from ..data.captioned import caption_job
 
         job = caption_job(json.loads(Path(res["manifest"]).read_text()), args.text_encoders, args.clip_skip,
-                          args.caption_column, args.allow_empty_captions)
+                          args.caption_column, args.allow_empty_captions, prompt=args.prompt)
     if args.vae:
         res.update(_encode_with_vae(args, res["manifest"]))
     if args.text_encoders:
