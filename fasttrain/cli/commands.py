@@ -199,9 +199,10 @@ def _parser() -> argparse.ArgumentParser:
     ci.add_argument("--image-size", type=_positive("--image-size"), default=512, help="image side in pixels")
     ci.add_argument("--batch-size", type=_positive("--batch-size"), default=4, help="images per sampling batch")
     ci.add_argument("--solver", choices=SOLVERS.names(), default=None,
-                    help="generation solver (default: sample.solver's default, ddim)")
+                    help="generation solver (default: ddim; flow pipelines: flow_euler)")
     ci.add_argument("--spacing", choices=SPACINGS, default=None,
-                    help="step spacing (default: the pipeline scheduler's timestep_spacing)")
+                    help="step spacing (default: the pipeline scheduler's timestep_spacing; flow pipelines: "
+                    "trailing)")
     pr = dsub.add_parser("prepare", help="check a folder, list corrupt files, write its manifest "
                                          "(optionally encode to .npy latents)")
     pr.add_argument("root", help="image folder (class subfolders give labels) or .npy latent folder")

@@ -117,6 +117,8 @@ def generate(pipe: str | Path, prompt: str, num: int, out: str | Path, *, seed: 
     _claim(out, record)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     b = base_bundle(pipe, image_size, device)
+    if b.cfg.diffusion.prediction == "flow":  # SD3 and Flux pipelines: FlowMatchEulerDiscreteScheduler's steps
+        solver, spacing = solver or "flow_euler", spacing or "trailing"
     solver, spacing = solver or b.cfg.sample.solver, spacing or b.cfg.sample.spacing
     runs, start = [], None  # consecutive missing indices, in chunks of batch_size
     for k, i in enumerate(todo):

@@ -221,3 +221,51 @@ def test_class_folder_with_unreadable_embeddings_count_is_refused(folders, tmp_p
     cfg = load_config("default", run_args({**folders, "cls": lat}))
     with pytest.raises(DataError, match="data.prior.root"):
         build_data(cfg.data, seed=0)
+
+
+def test_an_sdxl_prior_run_joins_the_micro_conditions(tmp_path):
+    """SDXL: pooled vectors and each image's micro-conditions joined with the class folder's."""
+    from text_fixtures import save_sdxl
+
+    pipe = save_sdxl(tmp_path / "xl")
+    inst = prepare(images(tmp_path / "i", 2, (200, 40, 40), 0), pipe, tmp_path / "i-lat", INSTANCE)
+    cls = prepare(images(tmp_path / "c", 3, (90, 90, 90), 1), pipe, tmp_path / "c-lat", CLASS)
+    folders = {"inst": inst, "cls": cls, "pipe": pipe}
+    cfg = load_config("default", run_args(folders))
+    _, info = build_data(cfg.data, seed=0)
+    t = info.text_table
+    assert t.rows == 2 + 3 + 1 and t.pooled.shape[0] == t.rows and t.time_ids.shape == (t.rows, 6)
+    assert main(["train", f"run_dir={tmp_path / 'r'}", "train.steps=2"] + run_args(folders)) == 0
+    assert len(losses(tmp_path / "r")) == 2
+
+
+def test_the_docs_dreambooth_example_runs_as_written(tmp_path, monkeypatch):
+    """docs/text-to-image.md's worked example: its Python, then each fasttrain command through the CLI."""
+    import shlex
+
+    pytest.importorskip("peft")
+    text = (Path(__file__).parents[2] / "docs" / "text-to-image.md").read_text()
+    section = text[text.index("## DreamBooth"):text.index("## Flag table")]
+    start = section.index("```bash\n") + len("```bash\n")
+    code = section[start:section.index("```\n", start)]
+    first, rest = code.split("\n", 1)
+    assert "save_sd1(Path('tiny-sd'))" in first
+    monkeypatch.chdir(tmp_path)
+    save_sd1(tmp_path / "tiny-sd")
+    py, rest = rest.split("<<'PY'\n", 1)[1].split("\nPY\n", 1)
+    exec(py, {})
+    ran = []
+    for line in rest.replace("\\\n", " ").splitlines():
+        argv = shlex.split(line, comments=True)
+        if not argv:
+            continue
+        assert argv[0] == "fasttrain"
+        extra = ["train.threads=1", "train.progress=false"] if argv[1] == "train" else []
+        assert main(argv[1:] + extra) == 0, line
+        ran.append(argv[1])
+    assert ran == ["data", "data", "data", "train", "sample", "export"]
+    assert len(list((tmp_path / "dog-class").glob("class-*.png"))) == 6
+    rows = [json.loads(r) for r in (tmp_path / "runs" / "dreambooth" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r][-1] == 10
+    assert len(list((tmp_path / "sks-dog-samples").glob("0000*.png"))) == 4
+    assert (tmp_path / "dreambooth-lora" / "pytorch_lora_weights.safetensors").is_file()

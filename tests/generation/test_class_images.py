@@ -93,3 +93,18 @@ def test_the_folders_own_images_count_and_other_settings_are_refused(pipe, tmp_p
     assert main(["data", "class-images", str(tmp_path / "nope"), "--prompt", PROMPT, "--num-images", "1", "--out",
                  str(tmp_path / "y")]) != 0
     assert "not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["sdxl", "flux"])
+def test_other_pipeline_families_make_class_images(tmp_path, family):
+    from flux_fixtures import save_flux
+    from text_fixtures import save_sdxl
+
+    base = (save_sdxl if family == "sdxl" else save_flux)(tmp_path / family)
+    assert make(base, tmp_path / "a", 2) == 0
+    record = json.loads((tmp_path / "a" / "class-images.json").read_text())
+    assert record["prompt"] == PROMPT and record["seed"] == 7
+    a0, a1 = pixels(tmp_path / "a" / "class-00000.png"), pixels(tmp_path / "a" / "class-00001.png")
+    assert a0.shape == (16, 16, 3) and np.abs(a0 - a1).max() > 1  # each image its own seed
+    assert make(base, tmp_path / "b", 1, "--seed", "8") == 0  # seed 8's image 0 is seed 7's image 1
+    assert np.array_equal(pixels(tmp_path / "b" / "class-00000.png"), a1)
