@@ -136,6 +136,13 @@ def test_prior_runs_train_and_resume_exactly(folders, tmp_path, extra):
     assert losses(tmp_path / "c")[0] != la[0]
 
 
+def test_prior_runs_with_the_adaptive_sampler_and_accumulation(folders, tmp_path):
+    """The paired batches (x, y, weight) through gradient accumulation and a learned sampler's look-ahead."""
+    assert main(["train", f"run_dir={tmp_path / 'r'}", "train.steps=2", "diffusion.sampler=adaptive",
+                 "diffusion.stats_every=1", "train.grad_accum=2"] + run_args(folders)) == 0
+    assert len(losses(tmp_path / "r")) == 2
+
+
 def test_instance_masks_multiply_the_prior_weights():
     from fasttrain.data.prior import PriorBatches
 
