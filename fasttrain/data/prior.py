@@ -151,6 +151,17 @@ def class_folder(d, instance: dict, embeddings: str) -> tuple[dict, dict]:
     return m, saved
 
 
+def prompted(d, saved: dict, which: str, flag: str) -> None:
+    """Every caption of `saved` has text: a row equal to the empty prompt's (the last, encoded by the same
+    encoders) is an image prepared without its prompt (--allow-empty-captions)."""
+    states = saved["states"]
+    empty = (states[:-1] == states[-1:]).flatten(1).all(1)
+    if bool(empty.any()):
+        raise DataError(f"data.prior.root={d.prior.root}: {int(empty.sum())} {which} caption(s) are the empty "
+                        f"prompt: prior preservation trains the {which} images under their prompt (`data prepare "
+                        f"... --prompt {flag}`)")
+
+
 def joined(instance: dict, classes: dict) -> dict:
     """One table's encodings: the instance captions, the class captions, then the empty prompt (the
     instance folder's last row; both folders encode "" with the same encoders)."""
@@ -191,6 +202,8 @@ def build(kind, d, at, m: dict, saved: dict, embeddings: str):
     if masked:
         kind.check_masks(d, m)
     cm, csaved = class_folder(d, m, embeddings)
+    prompted(d, saved, "instance", '"a photo of sks dog"')
+    prompted(d, csaved, "class", '"a photo of a dog"')
     ds = pairs(d, d.root, m, cm, masked)
     shapes_agree(d, ds)
     shape = ds.instance.shape()

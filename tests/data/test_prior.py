@@ -276,3 +276,14 @@ def test_the_docs_dreambooth_example_runs_as_written(tmp_path, monkeypatch):
     assert [r["step"] for r in rows if "loss" in r][-1] == 10
     assert len(list((tmp_path / "sks-dog-samples").glob("0000*.png"))) == 4
     assert (tmp_path / "dreambooth-lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_instance_images_without_their_prompt_are_refused(folders, tmp_path):
+    """An instance folder prepared with --allow-empty-captions and no --prompt: no instance prompt."""
+    bare = tmp_path / "bare-lat"
+    assert main(["data", "prepare", str(images(tmp_path / "bare", 2, (9, 9, 9), 5)), "--vae", str(folders["pipe"]),
+                 "--vae-subfolder", "vae", "--text-encoders", str(folders["pipe"]), "--allow-empty-captions",
+                 "--latents-out", str(bare), "--image-size", "16"]) == 0
+    cfg = load_config("default", run_args({**folders, "inst": bare}))
+    with pytest.raises(DataError, match="data.prior.root.*2 instance caption.*--prompt"):
+        build_data(cfg.data, seed=0)
