@@ -8,7 +8,11 @@ optimizer settings:
              calls: `accelerator.backward(loss)` is `loss.backward()`, `gather` of one process the tensor.
              Two deliberate differences, the same for both loops: the latents and the text encoder's
              hidden states are cached (the script runs the VAE and the text encoder every step, L967-968
-             and L993), and the batch is indexed from tensors instead of a DataLoader.
+             and L993), and the batch is indexed from tensors instead of a DataLoader. With
+             `prior_loss_weight` (DreamBooth prior preservation) the loss is that of
+             examples/dreambooth/train_dreambooth_lora.py (L1315-1327 at the same commit; its step is the
+             same up to the loss): each batch's first half is the instance rows, its second the class rows
+             (its collate_fn), and loss = mse(first half) + prior_loss_weight · mse(second half).
   Fasttrain  fasttrain's own step (fasttrain/step.py `train_step`) on the network as the trainer builds it
              (bundle.py: a `Denoiser` around the diffusers backbone), the caption codes gathered from a
              `TextTable` of the same embeddings (conditioning.py), its fused noise and loss ops.
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 
 from fasttrain import diffusion as fd
 from fasttrain.conditioning import TextCaptions, TextTable, attach
+from fasttrain.data.prior import halves
 from fasttrain.diffusion.denoiser import Denoiser, PredictionOutput
 from fasttrain.kernels import philox
 from fasttrain.models import build_model
@@ -52,6 +57,7 @@ class Setup:
     lr: float = 1e-4                 # the script's defaults: L334-337, L410-414
     use_ema: bool = False
     seed: int = 0
+    prior_loss_weight: float | None = None  # DreamBooth: each batch's first half instance, second half class rows
 
     def unet_config(self) -> dict:
         return {"block_out_channels": list(self.channels), "layers_per_block": 1, "norm_num_groups": 8,
@@ -105,8 +111,13 @@ class FasttrainLoop:
         gens = Generators(torch.Generator(device).manual_seed(setup.seed + 2),
                           torch.Generator(device).manual_seed(setup.seed + 3))
         ema = EMA(self.model, decay=0.9999) if setup.use_ema else None  # EMAModel's default decay
+        prior = setup.prior_loss_weight is not None  # the prior's weights ride on the loss op's mask (data/prior.py)
         self.parts = StepParts(self.model, self.objective, adamw(self.model.parameters(), setup), gens, ema=ema,
-                               conditioning=TextCaptions(self.table, 0.0, gens.labels), grad_clip=1.0)
+                               conditioning=TextCaptions(self.table, 0.0, gens.labels), grad_clip=1.0, masked=prior)
+        self.weights = None
+        if prior:
+            w = halves(setup.batch // 2, setup.prior_loss_weight, self.device)
+            self.weights = w.expand(setup.batch, 1, setup.size, setup.size).contiguous()
         self.i = 0
 
     @property
@@ -123,7 +134,8 @@ class FasttrainLoop:
         return t, eps
 
     def step(self, rows: torch.Tensor) -> torch.Tensor:
-        loss, _ = train_step(self.parts, [(self.latents[rows], rows)], step=self.i)
+        batch = (self.latents[rows], rows) + (() if self.weights is None else (self.weights,))
+        loss, _ = train_step(self.parts, [batch], step=self.i)
         self.i += 1
         return loss
 
@@ -167,7 +179,13 @@ class PeerLoop:
         else:
             target = sched.get_velocity(latents, noise, timesteps)
         model_pred = self.unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]  # L1020
-        if setup.snr_gamma is None:                                # L1022-1023
+        if setup.prior_loss_weight is not None:                    # train_dreambooth_lora.py L1315-1327
+            model_pred, model_pred_prior = torch.chunk(model_pred, 2, dim=0)
+            target, target_prior = torch.chunk(target, 2, dim=0)
+            loss = F.mse_loss(model_pred.float(), target.float(), reduction="mean")
+            prior_loss = F.mse_loss(model_pred_prior.float(), target_prior.float(), reduction="mean")
+            loss = loss + setup.prior_loss_weight * prior_loss
+        elif setup.snr_gamma is None:                              # L1022-1023
             loss = F.mse_loss(model_pred.float(), target.float(), reduction="mean")
         else:                                                      # L1024-1039: Min-SNR-γ (Hang et al. 2023, §3.4)
             from diffusers.training_utils import compute_snr

@@ -46,6 +46,20 @@ def _f(default, help: str, *, min=None, above=None, below=None, max=None, finite
 
 
 @dataclass
+class PriorConfig:
+    root: Optional[str] = _f(None, "DreamBooth prior preservation (diffusers --with_prior_preservation "
+                             "--class_data_dir, sd-scripts --reg_data_dir): the class latents (`data prepare "
+                             "CLASS_IMAGES --vae PIPE --text-encoders PIPE --prompt CLASS_PROMPT`; class images from "
+                             "the base: `fasttrain data class-images`); each batch is data.batch_size instance latents "
+                             "followed by as many class latents (data.name=captioned_latents); None = off")
+    weight: float = _f(1.0, "prior_loss_weight: the loss is mse(instance half) + weight · mse(class half), as "
+                       "diffusers' train_dreambooth*.py (sd-scripts --prior_loss_weight)", min=0, max=1e3,
+                       usual=(0, 2))
+    num_images: Optional[int] = _f(None, "train on the first num_images class latents only (diffusers "
+                                   "--num_class_images: min(the folder's, num_images)); None: all", min=1)
+
+
+@dataclass
 class DataConfig:
     name: str = _f("digits",
                    "the data set: built in (digits, 2-D toys, synthetic Gaussian latents for benchmarks) or a folder")
@@ -86,6 +100,7 @@ class DataConfig:
     mask: str = _f("none", "loss mask per image (sd-scripts --masked_loss): alpha (the image's alpha channel, "
                    "--alpha_mask) | file (a grayscale NAME.mask.png beside it, white = train) | none; image folders, "
                    "and latents prepared with `data prepare --vae --mask`", choices=("none", "alpha", "file"))
+    prior: PriorConfig = field(default_factory=PriorConfig)
 
 
 @dataclass

@@ -222,6 +222,10 @@ def _validate(cfg: DictConfig) -> None:
         sched = schedule_of(d)
     with _Key("diffusion.prediction", cfg):
         objective_class(d.prediction).check_config(d, sched, args)
+    if cfg.data.prior.root is not None and not objective_class(d.prediction).masked_loss:
+        raise ConfigError(f"bad value for 'data.prior.root': {cfg.data.prior.root!r} (the prior's weights ride on the "
+                          f"loss op's per-pixel weight, which diffusion.prediction={d.prediction} does not take; use "
+                          f"eps, x0, v or flow)")
     if cfg.data.mask != "none" and not objective_class(d.prediction).masked_loss:
         raise ConfigError(f"bad value for 'data.mask': {cfg.data.mask!r} (diffusion.prediction={d.prediction} trains "
                           f"with a loss op that takes no per-pixel weight; the masked loss needs eps, x0, v or flow)")

@@ -137,7 +137,8 @@ class Trainer:
         cond = conditioning.for_data(self.spec, cfg.model.label_dropout, generators.labels, table, d.caption_dropout)
         self.parts = StepParts(self.model, self.objective, self.opt, generators, ema=self.ema, scaler=self.scaler,
                                conditioning=cond, precision=self.precision, grad_clip=o.grad_clip, counters=self.state,
-                               hooks=self.hooks, rank=rank, world_size=world, masked=d.mask != "none",
+                               hooks=self.hooks, rank=rank, world_size=world,
+                               masked=d.mask != "none" or info.loss_weights,  # data.prior's weights ride on the mask
                                averages=(self.phema,) if self.phema is not None else (), align=self.alignment)
         # evaluations of the bundle (periodic/evaluation.py, the end of the run): every core of a one-process CPU run
         self._threads = partial(evaluation_threads, tc.threads, self.device.type == "cpu" and world == 1)

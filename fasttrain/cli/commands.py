@@ -10,6 +10,8 @@
                                 [--shards DIR] [--text-encoders PIPE]   (captions cached beside the latents,
                                                                          or with --shards in the shards)
     fasttrain sample --ckpt RUN --prompt TEXT [--negative-prompt TEXT] --guidance 4 --out DIR   (text runs)
+    fasttrain data class-images PIPE --prompt TEXT --num-images N --out DIR [--seed S]   (DreamBooth class
+                                images from the base, resumable: generation/class_images.py)
 
 `sample` and `eval` also run under torchrun (`--num-samples` for `--n` there): the images split across
 ranks by index, resumable (generation/ranks.py).
@@ -182,6 +184,25 @@ def _parser() -> argparse.ArgumentParser:
 
     da = sub.add_parser("data", help="data-set tools")
     dsub = da.add_subparsers(dest="data_command", parser_class=_Parser)
+    ci = dsub.add_parser("class-images", help="DreamBooth prior preservation: make the class images a folder "
+                         "lacks with the base pipeline (diffusers --class_data_dir --num_class_images; seeded per "
+                         "image, resumable)")
+    ci.add_argument("pipeline", help="the base pipeline folder (its denoiser, VAE and text encoders)")
+    ci.add_argument("--prompt", required=True, help="the class prompt (diffusers --class_prompt)")
+    ci.add_argument("--num-images", type=_positive("--num-images"), required=True,
+                    help="images the folder should hold, its own included (diffusers --num_class_images)")
+    ci.add_argument("--out", required=True, help="the class image folder (diffusers --class_data_dir)")
+    ci.add_argument("--seed", type=int, default=0, help="class image i draws its noise from the seed + i")
+    ci.add_argument("--steps", type=_positive("--steps"), default=25, help="sampling steps")
+    ci.add_argument("--guidance", type=_finite("--guidance"), default=7.5, help="classifier-free guidance scale")
+    ci.add_argument("--negative-prompt", default="", help="guidance's unconditional side (default the empty prompt)")
+    ci.add_argument("--image-size", type=_positive("--image-size"), default=512, help="image side in pixels")
+    ci.add_argument("--batch-size", type=_positive("--batch-size"), default=4, help="images per sampling batch")
+    ci.add_argument("--solver", choices=SOLVERS.names(), default=None,
+                    help="generation solver (default: ddim; flow pipelines: flow_euler)")
+    ci.add_argument("--spacing", choices=SPACINGS, default=None,
+                    help="step spacing (default: the pipeline scheduler's timestep_spacing; flow pipelines: "
+                    "trailing)")
     pr = dsub.add_parser("prepare", help="check a folder, list corrupt files, write its manifest "
                                          "(optionally encode to .npy latents)")
     pr.add_argument("root", help="image folder (class subfolders give labels) or .npy latent folder")
@@ -210,6 +231,8 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--clip-skip", type=int, default=None,
                     help="with --text-encoders: CLIP layers skipped from the end")
     pr.add_argument("--caption-column", default="text", help="metadata.jsonl's caption column (default text)")
+    pr.add_argument("--prompt", default=None, help="with --text-encoders: every image's one caption, instead of "
+                    "caption files (diffusers' DreamBooth --instance_prompt / --class_prompt)")
     pr.add_argument("--mask", choices=("alpha", "file"), default=None, help="with --vae: also write each image's "
                     "loss mask on the latent grid (alpha: its alpha channel; file: NAME.mask.png beside it), for "
                     "data.mask (sd-scripts --masked_loss)")
@@ -358,6 +381,8 @@ def _export(args) -> int:
 
 
 def _data(args) -> int:
+    if args.data_command == "class-images":
+        return _class_images(args)
     if args.data_command != "prepare":
         _parser().parse_args(["data", "--help"])
         return 2
@@ -374,10 +399,17 @@ def _data(args) -> int:
                            "with buckets train the image folder with data.buckets=true data.mask=...)")
     if args.text_encoders and not args.vae:
         raise InvalidInput("--text-encoders needs --vae: captions are cached beside VAE latents")
+    if args.prompt is not None and not args.text_encoders:
+        raise InvalidInput("--prompt is every image's caption: give --text-encoders PIPE to encode it")
+    if args.prompt is not None and not args.prompt.strip():
+        raise InvalidInput("--prompt is empty: give the instance or class prompt (e.g. \"a photo of sks dog\")")
     captioned_shards = bool(args.shards and args.vae and args.text_encoders)  # data/latent_shards.py
     if captioned_shards and (args.latents_out or args.pack or args.buckets):
         raise InvalidInput("--shards with --vae and --text-encoders writes the latents and captions into the shards: "
                            "drop --latents-out, --pack and --buckets")
+    if captioned_shards and args.prompt is not None:
+        raise InvalidInput("--prompt is for captioned latents (--latents-out), not captioned shards: write the "
+                           "prompt into each image's .txt caption instead")
     if captioned_shards and args.mask:
         raise InvalidInput("--mask is not stored in captioned shards (data.name=captioned_shards takes no loss mask): "
                            "write them beside latents instead (--vae --text-encoders --latents-out OUT --mask ...)")
@@ -437,7 +469,7 @@ def _data(args) -> int:
         from ..data.captioned import caption_job
 
         job = caption_job(json.loads(Path(res["manifest"]).read_text()), args.text_encoders, args.clip_skip,
-                          args.caption_column, args.allow_empty_captions)
+                          args.caption_column, args.allow_empty_captions, prompt=args.prompt)
     if args.vae:
         res.update(_encode_with_vae(args, res["manifest"]))
     if args.text_encoders:
@@ -464,6 +496,24 @@ def _data(args) -> int:
         index = pack(folder)
         print(f"packed {index['count']} latents of shape {index['shape']} into {folder / PACKED} (data.name=packed "
               f"data.root={folder})")
+    return 0
+
+
+def _class_images(args) -> int:
+    from ..generation.class_images import generate
+
+    if not Path(args.pipeline).is_dir():
+        raise InvalidInput(f"the base pipeline {args.pipeline!r} is not a folder")
+    out_dir(args.out, create=False, flag="--out")
+    check_output(args.out, "--out", {"the base pipeline": args.pipeline})
+    r = generate(args.pipeline, args.prompt, args.num_images, args.out, seed=args.seed, steps=args.steps,
+                 guidance=args.guidance, negative_prompt=args.negative_prompt, image_size=args.image_size,
+                 batch_size=args.batch_size, solver=args.solver, spacing=args.spacing,
+                 progress=True)
+    print(f"{args.out}: {r['total']} class images ({r['own']} of its own, {r['kept']} made before, {r['made']} made "
+          f"now); next: fasttrain data prepare {args.out} --vae {args.pipeline} --vae-subfolder vae --text-encoders "
+          f"{args.pipeline} --prompt {args.prompt!r} --image-size {args.image_size} --latents-out LATENTS, then "
+          f"data.prior.root=LATENTS")
     return 0
 
 

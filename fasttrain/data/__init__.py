@@ -11,6 +11,7 @@ The kinds, one module per kind or family:
   `shards.py`          `shards`: WebDataset tar shards of images, one global seeded order split by rank
   `latent_shards.py`   `captioned_shards`: tar shards of VAE latents with their captions' encodings
   `captioned.py`       `captioned_latents`, `captioned_digits`: latents with cached caption encodings
+  `prior.py`           `data.prior`: captioned latents paired with DreamBooth class latents (prior preservation)
 What they share: `streamed.py` (a folder's manifest and its stream), `dali.py` (NVIDIA DALI) and
 `loader.py` (a torch DataLoader), `order.py` (the epoch order and augmentation draws every backend reads),
 `folder.py` (folder data sets), `images.py` (decoding one image), `layout.py` (a folder's files and labels),

@@ -69,15 +69,19 @@ def _time_ids(root: Path, files: list[str], image_size: int) -> torch.Tensor:
 
 
 def caption_job(image_manifest: dict, folder: str, clip_skip: int | None = None, column: str = "text",
-                allow_empty: bool = False, device=None) -> tuple[list[list[str]], object]:
+                allow_empty: bool = False, device=None, prompt: str | None = None) -> tuple[list[list[str]], object]:
     """(every image's captions, the loaded text encoders): what `encode_captions` needs, read and checked
     before anything is encoded or written (a missing caption or a damaged encoder folder is one line, and
-    no latents are left without their captions)."""
+    no latents are left without their captions). `prompt`: every image's one caption instead of its
+    caption files (diffusers' DreamBooth --instance_prompt / --class_prompt; data/prior.py)."""
     from ..pretrained.text_encoders import TextEncoders
     from .captions import captions_for
 
     files = [str(rel) for rel, _ in image_manifest["files"]]
-    caps = captions_for(Path(image_manifest["root"]), files, column, allow_empty)
+    if prompt is not None:
+        caps = [[prompt] for _ in files]
+    else:
+        caps = captions_for(Path(image_manifest["root"]), files, column, allow_empty)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return caps, TextEncoders.load(folder, clip_skip, device)
 
@@ -130,9 +134,14 @@ class CaptionedLatents(LatentFolder):
     traits = Traits(images=True, pixels=False, resident=False, needs_root=True, latents=True, sized_by_config=False,
                     conditioning="text")
 
+    prior = True
+
     def check(self, d) -> None:
+        from .prior import check as check_prior
+
         super().check(d)
         _refuse_shuffle(d)
+        check_prior(d)
 
     def build(self, d, at: Placement, backend: str):
         from .streamed import check_folder_args, folder_manifest
@@ -150,7 +159,13 @@ class CaptionedLatents(LatentFolder):
                             f"`fasttrain data prepare` again")
         # each image's label is its own index: its caption group (conditioning.TextCaptions)
         indexed = {**m, "files": [[rel, i] for i, (rel, _) in enumerate(m["files"])], "classes": []}
-        stream, info = super().build_from(d, at, backend, indexed)
+        if d.prior.root is not None:  # DreamBooth: paired with class latents (prior.py)
+            from .prior import build as paired
+
+            stream, info, saved = paired(self, d, at, indexed, saved, EMBEDDINGS)
+            counts = saved["counts"]
+        else:
+            stream, info = super().build_from(d, at, backend, indexed)
         enc = {"states": saved["states"], "mask": saved["mask"], "pooled": saved.get("pooled")}
         info.text_table = table_of(enc, counts.tolist(), saved.get("time_ids"))
         info.text = {k: section[k] for k in ("encoders", "family", "length", "width", "pooled", "micro", "prompts")}

@@ -76,6 +76,7 @@ class DataInfo:
     text: dict | None = None  # captioned kinds: the text encoders' identity and shapes (data/captioned.py)
     text_table: object = None  # captioned kinds: their cached encodings (conditioning.TextTable), not recorded
     fixed_shape: bool = True  # every batch has one shape (not with aspect-ratio buckets: a CUDA graph replays one)
+    loss_weights: bool = False  # batches carry a per-pixel loss weight after their labels (data.prior: prior.py)
 
 
 class DataKind:
@@ -85,6 +86,7 @@ class DataKind:
     trainable: bool = True
     buckets: bool = False  # takes aspect-ratio buckets (data.buckets, buckets.py)
     masks: bool = False  # takes per-image loss masks (data.mask, masks.py)
+    prior: bool = False  # takes DreamBooth class latents (data.prior, prior.py)
 
     def check(self, d) -> None:
         """What this kind needs of the `data` config group beyond the field types: InvalidInput naming
@@ -94,6 +96,10 @@ class DataKind:
         if getattr(d, "buckets", False) and not self.buckets:
             raise InvalidInput(f"bad value for 'data.buckets': True (aspect-ratio buckets are for image folders, "
                                f"not data.name={self.name})")
+        prior = getattr(d, "prior", None)
+        if prior is not None and prior.root is not None and not self.prior:
+            raise InvalidInput(f"bad value for 'data.prior.root': {prior.root!r} (prior preservation pairs captioned "
+                               f"latents with class latents: data.name=captioned_latents, not {self.name})")
         if getattr(d, "mask", "none") != "none" and not self.masks:
             raise InvalidInput(f"bad value for 'data.mask': {d.mask!r} (loss masks are for image folders "
                                f"(data.name=folder) and latents prepared with `fasttrain data prepare --vae --mask` "

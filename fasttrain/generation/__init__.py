@@ -3,7 +3,8 @@
 resumable chunks, ADM's .npz), `evaluate.py` (FID / KID / precision-recall / bits per dim of a bundle),
 `features.py` (the offline digits extractor), `digits_cnn.py` (the second, independent digits
 evaluator), `feature_stats.py` (features per chunk and reference
-statistics), `report.py` (the HTML report)."""
+statistics), `report.py` (the HTML report), `class_images.py` (DreamBooth class images made by a base pipeline
+folder's own model, seeded per image and resumable: `fasttrain data class-images`)."""
 
 
 from .. import _names_of
