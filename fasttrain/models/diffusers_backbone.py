@@ -246,6 +246,10 @@ class DiffusersBackbone(nn.Module):
                  "time_ids": x.new_zeros(b, 6) if r.get("micro") else None}
         else:
             g = self.text_table.gather(y, x.shape[0], x.dtype)
+            if "ids" in g:  # text-encoder LoRA (pretrained/text_lora.py): the adapted encoders run here, on token ids
+                states, pooled = self.text_encoders(g["ids"])
+                g = {"states": states.to(x.dtype), "time_ids": g["time_ids"],
+                     "pooled": None if pooled is None else pooled.to(x.dtype)}
         kw = {"encoder_hidden_states": g["states"]}
         if self.is_sd3:  # StableDiffusion3Pipeline: CLIP-L+G (padded) ++ T5 states, CLIP-L ++ CLIP-G pooled
             kw["pooled_projections"] = g["pooled"]
