@@ -158,6 +158,7 @@ def _validate(cfg: DictConfig) -> None:
             args = plain(cfg.model.args)
     from .pretrained import lora
 
+    _check_text_encoder(cfg, data_kind(cfg.data.name), args)
     if lora.enabled(cfg):  # the adapter against the network it adapts, before any file is written
         with _Key("model.lora.rank", cfg):
             lora.check_config(cfg)
@@ -193,7 +194,6 @@ def _validate(cfg: DictConfig) -> None:
                           f"with flow prediction: diffusion.schedule=flow diffusion.prediction=flow, and SD3's "
                           f"diffusion.flow_shift=3.0; a pretrained pipeline's scheduler sets them)")
     lc = cfg.model.lora
-    _check_text_encoder(cfg, data, args)
     if lc.init is not None and not lc.rank:
         raise ConfigError(f"bad value for 'model.lora.init': {lc.init!r} (a LoRA file starts an adapter: set "
                           f"model.lora.rank, and model.lora.alpha, to the file's)")

@@ -170,8 +170,26 @@ def apply(net: nn.Module, cfg, spec) -> None:
                                .replace("of the network", "of the text encoder")) from None
         e.requires_grad_(False)
         lora.peft().inject_adapter_in_model(config, e)
+    _freeze_unused(enc)
     backbone = getattr(net, "net", net)
     backbone.text_encoders = LiveEncoders(enc)
+
+
+def _freeze_unused(enc) -> None:
+    """Freeze the adapters of the layers whose output the run never reads (SD 1.x/2.x with clip_skip k: the last
+    k layers; SDXL's first encoder: the last k + 1, as its states are the penultimate layer's and it gives no
+    pooled vector): they get no gradient and no optimizer state, so they stay zero (B = 0), as in diffusers' and
+    sd-scripts' runs, and the checkpoint's optimizer state covers every parameter that trains."""
+    import re
+
+    k = enc.clip_skip or 0
+    for index, e in enumerate(enc.encoders):
+        layers = e.config.num_hidden_layers
+        used = layers - k if enc.family == "sd1" else layers - k - 1 if index == 0 else layers
+        for name, p in e.named_parameters():
+            m = re.search(r"encoder\.layers\.(\d+)\.", name)
+            if "lora_" in name and m and int(m.group(1)) >= used:
+                p.requires_grad_(False)
 
 
 def parameter_groups(model: nn.Module, o) -> list:
@@ -193,3 +211,16 @@ def prompt_table(live: LiveEncoders, prompts: list[str], negative: str, time_ids
     if time_ids is not None:
         time_ids = torch.cat([time_ids.float(), torch.zeros(1, time_ids.shape[1])])
     return table(live, list(prompts), [1] * len(prompts), time_ids, negative)
+
+
+def adapter_state(encoder: nn.Module) -> dict:
+    """peft's LoRA layers of an adapted text encoder (get_peft_model_state_dict: ...q_proj.lora_A.weight), the
+    names diffusers' save_lora_weights takes as text_encoder_lora_layers (train_dreambooth_lora.py)."""
+    from peft.utils import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(encoder)
+
+
+def adapter_config(encoder: nn.Module) -> dict:
+    """The adapter's LoraConfig as a dict (the metadata diffusers keeps with the weights: rank, alpha)."""
+    return encoder.peft_config["default"].to_dict()
