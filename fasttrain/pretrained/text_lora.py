@@ -129,6 +129,10 @@ def table(live: LiveEncoders, captions: list[str], counts: list[int], time_ids: 
 def run_table(net: nn.Module, cached, captions: list | None, where: str) -> LiveTable:
     """The training table of a text-encoder LoRA run from its data's cached table (`cached`: conditioning.TextTable,
     its groups and time_ids) and the captions' text (DataInfo.captions)."""
+    if captions is None and getattr(cached, "per_batch", False):
+        raise DataError(f"bad value for '{KEY}': True (captioned shards carry caption encodings, not the captions' "
+                        f"text the live encoders read: train on a captioned_latents folder from `fasttrain data "
+                        f"prepare`)")
     if captions is None:
         raise DataError(f"bad value for '{KEY}': True ({where} holds the caption encodings but not the captions' "
                         f"text the live encoders read: prepare it again with `fasttrain data prepare IMAGES --vae PIPE "
