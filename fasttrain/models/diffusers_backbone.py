@@ -206,7 +206,9 @@ def _fit(cfg: dict, key: str, want, strict: bool, what: str) -> None:
 class DiffusersBackbone(nn.Module):
     """A diffusers UNet2DModel, DiTTransformer2DModel or UNet2DConditionModel with fasttrain's
     forward(x, t, y) → prediction. A text-conditioned one reads y as caption codes into `text_table`
-    (conditioning.TextTable, attached by the trainer or the bundle; not a buffer: never in a checkpoint)."""
+    (conditioning.TextTable, attached by the trainer or the bundle; not a buffer: never in a checkpoint); with
+    text-encoder LoRA the table holds token ids (pretrained/text_lora.LiveTable) and `text_encoders`, a submodule,
+    encodes them in the forward."""
 
     def __init__(self, model: nn.Module, num_classes: int, null_row: int | None, out_channels: int | None = None,
                  text: dict | None = None, flow_sigma: torch.Tensor | None = None):
