@@ -185,10 +185,58 @@ def test_sd1_text_encoder_lora_with_shuffled_tags_trains_and_resumes_exactly(sd1
 
 
 # -- exports -----------------------------------------------------------------------------------------------------
-def _encode(pipe, prompts):
+def _encode(pipe, prompts, xl: bool):
     with torch.no_grad():
+        if not xl:
+            return pipe.encode_prompt(prompts, "cpu", 1, False)[0], None
         out = pipe.encode_prompt(prompts, device="cpu", num_images_per_prompt=1, do_classifier_free_guidance=False)
     return out[0], out[2]
+
+
+def _close(a, b):
+    return float((a - b).abs().max()) <= 1e-5 * max(1.0, float(b.abs().max()))
+
+
+def _exports_apply_the_adapters(run, pipe_folder, tmp_path, cls, xl: bool):
+    """export --to diffusers (the adapters merged; its samples fasttrain's), and --to lora / --to kohya applied by
+    load_lora_weights to the stock base pipeline: the text encoders' outputs are the merged ones to 1e-5 (and
+    differ from the base's), and the kohya file's latents are the diffusers file's."""
+    full = tmp_path / "full"
+    assert main(["export", str(run), "--to", "diffusers", str(full)]) == 0  # encode_prompt checked against ours
+    same_samples(run, full, cls)  # fasttrain's samples, with its adapted encoders
+    subs = ("unet", "text_encoder") + (("text_encoder_2",) if xl else ())
+    base = tmp_path / "base"  # the stock pipeline the run started from (with the run's scheduler)
+    shutil.copytree(full, base, ignore=shutil.ignore_patterns(*subs))
+    for sub in subs:
+        shutil.copytree(pipe_folder / sub, base / sub)
+    lora_dir, kohya_dir = tmp_path / "lora", tmp_path / "kohya"
+    assert main(["export", str(run), "--to", "lora", str(lora_dir)]) == 0
+    assert main(["export", str(run), "--to", "kohya", str(kohya_dir)]) == 0
+    kohya_file = next(kohya_dir.glob("*.safetensors"))
+    from safetensors.torch import load_file
+
+    keys = load_file(str(lora_dir / "pytorch_lora_weights.safetensors"))
+    assert any(k.startswith("text_encoder.") for k in keys)
+    assert any(k.startswith("text_encoder_2.") for k in keys) == xl
+    kohya = load_file(str(kohya_file))
+    assert all(f"{k.rsplit('.', 2)[0]}.alpha" in kohya for k in kohya if k.endswith("lora_down.weight"))
+
+    plain, stock = cls.from_pretrained(base), cls.from_pretrained(full)  # stock: the merged encoders
+    with_lora, with_kohya = cls.from_pretrained(base), cls.from_pretrained(base)
+    with_lora.load_lora_weights(str(lora_dir))
+    with_kohya.load_lora_weights(str(kohya_file))
+    (s0, _), (s1, p1) = _encode(plain, PROMPTS, xl), _encode(stock, PROMPTS, xl)
+    assert float((s1 - s0).abs().max()) > 1e-4  # the adapters change the encoding
+    for pipe in (with_lora, with_kohya):
+        s, p = _encode(pipe, PROMPTS, xl)
+        assert _close(s, s1) and (p is None) == (not xl) and (p is None or _close(p, p1))
+
+    def latents(pipe):
+        return pipe(PROMPTS, num_inference_steps=3, guidance_scale=3.0, height=16, width=16, output_type="latent",
+                    generator=[torch.Generator().manual_seed(i) for i in range(len(PROMPTS))]).images
+
+    assert _close(latents(with_kohya), latents(with_lora))
+    return kohya
 
 
 def test_sdxl_text_encoder_lora_resumes_and_both_exports_apply_it_in_diffusers(sdxl, tmp_path):
@@ -197,53 +245,14 @@ def test_sdxl_text_encoder_lora_resumes_and_both_exports_apply_it_in_diffusers(s
     train(_cfg(sdxl, other, 2, SHUFFLE))
     train(_cfg(sdxl, other, 3, SHUFFLE, resume=True), resume=True)
     assert len(_losses(run)) == 3 and _losses(run) == _losses(other)
-    full = tmp_path / "full"
-    assert main(["export", str(run), "--to", "diffusers", str(full)]) == 0  # the adapters merged, encode_prompt checked
-    same_samples(run, full, diffusers.StableDiffusionXLPipeline)  # fasttrain's samples, with its adapted encoders
-    base = tmp_path / "base"  # the stock pipeline the run started from (with the run's scheduler)
-    shutil.copytree(full, base, ignore=shutil.ignore_patterns("unet", "text_encoder", "text_encoder_2"))
-    for sub in ("unet", "text_encoder", "text_encoder_2"):
-        shutil.copytree(sdxl["pipe"] / sub, base / sub)
-    lora_dir, kohya_dir = tmp_path / "lora", tmp_path / "kohya"
-    assert main(["export", str(run), "--to", "lora", str(lora_dir)]) == 0
-    assert main(["export", str(run), "--to", "kohya", str(kohya_dir)]) == 0
-    from safetensors.torch import load_file
-
-    keys = load_file(str(lora_dir / "pytorch_lora_weights.safetensors"))
-    assert any(k.startswith("text_encoder.") for k in keys) and any(k.startswith("text_encoder_2.") for k in keys)
-    kohya = load_file(str(next(kohya_dir.glob("*.safetensors"))))
+    kohya = _exports_apply_the_adapters(run, sdxl["pipe"], tmp_path, diffusers.StableDiffusionXLPipeline, xl=True)
     assert any(k.startswith("lora_te1_") for k in kohya) and any(k.startswith("lora_te2_") for k in kohya)
-    assert all(f"{k.rsplit('.', 2)[0]}.alpha" in kohya for k in kohya if k.endswith("lora_down.weight"))
-
-    cls = diffusers.StableDiffusionXLPipeline
-    plain = cls.from_pretrained(base)
-    stock = cls.from_pretrained(full)  # the merged encoders: what fasttrain's adapted encoders give
-    with_lora = cls.from_pretrained(base)
-    with_lora.load_lora_weights(str(lora_dir))
-    with_kohya = cls.from_pretrained(base)
-    with_kohya.load_lora_weights(str(next(kohya_dir.glob("*.safetensors"))))
-    (s0, _), (s1, p1) = _encode(plain, PROMPTS), _encode(stock, PROMPTS)
-    (s2, p2), (s3, p3) = _encode(with_lora, PROMPTS), _encode(with_kohya, PROMPTS)
-    assert float((s1 - s0).abs().max()) > 1e-4  # the adapters change the encoding
-    for s, p in ((s2, p2), (s3, p3)):
-        assert float((s - s1).abs().max()) <= 1e-5 * max(1.0, float(s1.abs().max()))
-        assert float((p - p1).abs().max()) <= 1e-5 * max(1.0, float(p1.abs().max()))
-
-    def latents(pipe):
-        return pipe(PROMPTS, num_inference_steps=3, guidance_scale=3.0, height=16, width=16, output_type="latent",
-                    generator=[torch.Generator().manual_seed(i) for i in range(len(PROMPTS))]).images
-
-    x_lora, x_kohya = latents(with_lora), latents(with_kohya)
-    assert float((x_lora - x_kohya).abs().max()) <= 1e-5 * max(1.0, float(x_lora.abs().max()))
 
 
-def test_sd1_kohya_file_names_the_text_encoder_lora_te(sd1, tmp_path):
+def test_sd1_exports_apply_the_text_encoder_adapter_and_the_kohya_file_names_it_lora_te(sd1, tmp_path):
     run = tmp_path / "run"
     train(_cfg(sd1, run, 2))
-    assert main(["export", str(run), "--to", "kohya", str(tmp_path / "k")]) == 0
-    from safetensors.torch import load_file
-
-    kohya = load_file(str(next((tmp_path / "k").glob("*.safetensors"))))
+    kohya = _exports_apply_the_adapters(run, sd1["pipe"], tmp_path, diffusers.StableDiffusionPipeline, xl=False)
     te = sorted({k.split(".")[0] for k in kohya if k.startswith("lora_te_")})
     assert "lora_te_text_model_encoder_layers_0_self_attn_q_proj" in te and len(te) == 4 * 2  # 4 targets × 2 layers
     assert not any(k.startswith(("lora_te1_", "lora_te2_")) for k in kohya)
