@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -162,7 +163,7 @@ def apply(net: nn.Module, cfg, spec) -> None:
     enc = TextEncoders.load(data_kind(spec.name).text_encoders(rec), rec.get("clip_skip"), "cpu")
     enc.check(rec, "this run's data")
     rank = int(lc.rank)
-    targets = type("Targets", (), {"rank": rank, "target_modules": list(lc.text_encoder_targets)})()
+    targets = SimpleNamespace(rank=rank, target_modules=list(lc.text_encoder_targets))  # check_targets' view
     config = lora.peft().LoraConfig(r=rank, lora_alpha=float(lc.alpha if lc.alpha is not None else rank),
                                     lora_dropout=float(lc.dropout), init_lora_weights="gaussian",
                                     target_modules=list(lc.text_encoder_targets))
