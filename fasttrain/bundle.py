@@ -29,7 +29,7 @@ from .generation import sampling
 from .generation.prompts import RunPrompts
 from .models import MODELS, build_model, load_pretrained, weights_from_checkpoint
 from .optim.ema import EMA
-from .pretrained import lora
+from .pretrained import lora, text_lora
 from .pretrained.vae import LatentDecoder
 
 
@@ -55,6 +55,8 @@ def build_network(cfg: DictConfig, spec: DataSpec) -> Denoiser:
                           num_classes=spec.num_classes, **args)
     if adapted:
         lora.apply(net, cfg, init=fresh)  # model.lora.init: read only for a new run
+    if text_lora.enabled(cfg):  # the adapted text encoders, a module of the backbone
+        text_lora.apply(net, cfg, spec)
     out = Denoiser(net, kind.output_head(df, sched), sched, learned_weighting=df.learned_weighting,
                    gate_heads=kind.gate_heads(df), logvar_layer=df.logvar_layer,
                    logvar_seed=seeds.derive(cfg.train.seed, "logvar"))
@@ -96,6 +98,8 @@ class ModelBundle:
         self.schedule = schedule_of(cfg.diffusion).to(self.device)
         self.decoder = LatentDecoder(spec.latents, vae, self.device)  # vae: another folder than the recorded one
         self.prompts = RunPrompts(spec, self.device) if spec.text is not None else None
+        if self.prompts is not None:  # text-encoder LoRA (pretrained/text_lora.py): prompts run its adapted encoders
+            self.prompts.live = text_lora.live_of(net)
 
     # -- construction --------------------------------------------------------------------------------
     @classmethod

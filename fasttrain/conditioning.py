@@ -37,13 +37,15 @@ class ClassLabels:
         return torch.where(drop, torch.full_like(y, self.num_classes), y)
 
 
-def for_data(spec, label_dropout: float, generator: torch.Generator, table=None, caption_dropout: float = 0.0):
+def for_data(spec, label_dropout: float, generator: torch.Generator, table=None, caption_dropout: float = 0.0,
+             keep_tokens: int | None = None):
     """The conditioning of a run on data `spec` (bundle.DataSpec): what its data kind declares it
     conditions on (data/kinds.py, `Traits.conditioning`); captions where the data are captioned (`table`:
     their cached encodings), class labels where the run has classes (0 when the model is not
-    class-conditional), else none."""
+    class-conditional), else none. `keep_tokens` (not None): the captions' tags are shuffled, that many kept
+    in place (data.shuffle_caption; `table` a live one, pretrained/text_lora.py)."""
     if spec.traits.conditioning == "text":
-        return TextCaptions(table, caption_dropout, generator)
+        return TextCaptions(table, caption_dropout, generator, keep_tokens)
     if spec.traits.conditioning == "class" and spec.num_classes:
         return ClassLabels(spec.num_classes, label_dropout, generator)
     return Unconditional()
@@ -105,16 +107,23 @@ class TextCaptions:
     """Caption groups → condition codes: one caption drawn per read among the group's alternatives
     (sd-scripts: several lines of a caption file, one per epoch), dropped to the empty prompt with
     probability p (`data.caption_dropout`; diffusers' proportion_empty_prompts, sd-scripts'
-    caption_dropout_rate). Both draws come from the run's "labels" generator (seeds.py)."""
+    caption_dropout_rate). Both draws come from the run's "labels" generator (seeds.py). With `keep_tokens`
+    (data.shuffle_caption; a live table of token ids, pretrained/text_lora.py), one more draw from it seeds
+    each drawn caption's tag order, and the table's rows are rewritten with the shuffled captions' ids (a
+    host round trip per micro-batch: such a step is not captured in a CUDA graph)."""
 
-    def __init__(self, table: TextTable, p: float, generator: torch.Generator):
+    def __init__(self, table: TextTable, p: float, generator: torch.Generator, keep_tokens: int | None = None):
         self.offsets, self.counts, self.rows = table.offsets, table.counts, table.rows
         self.p, self.generator = float(p), generator
+        self.table, self.keep_tokens = table, keep_tokens
 
     def __call__(self, group: torch.Tensor) -> torch.Tensor:
         u = torch.rand((2,) + group.shape, generator=self.generator, device=group.device)
         counts = self.counts[group]
         row = self.offsets[group] + (u[0] * counts).long().clamp_max(counts - 1)
+        if self.keep_tokens is not None:
+            seeds = torch.randint(0, 2**62, group.shape, generator=self.generator, device=group.device)
+            self.table.shuffle(row.tolist(), seeds.tolist(), self.keep_tokens)
         return torch.where(u[1] < self.p, row + self.rows, row)
 
 

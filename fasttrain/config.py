@@ -93,8 +93,9 @@ class DataConfig:
     caption_dropout: float = _f(0.1, "captioned data: probability of training on the empty prompt instead of the "
                                 "caption (classifier-free guidance; diffusers --proportion_empty_prompts, "
                                 "sd-scripts --caption_dropout_rate)", min=0, max=1)
-    shuffle_caption: bool = _f(False, "shuffle comma-separated caption tags per read (sd-scripts; needs live text "
-                               "encoding, which fasttrain does not run: refused with cached encodings)")
+    shuffle_caption: bool = _f(False, "shuffle each caption's comma-separated tags every time it is drawn (sd-scripts "
+                               "--shuffle_caption, process_caption); needs the text encoders run live in the step "
+                               "(model.lora.text_encoder=true); seeded like the caption draw")
     keep_tokens: int = _f(0, "with shuffle_caption: the leading tags kept in place (sd-scripts --keep_tokens)", min=0,
                           max=1000)
     mask: str = _f("none", "loss mask per image (sd-scripts --masked_loss): alpha (the image's alpha channel, "
@@ -117,6 +118,13 @@ class LoraConfig:
     init: Optional[str] = _f(None, "start the adapter from this LoRA file: diffusers' pytorch_lora_weights.safetensors "
                              "or a kohya/webui .safetensors (lora_unet_… keys with .alpha); its rank, alpha and "
                              "adapted modules must be this config's (sd-scripts --network_weights)")
+    text_encoder: bool = _f(False, "LoRA on the CLIP text encoders too (SD 1.x/2.x: text_encoder; SDXL: both), with "
+                            "model.lora.rank and alpha; the encoders then run in the step on the captions' tokens "
+                            "(diffusers --train_text_encoder, sd-scripts without --network_train_unet_only; "
+                            "fasttrain/pretrained/text_lora.py)")
+    text_encoder_targets: List[str] = _f(["q_proj", "k_proj", "v_proj", "out_proj"],
+                                         "the text encoders' modules the adapters wrap (diffusers' DreamBooth LoRA "
+                                         "scripts: the attention projections)", min_items=1)
     base_dtype: str = _f("auto", "dtype the frozen base is held in while training: auto is bf16 on CUDA (as "
                          "diffusers' LoRA scripts cast the frozen UNet to the mixed-precision dtype), fp32 on CPU; the "
                          "adapter, its optimizer state, EMA and checkpoints stay fp32; sampling and export read "
@@ -254,6 +262,9 @@ class OptimConfig:
     betas: List[float] = _f([0.9, 0.999], "AdamW betas (two numbers in [0, 1))", min=0, below=1, usual=(0.5, 0.9999))
     weight_decay: float = _f(0.0, "AdamW weight decay (optim.lr × weight_decay < 1)", min=0, usual=(0, 0.1))
     warmup_steps: int = _f(200, "linear learning-rate warm-up", min=0, max=STEPS)
+    text_encoder_lr: Optional[float] = _f(None, "learning rate of the text encoders' LoRA (model.lora.text_encoder; "
+                                          "None: optim.lr; diffusers and sd-scripts --text_encoder_lr)", above=0,
+                                          usual=(1e-7, 0.05))
     grad_clip: float = _f(1.0, "clip the gradient norm at this value (0 = off)", min=0)
     ema_decay: float = _f(0.999, "EMA decay of the sampling weights", min=0, below=1)
     ema_warmup: bool = _f(True, "EMA decay min(decay, (1+n)/(10+n)) early in training")

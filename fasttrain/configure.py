@@ -158,6 +158,7 @@ def _validate(cfg: DictConfig) -> None:
             args = plain(cfg.model.args)
     from .pretrained import lora
 
+    _check_text_encoder(cfg, data_kind(cfg.data.name), args)
     if lora.enabled(cfg):  # the adapter against the network it adapts, before any file is written
         with _Key("model.lora.rank", cfg):
             lora.check_config(cfg)
@@ -262,6 +263,36 @@ def _validate(cfg: DictConfig) -> None:
                 for side in sides(cfg.data):
                     MODELS.check(cfg.model.name, image_size=side, **args)
         check_memory(cfg)
+
+
+def _check_text_encoder(cfg: DictConfig, data, args: dict) -> None:
+    """Text-encoder LoRA and caption shuffling (pretrained/text_lora.py): what they need of the run, one line
+    naming the key."""
+    lc, d = cfg.model.lora, cfg.data
+    if lc.text_encoder:
+        why = None
+        if not lc.rank:
+            why = "needs model.lora.rank > 0: the text encoders' adapters take the UNet's rank and alpha"
+        elif data.traits.conditioning != "text":
+            why = f"the text encoders of captioned data are adapted, and data.name={d.name} has no captions"
+        elif args.get("class_name") != "UNet2DConditionModel":
+            why = (f"text-encoder LoRA is for SD 1.x/2.x and SDXL runs (UNet2DConditionModel), not "
+                   f"{args.get('class_name')} (SD3's and Flux's text encoders are not adapted here)")
+        elif lc.init is not None:
+            why = "model.lora.init reads the UNet's adapter alone; start a text-encoder LoRA run from zero adapters"
+        if why:
+            raise ConfigError(f"bad value for 'model.lora.text_encoder': True ({why})")
+    elif cfg.optim.text_encoder_lr is not None:
+        raise ConfigError(f"bad value for 'optim.text_encoder_lr': {cfg.optim.text_encoder_lr} (the text encoders "
+                          f"train only with model.lora.text_encoder=true)")
+    if d.shuffle_caption and not (lc.text_encoder and lc.rank):
+        raise ConfigError("bad value for 'data.shuffle_caption': True (data.shuffle_caption=true needs the text "
+                          "encoder run live in every step (each shuffle is a new caption): set model.lora.rank and "
+                          "model.lora.text_encoder=true; with cached encodings, write the orderings you want as "
+                          "alternative lines of the caption files instead)")
+    if d.keep_tokens and not d.shuffle_caption:
+        raise ConfigError(f"bad value for 'data.keep_tokens': {d.keep_tokens} (it keeps the leading tags in place "
+                          f"while data.shuffle_caption=true shuffles the rest)")
 
 
 def check_run_dir(cfg: DictConfig) -> None:

@@ -41,7 +41,7 @@ from .parallel.cpu import evaluation_threads, set_threads
 from .parallel.precision import resolve as resolve_precision
 from .parallel.wrap import parallelize
 from .periodic.evaluation import log_metrics
-from .pretrained import lora
+from .pretrained import lora, text_lora
 from .step import Generators, StepParts, update
 from .step import train_step as run_step
 from .stopping import GracefulStop
@@ -92,7 +92,10 @@ class Trainer:
             self.data = self.alignment.cache(self.data)  # resident data: its targets once per image
         table = None
         if info.text_table is not None:  # captioned data: the network gathers their cached encodings
-            table = info.text_table.to(self.device)
+            table = info.text_table
+            if text_lora.enabled(cfg):  # or their token ids, for its adapted encoders (pretrained/text_lora.py)
+                table = text_lora.run_table(net, table, info.captions, d.root or d.name)
+            table = table.to(self.device)
             conditioning.attach(net, table)
         self.num_params = count_params(net)
         pc = cfg.parallel
@@ -125,7 +128,8 @@ class Trainer:
                                                        dg.probe_size, seeds.derive(tc.seed, "probe"))
         self.hooks = self.objective.lookaheads() + ([self.interference] if self.interference else [])
         # a LoRA run (lora.py): the adapter alone; otherwise every parameter
-        self.opt = make_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optim, self.device)
+        # text-encoder LoRA: its adapter in a group of its own, at optim.text_encoder_lr (text_lora.py)
+        self.opt = make_optimizer(text_lora.parameter_groups(self.model, cfg.optim), cfg.optim, self.device)
         o = cfg.optim
         self.lr_sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: min(1.0, (s + 1) / o.warmup_steps) if o.warmup_steps else 1.0)
@@ -134,7 +138,8 @@ class Trainer:
                                 torch.Generator(self.device).manual_seed(seeds.derive(tc.seed, "labels", rank)))
         self.state = TrainState(self.device)
         lora.seed_dropout(cfg, seeds.derive(tc.seed, "lora_dropout", rank))  # a LoRA run's dropout, per rank
-        cond = conditioning.for_data(self.spec, cfg.model.label_dropout, generators.labels, table, d.caption_dropout)
+        cond = conditioning.for_data(self.spec, cfg.model.label_dropout, generators.labels, table, d.caption_dropout,
+                                     d.keep_tokens if d.shuffle_caption else None)
         self.parts = StepParts(self.model, self.objective, self.opt, generators, ema=self.ema, scaler=self.scaler,
                                conditioning=cond, precision=self.precision, grad_clip=o.grad_clip, counters=self.state,
                                hooks=self.hooks, rank=rank, world_size=world,
@@ -153,7 +158,11 @@ class Trainer:
             rank_states={"rng": RankRNG(generators, tc.seed, self.state), "objective": self.objective},
             averages={"phema": self.phema})
         # the step's body for one micro-batch: eager, or replayed from one CUDA graph (parallel/graphs.py decides)
-        self.step_fn = graphs.step_function(partial(update, self.parts), self.parts, tc.cuda_graph,
+        graph = tc.cuda_graph and not d.shuffle_caption
+        if tc.cuda_graph and not graph and self.dist.is_main:
+            print("fasttrain: train.cuda_graph: keeping the eager step (data.shuffle_caption tokenizes each batch's "
+                  "shuffled captions on the host)", file=sys.stderr)
+        self.step_fn = graphs.step_function(partial(update, self.parts), self.parts, graph,
                                             device=self.device, grad_accum=tc.grad_accum, announce=self.dist.is_main,
                                             fixed_shape=info.fixed_shape)
         peak = dist_utils.device_peak_flops()

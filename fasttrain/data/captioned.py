@@ -1,6 +1,7 @@
 """Captioned data kinds: their batches carry each image's caption GROUP (its alternative captions), and
-their `DataInfo.text_table` the cached encodings the network gathers (conditioning.py). Training never runs
-a text encoder.
+their `DataInfo.text_table` the cached encodings the network gathers (conditioning.py), and `DataInfo.captions`
+the captions' text, which a text-encoder LoRA run encodes again in every step (pretrained/text_lora.py);
+otherwise training never runs a text encoder.
 
   captioned_latents  a latents folder written by `fasttrain data prepare IMAGES --vae PIPE --text-encoders
                      PIPE` (encode.py for the latents, `encode_captions` here for the text): every caption
@@ -110,7 +111,8 @@ def encode_captions(image_manifest: dict, out: str | Path, folder: str, clip_ski
     time_ids = _time_ids(root, files, image_size) if micro else None
     pooled = None if e["pooled"] is None else e["pooled"].half()
     data = {"states": e["states"].half(), "mask": e["mask"], "pooled": pooled,
-            "counts": torch.tensor([len(c) for c in caps]), "time_ids": time_ids, "encoders": json.dumps(ident)}
+            "counts": torch.tensor([len(c) for c in caps]), "time_ids": time_ids, "encoders": json.dumps(ident),
+            "captions": json.dumps(caps)}  # their text: text-encoder LoRA encodes them again in every step
     tmp = out / f".{EMBEDDINGS}.{os.getpid()}.tmp"
     torch.save({k: v for k, v in data.items() if v is not None}, tmp)
     os.replace(tmp, out / EMBEDDINGS)  # whole or absent: a rerun encodes again
@@ -119,13 +121,6 @@ def encode_captions(image_manifest: dict, out: str | Path, folder: str, clip_ski
     manifest["text"] = section
     mpath.write_text(json.dumps(manifest, indent=1))
     return section
-
-
-def _refuse_shuffle(d) -> None:
-    if d.shuffle_caption:
-        raise DataError("data.shuffle_caption=true needs the text encoder run live in every step (each shuffle "
-                        "is a new caption); fasttrain trains from cached caption encodings, so it is refused: "
-                        "write the orderings you want as alternative lines of the caption files instead")
 
 
 # -- the kinds -----------------------------------------------------------------------------------------------
@@ -140,7 +135,6 @@ class CaptionedLatents(LatentFolder):
         from .prior import check as check_prior
 
         super().check(d)
-        _refuse_shuffle(d)
         check_prior(d)
 
     def build(self, d, at: Placement, backend: str):
@@ -168,6 +162,7 @@ class CaptionedLatents(LatentFolder):
             stream, info = super().build_from(d, at, backend, indexed)
         enc = {"states": saved["states"], "mask": saved["mask"], "pooled": saved.get("pooled")}
         info.text_table = table_of(enc, counts.tolist(), saved.get("time_ids"))
+        info.captions = json.loads(saved["captions"]) if "captions" in saved else None  # older folders: none
         info.text = {k: section[k] for k in ("encoders", "family", "length", "width", "pooled", "micro", "prompts")}
         info.num_classes, info.class_names = 0, None
         return stream, info
@@ -210,10 +205,6 @@ def digits_encoder(folder: Path | None = None) -> Path:
 class CaptionedDigits(Digits):
     traits = Traits(images=True, pixels=True, resident=True, extractor="fasttrain-digits", conditioning="text")
 
-    def check(self, d) -> None:
-        super().check(d)
-        _refuse_shuffle(d)
-
     def text_encoders(self, record: dict) -> str:
         return str(digits_encoder(Path(record["path"])))  # the demo's: built again where it was if it is gone
 
@@ -227,4 +218,5 @@ class CaptionedDigits(Digits):
         info = DataInfo(1, d.image_size, 0, len(x))
         info.text_table = table_of(e, [len(c) for c in caps])
         info.text = record_of(enc.identity(), e, False, [g[0] for g in caps])
+        info.captions = caps
         return MemoryStream(x, y, d.batch_size, at.seed, at.device, at.rank, at.world_size), info

@@ -75,6 +75,7 @@ class DataInfo:
     class_names: list | None = None  # the classes' names (folders: the class subfolders), by label
     text: dict | None = None  # captioned kinds: the text encoders' identity and shapes (data/captioned.py)
     text_table: object = None  # captioned kinds: their cached encodings (conditioning.TextTable), not recorded
+    captions: list | None = None  # captioned kinds: every image's captions' text (text-encoder LoRA), not recorded
     fixed_shape: bool = True  # every batch has one shape (not with aspect-ratio buckets: a CUDA graph replays one)
     loss_weights: bool = False  # batches carry a per-pixel loss weight after their labels (data.prior: prior.py)
 

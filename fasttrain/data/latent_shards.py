@@ -360,12 +360,6 @@ class CaptionedShards(DataKind):
     traits = Traits(images=True, pixels=False, resident=False, needs_root=True, latents=True, sized_by_config=False,
                     conditioning="text")
 
-    def check(self, d) -> None:
-        from .captioned import _refuse_shuffle
-
-        super().check(d)
-        _refuse_shuffle(d)
-
     def build(self, d, at: Placement, backend: str):
         from ..pretrained.vae import latent_record
         from .latents import LatentStream

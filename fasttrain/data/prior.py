@@ -22,6 +22,7 @@ from the base model by `fasttrain data class-images` (generation/class_images.py
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -172,6 +173,8 @@ def joined(instance: dict, classes: dict) -> dict:
     out["counts"] = torch.cat([instance["counts"], classes["counts"]])
     ti = instance.get("time_ids")
     out["time_ids"] = None if ti is None else torch.cat([ti, classes["time_ids"]])
+    if "captions" in instance and "captions" in classes:  # their text, in the same order (text-encoder LoRA)
+        out["captions"] = json.dumps(json.loads(instance["captions"]) + json.loads(classes["captions"]))
     return out
 
 

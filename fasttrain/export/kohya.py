@@ -7,15 +7,15 @@ qkv) runs.
     OUT/<run name>.safetensors   the tensors, and sd-scripts' metadata: ss_network_module, ss_network_dim,
                                  ss_network_alpha, ss_base_model_version, ss_training_comment
 
-The text encoders' adapters join the file under lora_te… where a run trains them (`kohya_tensors`'s
-text_encoders; a run here trains the denoiser's alone).
+The text encoders' adapters join the file under lora_te (SD 1.x/2.x) or lora_te1 / lora_te2 (SDXL) where a run
+trains them (model.lora.text_encoder, pretrained/text_lora.py), with the UNet's rank and alpha.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 from ..errors import InvalidInput
-from ..pretrained import lora
+from ..pretrained import lora, text_lora
 from ..pretrained.lora_file import family_of, kohya_tensors
 
 # ss_base_model_version as sd-scripts' train_network.py writes it (sd_v1 / sd_v2 / sdxl_base_v1-0 / flux1)
@@ -34,8 +34,9 @@ def export_kohya(run: str, out: Path, b, ema: bool) -> dict:
                            f"in kohya's format")
     model = b.net.net.model
     family = family_of(model)
+    live = text_lora.live_of(b.net)  # text-encoder LoRA: its adapters join the file under lora_te…
     with b.averaged(ema):
-        tensors = kohya_tensors(model)
+        tensors = kohya_tensors(model, list(enumerate(live.encoders)) if live is not None else ())
     cfg = model.peft_config["default"]
     version = VERSIONS[family]
     if family == "sd1" and int(model.config.get("cross_attention_dim") or 768) == 1024:

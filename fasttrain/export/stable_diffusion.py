@@ -38,7 +38,7 @@ import torch
 
 from .. import optional
 from ..errors import InvalidInput
-from ..pretrained import lora
+from ..pretrained import lora, text_lora
 from ..pretrained.scheduler_config import PREDICTION_TYPES
 
 PIPELINES = {"sd1": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline"}
@@ -111,10 +111,15 @@ def export_text(run: str, out: Path, b, ema: bool) -> dict:
         raise InvalidInput(f"{run} cannot be exported to diffusers: {why}")
     family = b.spec.text["family"]
     encoders = b.prompts.encoders  # the recorded folder, its hashes checked (generation/prompts.py)
+    live = text_lora.live_of(b.net)
     with b.averaged(ema) as net:
         unet = copy.deepcopy(net.net.model).eval()
+        if live is not None:  # text-encoder LoRA: the adapted encoders, merged below
+            encoders = copy.deepcopy(live).text_encoders()
     if lora.identity(b.net):  # a LoRA run's full pipeline: the adapter folded into the base weights
         unet = lora.merged(unet)
+    if live is not None:
+        encoders.encoders = [lora.merged(e).eval() for e in encoders.encoders]
     sched, note = scheduler_for(b)
     if sched.config.timestep_spacing == "leading":  # the SD pipelines force steps_offset=1 on it; fasttrain's is 0
         sched = type(sched).from_config(sched.config, timestep_spacing="trailing")
@@ -168,11 +173,19 @@ def export_lora(run: str, out: Path, b, ema: bool) -> dict:
         # layers without its attention modules (tests/pretrained/test_kohya.py)
         layers = {k: v.detach().clone().contiguous() for k, v in state.items()}
         meta = model.peft_config["default"].to_dict()
+        parts = {part: (layers, meta)}
+        live = text_lora.live_of(net)
+        for i, enc in enumerate(live.encoders if live is not None else ()):  # text-encoder LoRA: text_encoder[_2]
+            te = {k: v.detach().clone().contiguous() for k, v in text_lora.adapter_state(enc).items()}
+            parts[("text_encoder", "text_encoder_2")[i]] = (te, text_lora.adapter_config(enc))
     cls = getattr(diffusers, name)
-    kwargs = {f"{part}_lora_layers": layers, "safe_serialization": True}
-    if f"{part}_lora_adapter_metadata" in inspect.signature(cls.save_lora_weights).parameters:
-        meta["target_modules"] = sorted(meta["target_modules"])
-        kwargs[f"{part}_lora_adapter_metadata"] = meta  # keeps alpha (the scale alpha / rank) with the weights
+    kwargs = {"safe_serialization": True}
+    accepted = inspect.signature(cls.save_lora_weights).parameters
+    for key, (tensors, config) in parts.items():
+        kwargs[f"{key}_lora_layers"] = tensors
+        if f"{key}_lora_adapter_metadata" in accepted:
+            config["target_modules"] = sorted(config["target_modules"])
+            kwargs[f"{key}_lora_adapter_metadata"] = config  # keeps alpha (the scale alpha / rank) with the weights
     from .common import written_whole
 
     with written_whole(out) as folder:
@@ -180,4 +193,4 @@ def export_lora(run: str, out: Path, b, ema: bool) -> dict:
     base = lora.identity(b.net)["pipeline"]
     return {"out": str(out), "pipeline": name, "network": "LoRA", "scheduler": "-", "vae": False,
             "max_abs_diff": 0.0, "step": b.step, "weights": "ema" if ema else "raw", "remote_code": False,
-            "base": base, "tensors": len(layers)}
+            "base": base, "tensors": sum(len(t) for t, _ in parts.values())}

@@ -13,6 +13,7 @@ from ..errors import InvalidInput
 class RunPrompts:
     def __init__(self, spec, device, folder: str | None = None):
         self.spec, self.device, self.folder, self._encoders = spec, torch.device(device), folder, None
+        self.live = None  # a text-encoder LoRA run's adapted encoders (pretrained/text_lora.py), set by the bundle
 
     @property
     def encoders(self):
@@ -38,10 +39,14 @@ class RunPrompts:
         the training size)."""
         if not prompts:
             raise InvalidInput("a text-conditioned model samples from prompts: give at least one (--prompt)")
-        e = self.encoders.encode(list(prompts) + [negative])
         time_ids = None
         if self.spec.text.get("micro"):
             lat = self.spec.latents or {}  # the images' side the latents were encoded at (data prepare --image-size)
             side = lat.get("image_size") or self.spec.image_size * int((lat.get("vae") or {}).get("downsample", 8))
             time_ids = torch.tensor([[side, side, 0, 0, side, side]], dtype=torch.float32).repeat(len(prompts), 1)
+        if self.live is not None:  # the adapted encoders run in the network's forward on these prompts' ids
+            from ..pretrained.text_lora import prompt_table
+
+            return prompt_table(self.live, list(prompts), negative, time_ids).to(self.device)
+        e = self.encoders.encode(list(prompts) + [negative])
         return table_of(e, [1] * len(prompts), time_ids).to(self.device)

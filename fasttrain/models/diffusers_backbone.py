@@ -206,7 +206,9 @@ def _fit(cfg: dict, key: str, want, strict: bool, what: str) -> None:
 class DiffusersBackbone(nn.Module):
     """A diffusers UNet2DModel, DiTTransformer2DModel or UNet2DConditionModel with fasttrain's
     forward(x, t, y) → prediction. A text-conditioned one reads y as caption codes into `text_table`
-    (conditioning.TextTable, attached by the trainer or the bundle; not a buffer: never in a checkpoint)."""
+    (conditioning.TextTable, attached by the trainer or the bundle; not a buffer: never in a checkpoint); with
+    text-encoder LoRA the table holds token ids (pretrained/text_lora.LiveTable) and `text_encoders`, a submodule,
+    encodes them in the forward."""
 
     def __init__(self, model: nn.Module, num_classes: int, null_row: int | None, out_channels: int | None = None,
                  text: dict | None = None, flow_sigma: torch.Tensor | None = None):
@@ -246,6 +248,10 @@ class DiffusersBackbone(nn.Module):
                  "time_ids": x.new_zeros(b, 6) if r.get("micro") else None}
         else:
             g = self.text_table.gather(y, x.shape[0], x.dtype)
+            if "ids" in g:  # text-encoder LoRA (pretrained/text_lora.py): the adapted encoders run here, on token ids
+                states, pooled = self.text_encoders(g["ids"])
+                g = {"states": states.to(x.dtype), "time_ids": g["time_ids"],
+                     "pooled": None if pooled is None else pooled.to(x.dtype)}
         kw = {"encoder_hidden_states": g["states"]}
         if self.is_sd3:  # StableDiffusion3Pipeline: CLIP-L+G (padded) ++ T5 states, CLIP-L ++ CLIP-G pooled
             kw["pooled_projections"] = g["pooled"]

@@ -40,12 +40,14 @@ def skip_if_not_finite(opt: torch.optim.Optimizer, finite: torch.Tensor) -> None
 def apply_optimizer_config(opt, sched, old: dict, new: dict) -> list[str]:
     """Apply learning rate, betas and weight decay of the current config to a resumed optimizer (its
     state holds the checkpoint's); returns the keys that changed."""
-    changed = [f"optim.{k}" for k in ("lr", "betas", "weight_decay", "warmup_steps") if old.get(k) != new.get(k)]
+    changed = [f"optim.{k}" for k in ("lr", "betas", "weight_decay", "warmup_steps", "text_encoder_lr")
+               if old.get(k) != new.get(k)]
     for g in opt.param_groups:
         g["betas"], g["weight_decay"] = tuple(new["betas"]), new["weight_decay"]
-    sched.base_lrs = [new["lr"] for _ in opt.param_groups]
+    te = new.get("text_encoder_lr")  # text-encoder LoRA's group (pretrained/text_lora.py): its own rate
+    sched.base_lrs = [te if g.get("text_encoder") and te is not None else new["lr"] for g in opt.param_groups]
     factor = sched.lr_lambdas[0](sched.last_epoch)
-    for g in opt.param_groups:
-        g["lr"] = new["lr"] * factor  # what the scheduler would have set at this step
+    for g, base in zip(opt.param_groups, sched.base_lrs):
+        g["lr"] = base * factor  # what the scheduler would have set at this step
     sched._last_lr = [g["lr"] for g in opt.param_groups]
     return changed

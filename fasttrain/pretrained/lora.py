@@ -180,7 +180,8 @@ def hold_base(net, dtype: torch.dtype) -> None:
     if dtype == torch.float32:
         return
     backbone = getattr(net, "net", net)
-    for module in backbone.model.modules():
+    text = getattr(backbone, "text_encoders", None)  # text-encoder LoRA's frozen encoders too (text_lora.py)
+    for module in [*backbone.model.modules(), *(text.modules() if text is not None else ())]:
         for p in module.parameters(recurse=False):
             if not p.requires_grad:
                 p.data = p.data.to(dtype)

@@ -199,15 +199,23 @@ class TextEncoders:
 
     def _clip(self, i: int, prompts: list[str], penultimate: bool):
         ids, mask = self._ids(self.tokenizers[i], prompts)
-        out = self.encoders[i](ids, output_hidden_states=True)
-        k = self.clip_skip or 0
-        if not penultimate:  # SD 1.x/2.x
-            if not k:
-                return out[0], mask, None
-            norm = getattr(self.encoders[i], "text_model", self.encoders[i]).final_layer_norm  # transformers 4 / 5
-            return norm(out.hidden_states[-(k + 1)]), mask, None
-        pooled = out.text_embeds if hasattr(out, "text_embeds") else out[1]
-        return out.hidden_states[-(k + 2)], mask, pooled
+        states, pooled = clip_states(self.encoders[i], ids, penultimate, self.clip_skip)
+        return states, mask, pooled
+
+    def clip_ids(self, prompts: list[str]) -> list[torch.Tensor]:
+        """The token ids [N, L] of `prompts` for each CLIP encoder of an SD 1.x/2.x or SDXL family (what
+        `states_of` reads; text_lora.py's live tables hold them)."""
+        return [self._ids(tok, prompts)[0] for tok in self.tokenizers]
+
+    def states_of(self, ids: list[torch.Tensor], encoders=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(states, pooled) of SD 1.x/2.x's or SDXL's CLIP encoders (`encoders`: these, or their adapted copies,
+        text_lora.py) on token ids `ids` (`clip_ids`): the same operations as `encode`."""
+        encoders = self.encoders if encoders is None else encoders
+        if self.family == "sd1":
+            return clip_states(encoders[0], ids[0], False, self.clip_skip)
+        s1, _ = clip_states(encoders[0], ids[0], True, self.clip_skip)
+        s2, p2 = clip_states(encoders[1], ids[1], True, self.clip_skip)
+        return torch.cat([s1, s2], -1), p2
 
     @torch.no_grad()
     def encode(self, prompts: list[str], batch_size: int = 64) -> dict:
@@ -218,9 +226,11 @@ class TextEncoders:
                 "pooled": pooled}
 
     def _encode(self, prompts: list[str]) -> dict:
-        if self.family == "sd1":
-            s, m, _ = self._clip(0, prompts, penultimate=False)
-            return {"states": s.float().cpu(), "mask": m.bool().cpu(), "pooled": None}
+        if self.family in ("sd1", "sdxl"):
+            ids = [self._ids(tok, prompts) for tok in self.tokenizers]
+            s, pooled = self.states_of([i for i, _ in ids])
+            return {"states": s.float().cpu(), "mask": ids[0][1].bool().cpu(),
+                    "pooled": None if pooled is None else pooled.float().cpu()}
         if self.family == "flux":  # FluxPipeline._get_clip_prompt_embeds (pooler_output), _get_t5_prompt_embeds
             ids, _ = self._ids(self.tokenizers[0], prompts)
             pooled = self.encoders[0](ids).pooler_output
@@ -229,8 +239,6 @@ class TextEncoders:
             return {"states": states.float().cpu(), "mask": mask.bool().cpu(), "pooled": pooled.float().cpu()}
         (s1, m1, p1), (s2, _, p2) = self._clip(0, prompts, True), self._clip(1, prompts, True)
         clip = torch.cat([s1, s2], -1)
-        if self.family == "sdxl":
-            return {"states": clip.float().cpu(), "mask": m1.bool().cpu(), "pooled": p2.float().cpu()}
         pooled = torch.cat([p1, p2], -1)
         if self.encoders[2] is None:
             width = clip.shape[-1] if self.t5_width is None else self.t5_width
@@ -243,6 +251,21 @@ class TextEncoders:
         states = torch.cat([clip, t5], -2)
         return {"states": states.float().cpu(), "mask": torch.cat([m1, t5_mask], -1).bool().cpu(),
                 "pooled": pooled.float().cpu()}
+
+
+def clip_states(encoder, ids: torch.Tensor, penultimate: bool, clip_skip: int | None):
+    """(states, pooled) of one CLIP encoder on token ids: SD 1.x/2.x's (not `penultimate`: the last hidden state,
+    or with clip_skip k hidden_states[-(k+1)] through the final layer norm; no pooled vector) or SDXL's and SD3's
+    (hidden_states[-(k+2)], no final norm; pooled = text_embeds of a CLIPTextModelWithProjection)."""
+    out = encoder(ids, output_hidden_states=True)
+    k = clip_skip or 0
+    if not penultimate:  # SD 1.x/2.x
+        if not k:
+            return out[0], None
+        norm = getattr(encoder, "text_model", encoder).final_layer_norm  # transformers 4 / 5
+        return norm(out.hidden_states[-(k + 1)]), None
+    pooled = out.text_embeds if hasattr(out, "text_embeds") else out[1]
+    return out.hidden_states[-(k + 2)], pooled
 
 
 def tiny_clip(folder: str | Path, words: list[str], width: int = 32, layers: int = 2, heads: int = 2,

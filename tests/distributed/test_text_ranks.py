@@ -1,7 +1,8 @@
 """A text-to-image model under torchrun (two gloo ranks, FSDP2): a tiny SD 1.x-shaped UNet2DConditionModel on
 captioned latents trains, and a run stopped and resumed on two ranks continues with the losses and weights
 of the run that never stopped; so does a LoRA run with its frozen base held in bf16 (what a GPU run does by
-default) and fp32 adapters in one FSDP group, whose sharded checkpoint holds the adapter alone."""
+default) and fp32 adapters in one FSDP group, whose sharded checkpoint holds the adapter alone; so does a run with
+text-encoder LoRA and shuffled captions."""
 import pytest
 import torch
 from test_cli_runs import _losses, _same_weights
@@ -62,3 +63,17 @@ def test_lora_under_fsdp_resumes_exactly_and_exports_from_the_sharded_checkpoint
     out = tmp_path / "out"
     assert main(["export", str(tmp_path / "a"), "--to", "lora", str(out)]) == 0
     assert (out / "pytorch_lora_weights.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_text_encoder_lora_with_shuffled_captions_under_fsdp_resumes_exactly(sd1, tmp_path):
+    """Text-encoder LoRA (pretrained/text_lora.py): the adapted CLIP in the backbone's root FSDP unit, its own
+    parameter group, the caption shuffle drawn per rank; stopped and resumed on two ranks."""
+    _stop_and_resume(tmp_path, sd1 + ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=1e-2",
+                                      "model.lora.text_encoder=true", "optim.text_encoder_lr=5e-3",
+                                      "data.shuffle_caption=true", "parallel.precision=bf16"])
+    meta = ckpt.read_dcp_metadata(tmp_path / "a" / "dcp").state_dict_metadata
+    assert any(k.startswith("model.") and "text_encoders." in k and "lora_" in k for k in meta)
+    _same_weights(tmp_path / "a", tmp_path / "b")
+    net = ModelBundle.load(tmp_path / "a").net
+    assert any(p.abs().sum() > 0 for k, p in net.named_parameters() if "text_encoders." in k and "lora_B" in k)
