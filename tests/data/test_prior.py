@@ -116,7 +116,9 @@ def test_loss_equals_the_dreambooth_scripts_at_equal_noise(weight, prediction):
 
 
 # -- training -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("extra", [[], ["model.lora.rank=2", "optim.lr=1e-2"]], ids=["full", "lora"])
+@pytest.mark.parametrize("extra", [[], ["model.lora.rank=2", "optim.lr=1e-2"],
+                                   ["model.lora.rank=2", "optim.lr=1e-2", "model.lora.text_encoder=true"]],
+                         ids=["full", "lora", "lora+text_encoder"])
 def test_prior_runs_train_and_resume_exactly(folders, tmp_path, extra):
     if extra:
         pytest.importorskip("peft")
