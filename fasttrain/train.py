@@ -158,11 +158,7 @@ class Trainer:
             rank_states={"rng": RankRNG(generators, tc.seed, self.state), "objective": self.objective},
             averages={"phema": self.phema})
         # the step's body for one micro-batch: eager, or replayed from one CUDA graph (parallel/graphs.py decides)
-        graph = tc.cuda_graph and not d.shuffle_caption
-        if tc.cuda_graph and not graph and self.dist.is_main:
-            print("fasttrain: train.cuda_graph: keeping the eager step (data.shuffle_caption tokenizes each batch's "
-                  "shuffled captions on the host)", file=sys.stderr)
-        self.step_fn = graphs.step_function(partial(update, self.parts), self.parts, graph,
+        self.step_fn = graphs.step_function(partial(update, self.parts), self.parts, tc.cuda_graph,
                                             device=self.device, grad_accum=tc.grad_accum, announce=self.dist.is_main,
                                             fixed_shape=info.fixed_shape)
         peak = dist_utils.device_peak_flops()

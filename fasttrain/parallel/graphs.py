@@ -41,7 +41,7 @@ def step_function(body, parts, enabled: bool, *, device: torch.device, grad_accu
     if not enabled:
         return body
     reason = unsupported(device, parts.world_size, grad_accum, parts.objective, parts.scaler, parts.optimizer,
-                         fixed_shape, getattr(parts, "align", None))
+                         fixed_shape, getattr(parts, "align", None), getattr(parts, "conditioning", None))
     if reason:
         if announce:
             print(f"fasttrain: train.cuda_graph: keeping the eager step ({reason})", file=sys.stderr)
@@ -50,11 +50,14 @@ def step_function(body, parts, enabled: bool, *, device: torch.device, grad_accu
 
 
 def unsupported(device: torch.device, world_size: int, grad_accum: int, objective, scaler, optimizer,
-                fixed_shape: bool = True, align=None) -> str | None:
+                fixed_shape: bool = True, align=None, conditioning=None) -> str | None:
     """Why this step cannot be captured, or None. `align`: the step's representation alignment
-    (diffusion/align.py), whose cached targets are a new tensor per batch, read outside the graph."""
+    (diffusion/align.py), whose cached targets are a new tensor per batch, read outside the graph;
+    `conditioning`: the step's (conditioning.py), whose caption shuffle rewrites token ids on the host."""
     if not fixed_shape:
         return "data.buckets: batch shapes change batch by batch, and a graph replays one shape"
+    if getattr(conditioning, "keep_tokens", None) is not None:
+        return "data.shuffle_caption tokenizes each batch's shuffled captions on the host"
     if align is not None and align.cached:
         return ("diffusion.align's cached targets are a new tensor per batch (diffusion.align.targets=step "
                 "computes them inside the graph)")

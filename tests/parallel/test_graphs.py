@@ -98,3 +98,16 @@ def test_batches_of_changing_shape_keep_the_eager_step_for_any_device():
     assert "data.buckets" in why and "one shape" in why
     assert graphs.unsupported(torch.device("cpu"), 1, 1, None, None, None) == "CUDA graphs need a CUDA device"
 
+
+def test_shuffled_captions_keep_the_eager_step_for_any_device():
+    """data.shuffle_caption (text-encoder LoRA, conditioning.TextCaptions with keep_tokens) rewrites the
+    batch's token ids on the host: refused before the device is looked at; captions without it are not."""
+    from types import SimpleNamespace
+
+    why = graphs.unsupported(torch.device("cuda"), 1, 1, None, None, None,
+                             conditioning=SimpleNamespace(keep_tokens=0))
+    assert "data.shuffle_caption" in why
+    unshuffled = graphs.unsupported(torch.device("cpu"), 1, 1, None, None, None,
+                                    conditioning=SimpleNamespace(keep_tokens=None))
+    assert unshuffled == "CUDA graphs need a CUDA device"
+
