@@ -14,6 +14,10 @@ x with assigned noise n:
              √(1-ᾱ)·shift against √ᾱ·|x| from the image itself, so the ratio says how strongly the noised
              input points back at its image, at every noise level.
   cos(x_t, x) at SNR 1 (ᾱ = ½), assigned against random pairing.
+  label from noise: how often the noise ALONE names its image's digit (the class whose mean direction it
+             projects on most; 10% by chance). Training is class-conditional: where the noise carries the
+             class, the network can learn it from there, and at sampling the noise is drawn independently of
+             the asked label.
 On the built-in digits (the study's data: 8 × 8 = 64 values in [-1, 1], one channel) and the same digits resized
 to 16, 32 and 64 pixels a side (up to 4096 values: Stable Diffusion's 4 × 64 × 64 latent has 16 384), at batch
 16 (the study's) and 128.
@@ -60,14 +64,18 @@ def coupling(batches: int, gen: torch.Generator) -> list[dict]:
     """Part 1: the assignment's shift along each image, per (values per image, batch size)."""
     rows = []
     for side in SIDES:
-        x_all = digits(side, "train")[0]
+        x_all, y_all = digits(side, "train")
+        u = class_directions(x_all, y_all)
         for b in BATCHES:
-            shift, rel, cos_a, cos_r = [], [], [], []
+            shift, rel, cos_a, cos_r, hit_a, hit_r = [], [], [], [], [], []
             for _ in range(batches):
-                x = x_all[torch.randperm(len(x_all), generator=gen)[:b]].double()
+                pick = torch.randperm(len(x_all), generator=gen)[:b]
+                x, y = x_all[pick].double(), y_all[pick]
                 n = torch.randn(x.shape, generator=gen, dtype=torch.float64)
                 na = assign(x, n)
                 xf, nf, naf = x.flatten(1), n.flatten(1), na.flatten(1)
+                hit_a += ((naf @ u).argmax(1) == y).tolist()
+                hit_r += ((nf @ u).argmax(1) == y).tolist()
                 norm = xf.norm(dim=1)
                 s = (naf * xf).sum(1) / norm
                 shift += s.tolist()
@@ -77,10 +85,19 @@ def coupling(batches: int, gen: torch.Generator) -> list[dict]:
             rows.append({"side": side, "values": side * side, "batch": b,
                          "shift": statistics.fmean(shift), "shift_sd": statistics.stdev(shift),
                          "shift_rel": statistics.fmean(rel), "cos_assigned": statistics.fmean(cos_a),
-                         "cos_random": statistics.fmean(cos_r)})
+                         "cos_random": statistics.fmean(cos_r), "label_from_noise_assigned": statistics.fmean(hit_a),
+                         "label_from_noise_random": statistics.fmean(hit_r)})
             print(f"  {rows[-1]['values']:>6} values, batch {b:>3}: shift {rows[-1]['shift']:.2f}, "
                   f"shift/|x| {rows[-1]['shift_rel']:.3f}", flush=True)
     return rows
+
+
+def class_directions(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """[D, 10] float64: each class's mean image minus the overall mean, as a unit vector (a nearest-direction
+    classifier that reads the class from a vector: argmax over its projections)."""
+    xf = x.flatten(1).double()
+    mu = torch.stack([xf[y == c].mean(0) for c in range(10)]) - xf.mean(0)
+    return (mu / mu.norm(dim=1, keepdim=True)).T
 
 
 def _cos_snr1(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
@@ -148,12 +165,15 @@ def markdown(out: dict) -> str:
              "Per image x and its assigned noise n (exact L2 assignment within the batch, as training pairs them): "
              "**shift** = ⟨n, x/|x|⟩, 0 on average for a random pairing; **shift/|x|**, how far the noised input "
              "points back at its own image relative to the image (the same ratio at every noise level); cos(x_t, x) "
-             "at SNR 1, assigned against random pairing. Digits in [-1, 1], one channel, resized.", "",
-             "| values per image | batch | shift (sd) | shift/|x| | cos(x_t, x) at SNR 1: assigned / random |",
-             "|---|---|---|---|---|"]
+             "at SNR 1, assigned against random pairing; **label from noise**: how often the noise alone names its "
+             "image's digit (the class whose mean direction it projects on most; 10% by chance). Digits in [-1, 1], "
+             "one channel, resized.", "",
+             "| values per image | batch | shift (sd) | shift/|x| | cos(x_t, x) at SNR 1: assigned / random | "
+             "label from noise: assigned / random |", "|---|---|---|---|---|---|"]
     for r in out["coupling"]:
         lines.append(f"| {r['values']} | {r['batch']} | {r['shift']:.2f} ({r['shift_sd']:.2f}) | "
-                     f"{r['shift_rel']:.3f} | {r['cos_assigned']:.3f} / {r['cos_random']:.3f} |")
+                     f"{r['shift_rel']:.3f} | {r['cos_assigned']:.3f} / {r['cos_random']:.3f} | "
+                     f"{r['label_from_noise_assigned']:.1%} / {r['label_from_noise_random']:.1%} |")
     n = out["networks"]
     k = len(n["seeds"])
     lines += ["", f"## 2. The study's networks ({k} seeds, paired: baseline and immiscible from the same seed)", "",
